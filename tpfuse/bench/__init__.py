@@ -1,0 +1,1 @@
+"""Benchmark workloads, runner and reports (see DESIGN §7)."""
