@@ -1,0 +1,127 @@
+"""Process-group plumbing shared by ops and strategies: who am I, who are my ring neighbours.
+
+Nothing here talks over the network except where a function says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "GroupContext", "group_context", "resolve_group_name", "poison_enabled", "new_output", "breadcrumb",
+    "all_gather_rows", "reduce_scatter_rows",
+]
+
+
+@dataclass(frozen=True)
+class GroupContext:
+    """What an op needs to know about its process group, read once per call."""
+
+    group: dist.ProcessGroup
+    group_name: str
+    rank: int  # rank within the group
+    world_size: int
+    backend: str  # "gloo", "nccl", ...
+
+    def global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the ring successor (group rank + 1)."""
+        return self.global_rank((self.rank + 1) % self.world_size)
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the ring predecessor (group rank - 1)."""
+        return self.global_rank((self.rank - 1) % self.world_size)
+
+    @property
+    def device_type(self) -> str:
+        """Device type the backend's collectives take ("cuda" for NCCL, "cpu" otherwise)."""
+        return "cuda" if "nccl" in self.backend else "cpu"
+
+
+def group_context(group: dist.ProcessGroup | None) -> GroupContext:
+    """Resolve ``group`` (None = WORLD) into a :class:`GroupContext`.
+
+    Raises ``RuntimeError`` if torch.distributed is not initialized and ``TypeError`` if
+    ``group`` is not a ProcessGroup.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "tpfuse ops need an initialized torch.distributed process group; call "
+            "torch.distributed.init_process_group(...) first (a single process can use "
+            "world_size=1), or use tpfuse.spawn.run_ranks to start CPU ranks."
+        )
+    if group is None:
+        group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group: expected a torch.distributed.ProcessGroup or None (= WORLD), got {type(group).__name__}"
+        )
+    return GroupContext(
+        group=group,
+        group_name=group.group_name,
+        rank=dist.get_rank(group),
+        world_size=dist.get_world_size(group),
+        backend=str(dist.get_backend(group)),
+    )
+
+
+def resolve_group_name(group_name: str) -> dist.ProcessGroup:
+    """The ProcessGroup registered under ``group_name`` (custom ops carry names, not objects)."""
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+@functools.lru_cache(maxsize=1)
+def poison_enabled() -> bool:
+    """``TPFUSE_POISON=1`` fills every freshly allocated output with NaN (tests use it so an
+    element that a strategy forgot to write shows up as NaN instead of stale memory)."""
+    return os.environ.get("TPFUSE_POISON", "0") == "1"
+
+
+def new_output(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty`` for op outputs and staging buffers, poisoned with NaN under TPFUSE_POISON=1."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if poison_enabled() and out.is_floating_point():
+        out.fill_(float("nan"))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _breadcrumb_path() -> str | None:
+    folder = os.environ.get("TPFUSE_BREADCRUMBS")
+    if not folder:
+        return None
+    rank = os.environ.get("RANK", "x")
+    return os.path.join(folder, f"rank{rank}.txt")
+
+
+def breadcrumb(message: str) -> None:
+    """Record the last thing this rank did, for the spawn harness's hang reports.
+
+    A no-op unless ``TPFUSE_BREADCRUMBS`` names a folder (set by :mod:`tpfuse.spawn`).
+    """
+    path = _breadcrumb_path()
+    if path is None:
+        return
+    with open(path, "w") as f:
+        f.write(message)
+
+
+def all_gather_rows(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``out[r*m:(r+1)*m] = inp`` of rank r, for every rank (torch 2.13 renamed the collective)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def reduce_scatter_rows(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``out`` = rows r*m:(r+1)*m of the sum of every rank's ``inp`` (sum reduction)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, group=group)

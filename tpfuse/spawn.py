@@ -1,0 +1,179 @@
+"""Run a function on W CPU ranks (gloo) without torchrun: the harness of the tests and the demo.
+
+    with RankPool(world_size=4) as pool:
+        results = pool.run(fn, arg1, arg2, timeout=60)   # fn(rank, world_size, arg1, arg2) on every rank
+
+A :class:`RankPool` spawns W processes once, initializes one gloo process group in them (free
+TCP port on 127.0.0.1, ``torch.set_num_threads(1)`` so W ranks share few cores fairly) and then
+runs any number of jobs.  A job that raises on some rank raises :class:`RankError` with that
+rank and its traceback; a job that does not finish within ``timeout`` seconds kills the pool
+and raises ``TimeoutError`` naming the ranks that hung and the last step each recorded (see
+:func:`tpfuse._dist.breadcrumb`).  Functions must be importable (module level) to be sent to
+the spawned processes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["RankPool", "RankError", "run_ranks", "free_port"]
+
+
+class RankError(RuntimeError):
+    """A job raised on one or more ranks; ``.failures`` maps rank -> formatted traceback."""
+
+    def __init__(self, failures: dict[int, str]):
+        self.failures = failures
+        first = min(failures)
+        super().__init__(f"job failed on rank(s) {sorted(failures)}; rank {first}:\n{failures[first]}")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, env: dict[str, str], jobs: mp.Queue, results: mp.Queue,
+            pg_timeout_s: float) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+    except Exception:  # report, then exit: the parent turns it into RankError
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    results.put((rank, "ready", None))
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        fn, args, kwargs = job
+        try:
+            results.put((rank, "ok", fn(rank, world_size, *args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+            results.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """W spawned gloo ranks that run jobs until closed.  Use as a context manager."""
+
+    def __init__(self, world_size: int, *, env: dict[str, str] | None = None, start_timeout: float = 120.0,
+                 pg_timeout_s: float = 120.0):
+        if world_size < 1:
+            raise ValueError(f"world_size: {world_size} must be >= 1")
+        self.world_size = world_size
+        self._crumbs = tempfile.mkdtemp(prefix="tpfuse-ranks-")
+        ctx = mp.get_context("spawn")
+        full_env = {"TPFUSE_BREADCRUMBS": self._crumbs, "OMP_NUM_THREADS": "1", **(env or {})}
+        self._results = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, full_env, self._jobs[r], self._results, pg_timeout_s),
+                        daemon=True, name=f"tpfuse-rank{r}")
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect("ready", start_timeout, "starting the process group")
+
+    # -- running jobs -------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return results by rank."""
+        if not self.alive:
+            raise RuntimeError("this RankPool was closed (or killed after a timeout); create a new one")
+        for q in self._jobs:
+            q.put((fn, args, kwargs))
+        return self._collect("ok", timeout, getattr(fn, "__name__", repr(fn)))
+
+    def _collect(self, expect: str, timeout: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        while len(results) + len(failures) < self.world_size:
+            try:
+                rank, status, payload = self._results.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results and r not in failures]
+                if dead:
+                    failures.update({r: f"process exited with code {self._procs[r].exitcode}" for r in dead})
+                    continue
+                if time.monotonic() >= deadline:
+                    hung = [r for r in range(self.world_size) if r not in results and r not in failures]
+                    crumbs = {r: self._last_step(r) for r in hung}
+                    self.kill()
+                    detail = "; ".join(f"rank {r} last did: {crumbs[r]}" for r in hung)
+                    failed = f" (rank(s) {sorted(failures)} had raised first)" if failures else ""
+                    raise TimeoutError(f"{what}: rank(s) {hung} did not finish within {timeout:.0f} s{failed}; {detail}")
+                continue
+            if status == "error":
+                failures[rank] = payload
+            else:
+                results[rank] = payload
+        if failures:
+            if expect == "ready":
+                self.kill()
+            raise RankError(failures)
+        return [results[r] for r in range(self.world_size)]
+
+    def _last_step(self, rank: int) -> str:
+        try:
+            with open(os.path.join(self._crumbs, f"rank{rank}.txt")) as f:
+                return repr(f.read())
+        except OSError:
+            return "nothing recorded"
+
+    # -- life cycle ---------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask every rank to leave; kill those that do not within ``timeout`` seconds."""
+        if self._procs and self.alive:
+            for q in self._jobs:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout)
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(5)
+        self._procs = []
+        shutil.rmtree(self._crumbs, ignore_errors=True)
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+              env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+    """One job on a fresh pool of ``world_size`` gloo ranks: ``fn(rank, world_size, *args)``."""
+    with RankPool(world_size, env=env) as pool:
+        return pool.run(fn, *args, timeout=timeout, **kwargs)

@@ -1,0 +1,169 @@
+"""``ring``: a decomposed pipeline on torch.distributed point-to-point ops (any backend).
+
+W steps around the ring (each rank sends to group rank + 1 and receives from rank - 1).  In
+every step the rank multiplies the chunk it holds while the next chunk travels:
+
+* ``ag_gemm``: step s computes the rows of chunk ``(rank - s) mod W`` (its own rows first) while
+  that chunk is forwarded and chunk ``(rank - s - 1) mod W`` arrives.
+* ``gemm_rs``: the partial sum of destination chunk d travels the ring starting at rank d + 1;
+  each rank adds its own product for d and forwards it, so after W - 1 hops rank d holds the
+  full sum.  Step s computes the product for the chunk that arrives next while the previous
+  partial is on the wire.  Partials travel and accumulate in float32 (float64 for float64).
+* ``gemm_ar``: the ``gemm_rs`` ring over W near-equal row chunks (M need not divide by W),
+  then a ring all-gather of the reduced chunks, so every rank ends with bitwise-equal output.
+
+On CUDA the transfers are issued on a side stream: it waits for the compute stream before each
+exchange (the send data and the receive buffer are ready), the buffers are ``record_stream``-ed
+on it so the caching allocator cannot hand them out while in flight, and the compute stream
+waits for it before touching a received chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from tpfuse._dist import GroupContext, breadcrumb, new_output
+from tpfuse.strategies.unfused import accumulation_dtype
+
+__all__ = ["ag_gemm", "gemm_rs", "gemm_ar"]
+
+
+@functools.lru_cache(maxsize=None)
+def _comm_stream(device_index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=device_index)
+
+
+class _Ring:
+    """Neighbour exchange for one op call: ``start`` posts a send to next + a receive from prev."""
+
+    def __init__(self, ctx: GroupContext, device: torch.device):
+        self.ctx = ctx
+        self.stream = _comm_stream(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else None
+
+    def start(self, send: torch.Tensor | None, recv: torch.Tensor | None, what: str) -> list:
+        ops = []
+        if send is not None and send.numel() > 0:
+            ops.append(dist.P2POp(dist.isend, send, self.ctx.next_rank, self.ctx.group))
+        if recv is not None and recv.numel() > 0:
+            ops.append(dist.P2POp(dist.irecv, recv, self.ctx.prev_rank, self.ctx.group))
+        if not ops:
+            return []
+        breadcrumb(f"ring {what}: exchange posted")
+        if self.stream is None:
+            return dist.batch_isend_irecv(ops)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            works = dist.batch_isend_irecv(ops)
+        for op in ops:
+            op.tensor.record_stream(self.stream)
+        return works
+
+    def finish(self, works: list, what: str) -> None:
+        breadcrumb(f"ring {what}: waiting for exchange")
+        if self.stream is None:
+            for work in works:
+                work.wait()
+            return
+        with torch.cuda.stream(self.stream):
+            for work in works:
+                work.wait()
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+
+def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[torch.Tensor, torch.Tensor]:
+    world_size, rank = ctx.world_size, ctx.rank
+    m_shard, k = a_shard.shape
+    a_full = new_output((world_size * m_shard, k), dtype=a_shard.dtype, device=a_shard.device)
+    c = new_output((world_size * m_shard, b.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
+
+    def rows(chunk: int) -> slice:
+        return slice(chunk * m_shard, (chunk + 1) * m_shard)
+
+    a_full[rows(rank)].copy_(a_shard)
+    if world_size == 1 or a_full.numel() == 0:
+        torch.matmul(a_full, b, out=c)
+        return c, a_full
+    ring = _Ring(ctx, a_shard.device)
+    chunk = rank
+    for step in range(world_size):
+        prev_chunk = (chunk - 1) % world_size
+        last = step == world_size - 1
+        works = [] if last else ring.start(a_full[rows(chunk)], a_full[rows(prev_chunk)], f"ag_gemm step {step}")
+        torch.matmul(a_full[rows(chunk)], b, out=c[rows(chunk)])
+        if works:
+            ring.finish(works, f"ag_gemm step {step}")
+        chunk = prev_chunk
+    return c, a_full
+
+
+def _row_bounds(m: int, world_size: int) -> list[tuple[int, int]]:
+    """Near-equal row ranges per owner rank, like ``torch.tensor_split`` (first ones larger)."""
+    base, extra = divmod(m, world_size)
+    bounds, start = [], 0
+    for r in range(world_size):
+        stop = start + base + (1 if r < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def _reduce_scatter_gemm(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """This rank's chunk ``bounds[rank]`` of ``sum over ranks of a @ b``, in the accumulation dtype."""
+    world_size, rank = ctx.world_size, ctx.rank
+    acc_dtype = accumulation_dtype(a.dtype)
+    n = b.shape[1]
+    ring = _Ring(ctx, a.device)
+    works: list = []
+    in_flight = incoming = None
+    for step in range(world_size):
+        dest = (rank - 1 - step) % world_size
+        lo, hi = bounds[dest]
+        partial = torch.matmul(a[lo:hi], b).to(acc_dtype)
+        if works:
+            ring.finish(works, f"gemm_rs step {step}")
+        if incoming is not None:
+            partial += incoming
+        if step == world_size - 1:
+            return partial
+        next_dest = (rank - 2 - step) % world_size
+        incoming = new_output((bounds[next_dest][1] - bounds[next_dest][0], n), dtype=acc_dtype, device=a.device)
+        in_flight = partial  # keep the send buffer alive until its exchange has finished
+        works = ring.start(in_flight, incoming, f"gemm_rs step {step}")
+    raise AssertionError("unreachable")
+
+
+def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
+    m, n = a.shape[0], b.shape[1]
+    if ctx.world_size == 1:
+        return torch.matmul(a, b)
+    if m * n == 0:
+        return new_output((m // ctx.world_size, n), dtype=a.dtype, device=a.device).zero_()
+    shard = m // ctx.world_size
+    bounds = [(r * shard, (r + 1) * shard) for r in range(ctx.world_size)]
+    return _reduce_scatter_gemm(a, b, ctx, bounds).to(a.dtype)
+
+
+def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
+    m, n = a.shape[0], b.shape[1]
+    if ctx.world_size == 1 or m * n == 0:
+        return torch.matmul(a, b)
+    world_size, rank = ctx.world_size, ctx.rank
+    bounds = _row_bounds(m, world_size)
+    mine = _reduce_scatter_gemm(a, b, ctx, bounds)
+    c = new_output((m, n), dtype=a.dtype, device=a.device)
+    lo, hi = bounds[rank]
+    c[lo:hi].copy_(mine)
+    ring = _Ring(ctx, a.device)
+    chunk = rank
+    for step in range(world_size - 1):
+        prev_chunk = (chunk - 1) % world_size
+        (slo, shi), (rlo, rhi) = bounds[chunk], bounds[prev_chunk]
+        works = ring.start(c[slo:shi], c[rlo:rhi], f"gemm_ar gather step {step}")
+        if works:
+            ring.finish(works, f"gemm_ar gather step {step}")
+        chunk = prev_chunk
+    return c
