@@ -1,0 +1,303 @@
+"""Fit the GEMM efficiency curve of a hardware profile to cuBLAS, and check it on the workload shapes.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/calibrate_gemm.py --out DIR          # on the GPU
+    python benchmarks/calibrate_gemm.py --dry-run --out /tmp/x                 # CPU smoke test
+    python benchmarks/calibrate_gemm.py --refit DIR/calibration_h200.json --out DIR
+                                                # refit from saved grid timings, no GPU needed
+
+(a) Times ``torch.matmul`` (bf16, random data, rotating input sets larger than L2,
+``triton.testing.do_bench`` median) on a calibration grid of shapes and fits the seven GEMM
+fields of ``tpfuse.model.hardware.HardwareProfile`` (Nelder-Mead on squared log error).
+(b) Times the per-rank shapes of the workload matrix (W = 2, 4, 8; fc1 and fc2; full M and the
+M/W chunk; decode) -- these are *not* used in the fit -- and compares them with the prediction
+of the fitted profile loaded back through ``hardware.get_profile(..., calibration=path)``, exactly
+as the library loads it.
+
+Writes ``calibration_<profile>.json`` (overrides + the raw grid timings) and
+``gemm_calibration_<profile>.json`` ({meta, rows}) under ``--out``; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tpfuse.bench.workloads import workload_matrix  # noqa: E402
+from tpfuse.model import hardware  # noqa: E402
+from tpfuse.model.cost import gemm_time_ms  # noqa: E402
+
+# The fitted fields, with bounds.  Order matters: it is the parameter vector of the fit.
+FIT_FIELDS: tuple[tuple[str, float, float], ...] = (
+    ("gemm_eff_max", 0.3, 1.0),
+    ("gemm_k_half", 0.0, 2048.0),
+    ("tile_rel_1", 0.3, 1.0),
+    ("tile_rel_2", 0.2, 1.0),
+    ("hbm_eff", 0.3, 1.0),
+    ("gemm_blend_p", 1.0, 12.0),
+    ("gemm_launch_us", 0.0, 20.0),
+)
+
+# Calibration grid: M from decode to training sizes; (N, K) pairs that span the Llama-like range
+# but are not the workload shapes themselves (those are the held-out check).
+GRID_M = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+GRID_NK = ((1024, 4096), (3072, 3072), (6144, 8192), (12288, 2048), (2048, 12288),
+           (20480, 5120), (5120, 20480), (768, 1536))
+DRY_RUN_GRID = [(m, n, k) for m in (16, 64, 128) for (n, k) in ((128, 256), (256, 128))]
+
+
+# --- measurement ----------------------------------------------------------------------------------
+def _l2_bytes() -> int:
+    try:
+        return int(torch.cuda.get_device_properties(0).L2_cache_size)
+    except Exception:  # noqa: BLE001 - older torch without the field
+        return 50 * 2**20
+
+
+def measure_cuda(m: int, n: int, k: int, dtype: torch.dtype) -> float:
+    """Median ms of ``torch.matmul`` on random data, rotating input sets so L2 never holds them."""
+    import triton.testing
+
+    elt = torch.finfo(dtype).bits // 8
+    set_bytes = (m * k + k * n) * elt
+    num_sets = max(1, min(16, math.ceil(3 * _l2_bytes() / max(set_bytes, 1))))
+    gen = torch.Generator(device="cuda").manual_seed(m * 31 + n * 7 + k)
+    sets = [(torch.randn(m, k, device="cuda", dtype=dtype, generator=gen),
+             torch.randn(k, n, device="cuda", dtype=dtype, generator=gen)) for _ in range(num_sets)]
+    out = torch.empty(m, n, device="cuda", dtype=dtype)
+    state = {"i": 0}
+
+    def fn():
+        a, b = sets[state["i"] % num_sets]
+        state["i"] += 1
+        torch.matmul(a, b, out=out)
+
+    ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    del sets, out
+    return float(ms)
+
+
+def measure_cpu(m: int, n: int, k: int, dtype: torch.dtype) -> float:
+    """Dry-run stand-in: median wall time of a CPU matmul (numbers mean nothing for a GPU)."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+# --- fit ------------------------------------------------------------------------------------------
+def profile_from_params(base: hardware.HardwareProfile, x: np.ndarray) -> hardware.HardwareProfile:
+    v = dict(zip([f[0] for f in FIT_FIELDS], (float(t) for t in x)))
+    return dataclasses.replace(
+        base, gemm_eff_max=v["gemm_eff_max"], gemm_k_half=v["gemm_k_half"],
+        gemm_tile_rel=(1.0, v["tile_rel_1"], v["tile_rel_2"]), hbm_eff=v["hbm_eff"],
+        gemm_blend_p=v["gemm_blend_p"], gemm_launch_us=v["gemm_launch_us"])
+
+
+def overrides_from_params(x: np.ndarray) -> dict:
+    v = dict(zip([f[0] for f in FIT_FIELDS], (round(float(t), 5) for t in x)))
+    return {"gemm_eff_max": v["gemm_eff_max"], "gemm_k_half": v["gemm_k_half"],
+            "gemm_tile_rel": [1.0, v["tile_rel_1"], v["tile_rel_2"]], "hbm_eff": v["hbm_eff"],
+            "gemm_blend_p": v["gemm_blend_p"], "gemm_launch_us": v["gemm_launch_us"]}
+
+
+def _loss(x, base, shapes, measured_log, dtype_name):
+    lo = np.array([f[1] for f in FIT_FIELDS])
+    hi = np.array([f[2] for f in FIT_FIELDS])
+    penalty = float(np.sum(np.clip(lo - x, 0, None) ** 2 + np.clip(x - hi, 0, None) ** 2)) * 100
+    xc = np.clip(x, lo, hi)
+    if xc[3] > xc[2]:  # the smallest tile is never more efficient than the middle one
+        penalty += (xc[3] - xc[2]) ** 2 * 100
+    prof = profile_from_params(base, xc)
+    pred = np.log([gemm_time_ms(m, n, k, dtype_name, prof) for (m, n, k) in shapes])
+    err = pred - measured_log
+    # mean squared log error plus a little of the worst case, so no shape class is sacrificed
+    return float(np.mean(err ** 2) + 0.1 * np.max(np.abs(err)) ** 2) + penalty
+
+
+def nelder_mead(f, x0: np.ndarray, step: np.ndarray, iters: int = 600, tol: float = 1e-9):
+    """Plain Nelder-Mead (no SciPy needed); returns (x, f(x))."""
+    n = len(x0)
+    simplex = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
+    vals = [f(x) for x in simplex]
+    for _ in range(iters):
+        order = np.argsort(vals)
+        simplex = [simplex[i] for i in order]
+        vals = [vals[i] for i in order]
+        if abs(vals[-1] - vals[0]) < tol:
+            break
+        centroid = np.mean(simplex[:-1], axis=0)
+        xr = centroid + (centroid - simplex[-1])
+        fr = f(xr)
+        if fr < vals[0]:
+            xe = centroid + 2 * (centroid - simplex[-1])
+            fe = f(xe)
+            simplex[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
+        elif fr < vals[-2]:
+            simplex[-1], vals[-1] = xr, fr
+        else:
+            xc = centroid + 0.5 * (simplex[-1] - centroid)
+            fc = f(xc)
+            if fc < vals[-1]:
+                simplex[-1], vals[-1] = xc, fc
+            else:
+                simplex = [simplex[0] + 0.5 * (s - simplex[0]) for s in simplex]
+                vals = [f(s) for s in simplex]
+    i = int(np.argmin(vals))
+    return simplex[i], vals[i]
+
+
+def fit(base: hardware.HardwareProfile, grid: list[dict], dtype_name: str) -> tuple[np.ndarray, float]:
+    shapes = [(r["m"], r["n"], r["k"]) for r in grid]
+    measured_log = np.log([r["measured_ms"] for r in grid])
+    f = lambda x: _loss(x, base, shapes, measured_log, dtype_name)  # noqa: E731
+    starts = [np.array([0.8, 128, 0.85, 0.65, 0.8, 3.0, 6.0]),
+              np.array([0.75, 512, 0.7, 0.5, 0.7, 2.0, 10.0]),
+              np.array([0.9, 32, 0.95, 0.8, 0.9, 6.0, 3.0])]
+    best_x, best_f = None, math.inf
+    for x0 in starts:
+        x, fx = nelder_mead(f, x0, step=np.abs(x0) * 0.2 + 0.05)
+        x, fx = nelder_mead(f, x, step=np.abs(x) * 0.05 + 0.01)  # restart to escape a collapsed simplex
+        if fx < best_f:
+            best_x, best_f = x, fx
+    lo = np.array([f_[1] for f_ in FIT_FIELDS])
+    hi = np.array([f_[2] for f_ in FIT_FIELDS])
+    return np.clip(best_x, lo, hi), best_f
+
+
+# --- shapes ---------------------------------------------------------------------------------------
+def workload_shapes(dry_run: bool) -> list[tuple[str, int, int, int]]:
+    """(name, m, n, k) for every workload cell's full-M GEMM and its M/W chunk, W = 2, 4, 8."""
+    out = []
+    for w in workload_matrix(world_sizes=(2, 4, 8)):
+        out.append((f"{w.name}-full", w.m, w.n, w.k))
+        out.append((f"{w.name}-chunk", max(1, w.m // w.world_size), w.n, w.k))
+    if dry_run:
+        out = [(name, max(1, m // 64), max(1, n // 64), max(1, k // 64)) for name, m, n, k in out[:6]]
+    return out
+
+
+def _fmt_table(rows: list[dict]) -> str:
+    lines = [f"{'shape':<34} {'m':>6} {'n':>6} {'k':>6} {'meas ms':>9} {'pred ms':>9} {'err %':>7}"]
+    for r in rows:
+        lines.append(f"{r['name']:<34} {r['m']:>6} {r['n']:>6} {r['k']:>6} {r['measured_ms']:>9.4f} "
+                     f"{r['predicted_ms']:>9.4f} {100 * r['rel_err']:>+7.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="directory for the two JSON files")
+    ap.add_argument("--profile", default="h200", help="hardware profile to calibrate (default h200)")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes timed on CPU: a crash test only")
+    ap.add_argument("--refit", metavar="CALIBRATION_JSON",
+                    help="refit from the grid timings saved in a calibration JSON (no measuring), "
+                         "then re-predict the workload rows of the gemm_calibration JSON beside it")
+    args = ap.parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    dtype, dtype_name = torch.bfloat16, "bf16"
+    base = hardware.get_profile(args.profile, calibration=False)
+
+    if args.refit:
+        old = json.loads(Path(args.refit).read_text())
+        grid = old["grid"]
+        meta = dict(old["meta"])
+        old_rows = json.loads((Path(args.refit).parent / f"gemm_calibration_{args.profile}.json")
+                              .read_text())["rows"]
+        work = [(r["name"], r["m"], r["n"], r["k"], r["measured_ms"]) for r in old_rows]
+        meta["refit"] = " ".join(sys.argv)
+    else:
+        use_cuda = torch.cuda.is_available() and not args.dry_run
+        if not use_cuda and not args.dry_run:
+            ap.error("no CUDA device: run on the GPU, or pass --dry-run for a CPU smoke test")
+        measure = measure_cuda if use_cuda else measure_cpu
+        if use_cuda:
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True  # torch default
+        import importlib.metadata as md
+        try:
+            triton_version = md.version("triton")
+        except md.PackageNotFoundError:
+            triton_version = "none"
+        meta = {
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "gpu": torch.cuda.get_device_name() if use_cuda else "cpu (dry run)",
+            "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if use_cuda else None,
+            "torch": torch.__version__, "triton": triton_version,
+            "command": " ".join(["python3"] + sys.argv), "dtype": dtype_name, "dry_run": args.dry_run,
+            "timing": "triton.testing.do_bench median, warmup 10 ms, rep 40 ms, rotating inputs >= 3x L2"
+            if use_cuda else "CPU perf_counter median of 5",
+        }
+        shapes = DRY_RUN_GRID if args.dry_run else [(m, n, k) for m in GRID_M for (n, k) in GRID_NK]
+        grid = []
+        for i, (m, n, k) in enumerate(shapes):
+            ms = measure(m, n, k, dtype)
+            grid.append({"m": m, "n": n, "k": k, "measured_ms": ms})
+            print(f"grid {i + 1}/{len(shapes)} {m}x{n}x{k}: {ms:.4f} ms "
+                  f"({2 * m * n * k / ms / 1e9:.1f} TFLOP/s)", flush=True)
+        work = []
+        cache: dict[tuple[int, int, int], float] = {}
+        for i, (name, m, n, k) in enumerate(workload_shapes(args.dry_run)):
+            if (m, n, k) not in cache:
+                cache[(m, n, k)] = measure(m, n, k, dtype)
+            work.append((name, m, n, k, cache[(m, n, k)]))
+        print(f"measured {len(grid)} grid + {len(cache)} workload shapes in {time.time() - t_start:.0f} s",
+              flush=True)
+
+    x, loss = fit(base, grid, dtype_name)
+    meta["fit"] = {"loss": loss, "fields": [f[0] for f in FIT_FIELDS], "grid_shapes": len(grid),
+                   "method": "Nelder-Mead on mean squared log error + 0.1 * max squared log error"}
+    calibration = {"profile": args.profile, "meta": meta, "overrides": overrides_from_params(x),
+                   "grid": grid}
+    cal_path = out_dir / f"calibration_{args.profile}.json"
+    cal_path.write_text(json.dumps(calibration, indent=1) + "\n")
+
+    # Predict through the library's own loading path.
+    fitted = hardware.get_profile(args.profile, calibration=cal_path)
+    grid_err = [gemm_time_ms(r["m"], r["n"], r["k"], dtype_name, fitted) / r["measured_ms"] - 1
+                for r in grid]
+    rows = []
+    for name, m, n, k, ms in work:
+        pred = gemm_time_ms(m, n, k, dtype_name, fitted)
+        rows.append({"name": name, "m": m, "n": n, "k": k, "measured_ms": ms,
+                     "predicted_ms": pred, "rel_err": pred / ms - 1})
+    summary = {
+        "workload_max_abs_rel_err": max(abs(r["rel_err"]) for r in rows),
+        "workload_median_abs_rel_err": statistics.median(abs(r["rel_err"]) for r in rows),
+        "workload_within_15pct": sum(abs(r["rel_err"]) <= 0.15 for r in rows),
+        "workload_rows": len(rows),
+        "grid_max_abs_rel_err": max(abs(e) for e in grid_err),
+        "grid_median_abs_rel_err": statistics.median(abs(e) for e in grid_err),
+    }
+    report = {"meta": meta, "summary": summary, "overrides": calibration["overrides"], "rows": rows}
+    (out_dir / f"gemm_calibration_{args.profile}.json").write_text(json.dumps(report, indent=1) + "\n")
+
+    print(f"\nfitted {args.profile}: {json.dumps(calibration['overrides'])}")
+    print(f"grid: max |err| {100 * summary['grid_max_abs_rel_err']:.1f}%, "
+          f"median {100 * summary['grid_median_abs_rel_err']:.1f}% over {len(grid)} shapes")
+    print(_fmt_table(rows))
+    print(f"workload shapes: max |err| {100 * summary['workload_max_abs_rel_err']:.1f}%, median "
+          f"{100 * summary['workload_median_abs_rel_err']:.1f}%, {summary['workload_within_15pct']}/"
+          f"{len(rows)} within 15%  [{meta['gpu']}, {meta['date']}, {time.time() - t_start:.0f} s]")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

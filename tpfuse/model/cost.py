@@ -1,0 +1,167 @@
+"""Costs of the pieces a fused op is made of: a GEMM (chunk) and a transfer (chunk), in milliseconds.
+
+GEMM: a roofline on ``FLOPs / F_eff(shape)`` and ``bytes / (HBM * hbm_eff)``, blended by a p-norm
+(so a shape near the ridge is slower than either bound alone), plus a launch overhead::
+
+    F_eff = peak * gemm_eff_max * rel(tile) * k' / (k' + gemm_k_half) * util(tile, split)
+    util  = m * n * split / (waves * num_sms * tile_m * tile_n),  waves = ceil(tiles * split / num_sms)
+
+``util`` is wave quantization plus the padding of a partial tile; the library (cuBLAS or our
+persistent kernel) is assumed to pick the best of a few tile shapes and split-K factors, the
+smaller tiles paying ``rel``; ``k' = k / split`` makes small K lose efficiency (prologue and
+epilogue of a tile are not amortised).
+
+Transfer: ``alpha + bytes / B_eff`` where ``B_eff`` depends on who moves the bytes: NCCL (ring,
+its SMs), the copy engine (no SMs) or ``num_sms`` SMs doing peer stores (``sm_p2p_gbps``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from tpfuse.model.hardware import HardwareProfile
+
+__all__ = [
+    "DTYPE_BYTES",
+    "TILE_SHAPES",
+    "SPLIT_K",
+    "gemm_time_ms",
+    "gemm_tflops",
+    "transfer_time_ms",
+    "link_gbps",
+    "alpha_ms",
+    "all_gather_ms",
+    "reduce_scatter_ms",
+    "all_reduce_ms",
+    "collective_ms",
+    "reduce_time_ms",
+    "two_stage_pipeline_ms",
+]
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4, "fp64": 8}
+# Hopper cuBLAS / Triton persistent kernels mostly run 128x256 (or 256x128), 128x128 and 64x128
+# CTA tiles for bf16; the relative efficiency of the smaller two is a fitted profile field.
+TILE_SHAPES: tuple[tuple[int, int], ...] = ((128, 256), (128, 128), (64, 128))
+SPLIT_K: tuple[int, ...] = (1, 2, 4)
+_MIN_K_PER_SPLIT = 256
+
+Path = Literal["nccl", "ce", "sm"]
+
+
+def gemm_time_ms(m: int, n: int, k: int, dtype: str, hw: HardwareProfile, *,
+                 num_sms: int | None = None, hbm_share: float = 1.0, launch: bool = True) -> float:
+    """Predicted time of one ``[m, k] @ [k, n]`` GEMM.
+
+    ``num_sms`` < ``hw.sm_count`` models SMs taken by communication workers (contention);
+    ``hbm_share`` < 1 models HBM bandwidth taken by concurrent copies; ``launch=False`` drops
+    the launch overhead (a chunk inside a persistent kernel).
+    """
+    if m <= 0 or n <= 0:
+        return hw.gemm_launch_us * 1e-3 if launch else 0.0
+    sms = hw.sm_count if num_sms is None else num_sms
+    if sms <= 0:
+        raise ValueError(f"num_sms: {sms} leaves no SMs for the GEMM; use fewer communication SMs")
+    elt = DTYPE_BYTES[dtype]
+    flops = 2.0 * m * n * k
+    peak = hw.tflops(dtype) * 1e12 * hw.gemm_eff_max
+    t_mem = elt * (m * k + k * n + m * n) / (hw.hbm_gbps * 1e9 * hw.hbm_eff * hbm_share)
+    p = hw.gemm_blend_p
+    best = math.inf
+    for (tile_m, tile_n), rel in zip(TILE_SHAPES, hw.gemm_tile_rel):
+        tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n)
+        for split in SPLIT_K:
+            if split > 1 and (k // split < _MIN_K_PER_SPLIT or tiles >= sms):
+                continue
+            k_split = max(k / split, 1.0)
+            waves = math.ceil(tiles * split / sms)
+            util = m * n * split / (waves * sms * tile_m * tile_n)
+            k_eff = k_split / (k_split + hw.gemm_k_half)
+            t_comp = flops / (peak * rel * k_eff * util) if k > 0 else 0.0
+            t = (t_comp ** p + t_mem ** p) ** (1.0 / p)
+            best = min(best, t)
+    return best * 1e3 + (hw.gemm_launch_us * 1e-3 if launch else 0.0)
+
+
+def gemm_tflops(m: int, n: int, k: int, dtype: str, hw: HardwareProfile, **kw) -> float:
+    """The achieved TFLOP/s the model predicts for a GEMM shape."""
+    return 2.0 * m * n * k / (gemm_time_ms(m, n, k, dtype, hw, **kw) * 1e-3) / 1e12
+
+
+def link_gbps(path: Path, hw: HardwareProfile, num_sms: int | None = None) -> float:
+    """Achieved per-direction bandwidth of a transport."""
+    if path == "nccl":
+        return hw.link_nccl_gbps
+    if path == "ce":
+        return hw.link_ce_gbps
+    if path == "sm":
+        return hw.sm_p2p_gbps(hw.sm_count if num_sms is None else num_sms)
+    raise ValueError(f"path: unknown transport {path!r}; use 'nccl', 'ce' or 'sm'")
+
+
+def alpha_ms(path: Path, hw: HardwareProfile) -> float:
+    return {"nccl": hw.alpha_nccl_us, "ce": hw.alpha_ce_us, "sm": hw.alpha_sm_us}[path] * 1e-3
+
+
+def transfer_time_ms(num_bytes: float, path: Path, hw: HardwareProfile, *,
+                     num_sms: int | None = None) -> float:
+    """``alpha + bytes / B_eff`` for one chunk moved by ``path`` (0 for an empty chunk)."""
+    if num_bytes <= 0:
+        return 0.0
+    bw = link_gbps(path, hw, num_sms)
+    if bw <= 0:
+        raise ValueError(f"num_sms: {num_sms} SMs cannot move bytes; give communication at least one SM")
+    return alpha_ms(path, hw) + num_bytes / (bw * 1e9) * 1e3
+
+
+def reduce_time_ms(num_bytes_moved: float, hw: HardwareProfile) -> float:
+    """A memory-bound elementwise reduction that reads and writes ``num_bytes_moved`` in total."""
+    if num_bytes_moved <= 0:
+        return 0.0
+    return num_bytes_moved / (hw.hbm_gbps * 1e9 * hw.hbm_eff) * 1e3 + hw.gemm_launch_us * 1e-3
+
+
+def all_gather_ms(total_bytes: float, world_size: int, hw: HardwareProfile) -> float:
+    """NCCL ring all-gather producing ``total_bytes`` on every rank."""
+    if world_size <= 1 or total_bytes <= 0:
+        return 0.0
+    shard = total_bytes / world_size
+    return (world_size - 1) * transfer_time_ms(shard, "nccl", hw)
+
+
+def reduce_scatter_ms(total_bytes: float, world_size: int, hw: HardwareProfile) -> float:
+    """NCCL ring reduce-scatter of a ``total_bytes`` input (reduction fused in NCCL's kernels)."""
+    return all_gather_ms(total_bytes, world_size, hw)
+
+
+def all_reduce_ms(total_bytes: float, world_size: int, hw: HardwareProfile) -> float:
+    """NCCL all-reduce: the better of ring (RS + AG) and a one-step algorithm for small messages."""
+    if world_size <= 1 or total_bytes <= 0:
+        return 0.0
+    ring = 2 * all_gather_ms(total_bytes, world_size, hw)
+    one_step = alpha_ms("nccl", hw) * 2 + (world_size - 1) * total_bytes / (hw.link_nccl_gbps * 1e9) * 1e3
+    return min(ring, one_step)
+
+
+def collective_ms(op: str, m: int, n: int, k: int, world_size: int, dtype: str,
+                  hw: HardwareProfile) -> float:
+    """The collective of ``op`` alone (what the unfused baseline pays on top of the GEMM)."""
+    elt = DTYPE_BYTES[dtype]
+    if op == "ag_gemm":
+        return all_gather_ms(m * k * elt, world_size, hw)
+    if op == "gemm_rs":
+        return reduce_scatter_ms(m * n * elt, world_size, hw)
+    if op == "gemm_ar":
+        return all_reduce_ms(m * n * elt, world_size, hw)
+    raise ValueError(f"op: unknown op {op!r}; use 'ag_gemm', 'gemm_rs' or 'gemm_ar'")
+
+
+def two_stage_pipeline_ms(t_first: float, t_second: float, num_chunks: int) -> float:
+    """Closed form of a uniform two-stage pipeline: ``T = t1 + t2 + (n - 1) * max(t1, t2)``.
+
+    The seed analysis ``T_fill + max(T_gemm, T_comm) + T_drain`` with per-chunk stage times;
+    the simulator must agree with it on uniform pipelines (tests pin this).
+    """
+    if num_chunks <= 0:
+        return 0.0
+    return t_first + t_second + (num_chunks - 1) * max(t_first, t_second)
