@@ -1,0 +1,506 @@
+"""Host side of the persistent Triton GEMM core (kernel: ``tpfuse/kernels/gemm.py``).
+
+``matmul(a, b)`` computes ``a @ b`` with one persistent kernel; the fused strategies call the
+same function with hooks:
+
+==============  =====================================  ==========================================
+argument        shape / dtype                          meaning
+==============  =====================================  ==========================================
+``a``           ``[M, K]`` bf16/fp16/fp32, unit        left operand (the gathered input in AG)
+                column stride
+``b``           ``[K, N]`` same dtype, row-major or    right operand; ``weight.t()`` of an
+                column-major                           ``[N, K]`` weight works without a copy
+``out``         ``[M, N]`` same dtype                  result (ignored when ``epilogue`` is set)
+``wait``        :class:`WaitSpec`                      consumer hook: tile waits for its A chunks
+``epilogue``    :class:`EpilogueSpec`                  producer hook: tiles go to per-chunk
+                                                       destinations, chunks are signalled
+==============  =====================================  ==========================================
+
+Communication chunks are ``chunk_m`` rows: chunk ``c`` is rows ``[c*chunk_m, min((c+1)*chunk_m, M))``
+and ``num_chunks = ceil(M / chunk_m)``. Tile orders: ``"grouped"`` (GROUP_M swizzle, best L2
+reuse), ``"round"`` (start at chunk ``start_chunk`` and go round; AG passes its local rank),
+``"owner"`` (finish one chunk's rows before the next, starting at ``start_chunk``; RS passes
+``(rank + 1) % world_size`` so that the first peer's chunk is ready first).
+
+Nothing here touches a GPU or imports Triton at import time: device probes are
+``functools.lru_cache``-d and Triton is imported on first launch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = [
+    "GemmConfig", "WaitSpec", "EpilogueSpec", "matmul", "default_config", "candidate_configs",
+    "tune", "check_error_word", "new_error_word", "TILE_ORDERS", "ERROR_WORDS",
+]
+
+TILE_ORDERS = ("grouped", "round", "owner")
+ERROR_WORDS = 8          # int32 words of the error word; layout in tpfuse/kernels/signals.py
+_MAX_GENERATION = 2**31 - 1
+_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+# Shared memory per block on sm_90 with the opt-in limit (CUDA guide, H100/H200: 227 KiB).
+_SM90_SMEM_BYTES = 232448
+
+
+# --------------------------------------------------------------------------------------------
+# configs
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GemmConfig:
+    """One kernel configuration. Tile = BLOCK_M x BLOCK_N x BLOCK_K; the epilogue stores the
+    tile in ``EPI_SUBTILE`` column slices (1 or 2); ``num_programs`` caps the persistent grid
+    (None: one program per SM)."""
+    BLOCK_M: int = 128
+    BLOCK_N: int = 256
+    BLOCK_K: int = 64
+    GROUP_M: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    EPI_SUBTILE: int = 1
+    flatten: bool = False
+    warp_specialize: bool = False
+    num_programs: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{name}={v}: must be a power of two >= 16")
+        if self.EPI_SUBTILE not in (1, 2):
+            raise ValueError(f"GemmConfig.EPI_SUBTILE={self.EPI_SUBTILE}: must be 1 or 2")
+        if self.GROUP_M < 1:
+            raise ValueError(f"GemmConfig.GROUP_M={self.GROUP_M}: must be >= 1")
+        if self.num_programs is not None and self.num_programs < 1:
+            raise ValueError(f"GemmConfig.num_programs={self.num_programs}: must be >= 1 or None")
+
+    def smem_bytes(self, elem_size: int) -> int:
+        """Shared memory estimate: pipelined A and B stages plus one TMA-store subtile."""
+        stages = (self.BLOCK_M + self.BLOCK_N) * self.BLOCK_K * elem_size * self.num_stages
+        return stages + self.BLOCK_M * (self.BLOCK_N // self.EPI_SUBTILE) * elem_size
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
+    """Heuristic config for one GEMM shape (pure; used when the tuning cache has no entry).
+
+    Measured on one NVIDIA H200 (2026-11-29, ``benchmarks/gemm_core.py``): 128x256x64 tiles,
+    8 warps, 3 stages won on the large per-rank Llama shapes; decode (M <= 128) is bound by
+    reading B and wants many programs in flight, i.e. narrow tiles.
+    """
+    if dtype == torch.float32:
+        return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3)
+    if m <= 128:
+        return GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    return GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
+                      smem_limit: int = _SM90_SMEM_BYTES) -> list[GemmConfig]:
+    """Small tuning space for one shape, pruned by shared memory."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    out = []
+    if m <= 256:
+        for bm, bn, bk, w, s in [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 4, 3),
+                                 (128, 64, 128, 4, 4), (64, 64, 256, 4, 3), (128, 128, 64, 8, 4)]:
+            out.append(GemmConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s))
+    for bn in (128, 256):
+        for s in (3, 4):
+            for sub in (1, 2):
+                for flat in (False, True):
+                    out.append(GemmConfig(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, num_warps=8,
+                                          num_stages=s, EPI_SUBTILE=sub, flatten=flat))
+    out.append(GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3))
+    out.append(GemmConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3))
+    return [c for c in out if c.smem_bytes(elem) <= smem_limit]
+
+
+# --------------------------------------------------------------------------------------------
+# hook specs
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WaitSpec:
+    """Consumer hook: a tile waits until ``signal[c] >= generation`` for every chunk ``c`` its
+    A rows touch, before loading them.
+
+    ``signal``: int32 ``[num_chunks]`` (or longer) on a's device, e.g. a symmetric signal pad.
+    ``error``: int32 ``[ERROR_WORDS]`` zeroed error word (see :func:`new_error_word`); None
+    allocates one per call. ``timeout_ns`` bounds the spin on GPU (%globaltimer);
+    ``max_spins`` bounds it where inline PTX is not available (``TRITON_INTERPRET=1``).
+    ``rank`` only labels the TimeoutError.
+    """
+    signal: torch.Tensor
+    generation: int
+    chunk_m: int
+    timeout_ns: int = 10_000_000_000
+    max_spins: int = 100_000
+    error: Optional[torch.Tensor] = None
+    rank: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class EpilogueSpec:
+    """Producer hook: rows of chunk ``c`` go to ``dest_ptrs[c]`` (row ``r`` of ``a @ b`` lands in
+    row ``r - c*chunk_m`` of that ``[>= chunk rows, N]`` buffer, row stride ``dest_stride``
+    elements, unit column stride); once every tile touching chunk ``c`` is stored, the kernel
+    publishes ``*signal_ptrs[c] = generation`` (release, system scope).
+
+    ``dest_ptrs``/``signal_ptrs``: int64 ``[num_chunks]`` device addresses (peer buffers and
+    peer signal words in the fused strategies). ``counters``: int32 ``[num_chunks]`` zeros,
+    left at zero by every completed launch. Build one with :meth:`from_tensors`.
+    """
+    dest_ptrs: torch.Tensor
+    signal_ptrs: torch.Tensor
+    counters: torch.Tensor
+    generation: int
+    chunk_m: int
+    dest_stride: int
+    keepalive: tuple = ()
+
+    @classmethod
+    def from_tensors(cls, dests: Sequence[torch.Tensor], signals: torch.Tensor | Sequence[torch.Tensor],
+                     generation: int, chunk_m: int,
+                     counters: Optional[torch.Tensor] = None) -> "EpilogueSpec":
+        """``dests[c]``: ``[rows >= chunk rows, N]`` tensor for chunk ``c``; ``signals``: an int32
+        ``[num_chunks]`` tensor (signal ``c`` = ``signals[c]``) or one int32 tensor per chunk
+        (its first element is the signal)."""
+        if len(dests) == 0:
+            raise ValueError("EpilogueSpec.from_tensors: dests is empty; pass one tensor per chunk")
+        stride = dests[0].stride(0)
+        for i, d in enumerate(dests):
+            if d.dim() != 2 or d.stride(1) != 1 or d.stride(0) != stride:
+                raise ValueError(f"EpilogueSpec.from_tensors: dests[{i}] has shape {tuple(d.shape)} "
+                                 f"strides {d.stride()}; all must be 2-D with strides ({stride}, 1)")
+        device = dests[0].device
+        if isinstance(signals, torch.Tensor):
+            if signals.dtype != torch.int32 or signals.numel() < len(dests):
+                raise ValueError(f"EpilogueSpec.from_tensors: signals must be int32 with >= {len(dests)} "
+                                 f"elements, got {signals.dtype} with {signals.numel()}")
+            sig_addrs = [signals.data_ptr() + 4 * i for i in range(len(dests))]
+            sig_keep = (signals,)
+        else:
+            if len(signals) != len(dests):
+                raise ValueError(f"EpilogueSpec.from_tensors: {len(signals)} signals for {len(dests)} dests")
+            sig_addrs = [s.data_ptr() for s in signals]
+            sig_keep = tuple(signals)
+        dest_ptrs = torch.tensor([d.data_ptr() for d in dests], dtype=torch.int64, device=device)
+        signal_ptrs = torch.tensor(sig_addrs, dtype=torch.int64, device=device)
+        if counters is None:
+            counters = torch.zeros(len(dests), dtype=torch.int32, device=device)
+        return cls(dest_ptrs, signal_ptrs, counters, generation, chunk_m, stride,
+                   keepalive=tuple(dests) + sig_keep)
+
+
+def new_error_word(device) -> torch.Tensor:
+    """A zeroed int32 error word for :class:`WaitSpec` (reuse it across calls while it stays 0)."""
+    return torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
+
+
+def check_error_word(error: torch.Tensor, *, rank: Optional[int] = None,
+                     timeout_ns: Optional[int] = None) -> None:
+    """Raise TimeoutError if a wait hook recorded a timeout in ``error`` (synchronizes)."""
+    words = error.tolist()
+    if words[0] == 0:
+        return
+    who = f"rank {rank}" if rank is not None else "this rank"
+    bound = f" for more than {timeout_ns} ns" if timeout_ns is not None else ""
+    raise TimeoutError(
+        f"tpfuse GEMM wait hook timed out on {who}: tile {words[1]} (program {words[5]}) waited "
+        f"{bound} for signal[chunk={words[2]}] >= generation {words[3]}, last value seen "
+        f"{words[4]}. The producer of chunk {words[2]} never published this generation: a peer "
+        f"rank is dead, late or on another call. Zero the error word before reusing it.")
+
+
+# --------------------------------------------------------------------------------------------
+# lazy probes
+# --------------------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(index: int) -> dict:
+    p = torch.cuda.get_device_properties(index)
+    return {"name": p.name, "num_sms": p.multi_processor_count,
+            "capability": (p.major, p.minor)}
+
+
+@functools.lru_cache(maxsize=None)
+def _triton():
+    try:
+        import triton
+        import triton.language as tl
+        from .kernels import gemm as kernel_module
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise RuntimeError(f"tpfuse.gemm_core needs triton (pip install 'tpfuse[triton]'): {e}") from e
+    return triton, tl, kernel_module
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(msg: str) -> None:
+    warnings.warn(msg, stacklevel=3)
+
+
+def _num_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _device_info(device.index if device.index is not None else torch.cuda.current_device())["num_sms"]
+    return 4  # interpreter: a few programs, so the persistent loop runs several tiles each
+
+
+def _tma_ok(device, a, b, out, b_kmajor) -> tuple[bool, str]:
+    if device.type != "cuda" or _interpreting():
+        return False, "not on CUDA"
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if _device_info(idx)["capability"][0] < 9:
+        return False, "TMA needs compute capability >= 9.0"
+    e = a.element_size()
+    strides = [a.stride(0), b.stride(1) if b_kmajor else b.stride(0)]
+    if out is not None:
+        strides.append(out.stride(0))
+    tensors = [a, b] + ([out] if out is not None else [])
+    if any((s * e) % 16 for s in strides) or any(t.data_ptr() % 16 for t in tensors):
+        return False, (f"TMA needs 16-byte aligned base pointers and row strides; got strides "
+                       f"{strides} of {e}-byte elements")
+    return True, ""
+
+
+# --------------------------------------------------------------------------------------------
+# tuning cache
+# --------------------------------------------------------------------------------------------
+def _cache_path() -> Path:
+    root = os.environ.get("TPFUSE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tpfuse")
+    return Path(root) / "gemm_core.json"
+
+
+def _cache_key(m, n, k, dtype, b_kmajor, gpu) -> str:
+    triton, _, _ = _triton()
+    return (f"{m}x{n}x{k}|{str(dtype).replace('torch.', '')}|b={'kmajor' if b_kmajor else 'nmajor'}"
+            f"|{gpu}|torch={torch.__version__}|triton={triton.__version__}")
+
+
+def _load_cache() -> dict:
+    p = _cache_path()
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _lookup(m, n, k, dtype, b_kmajor, device) -> Optional[GemmConfig]:
+    if device.type != "cuda":
+        return None
+    gpu = _device_info(device.index if device.index is not None else torch.cuda.current_device())["name"]
+    entry = _load_cache().get(_cache_key(m, n, k, dtype, b_kmajor, gpu))
+    return GemmConfig(**entry["config"]) if entry else None
+
+
+def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmConfig]] = None,
+         rep_ms: int = 20, save: bool = True) -> tuple[GemmConfig, list[tuple[GemmConfig, float]]]:
+    """Time every candidate config on ``a @ b`` (median, ``triton.testing.do_bench``), store the
+    fastest in the JSON cache and return ``(best, [(config, ms), ...])``. Configs that fail to
+    compile are skipped."""
+    triton, _, _ = _triton()
+    m, k = a.shape
+    n = b.shape[1]
+    configs = list(configs) if configs is not None else candidate_configs(m, n, k, a.dtype)
+    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    timings = []
+    for cfg in configs:
+        try:
+            ms = triton.testing.do_bench(lambda: matmul(a, b, out=out, config=cfg),
+                                         warmup=5, rep=rep_ms, return_mode="median")
+        except Exception as e:  # compile failure (e.g. out of shared memory): skip, say why
+            _warn_once(f"tpfuse.gemm_core.tune: config {cfg} failed: {type(e).__name__}: {e}"[:400])
+            continue
+        timings.append((cfg, ms))
+    if not timings:
+        raise RuntimeError(f"tpfuse.gemm_core.tune: no config ran for shape {m}x{n}x{k}")
+    best = min(timings, key=lambda t: t[1])[0]
+    if save and a.device.type == "cuda":
+        gpu = _device_info(a.device.index if a.device.index is not None else torch.cuda.current_device())["name"]
+        p = _cache_path()
+        data = _load_cache()
+        data[_cache_key(m, n, k, a.dtype, b.stride(0) == 1 and b.stride(1) != 1, gpu)] = {
+            "config": best.to_dict(), "ms": min(t[1] for t in timings)}
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(p)
+    return best, timings
+
+
+# --------------------------------------------------------------------------------------------
+# matmul
+# --------------------------------------------------------------------------------------------
+def _check_operands(a, b, out):
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"matmul: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"matmul: {name} must be 2-D, got shape {tuple(t.shape)}; flatten leading dims first")
+    if a.dtype not in _SUPPORTED:
+        raise TypeError(f"matmul: a.dtype={a.dtype} is not supported; use bfloat16, float16 or float32 (tf32)")
+    if b.dtype != a.dtype:
+        raise TypeError(f"matmul: b.dtype={b.dtype} differs from a.dtype={a.dtype}; cast one of them")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul: a is {tuple(a.shape)} and b is {tuple(b.shape)}; need a [M, K] and b [K, N]")
+    if a.device != b.device:
+        raise ValueError(f"matmul: a is on {a.device} and b on {b.device}; move them to one device")
+    if a.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"matmul: tensors are on {a.device}; the Triton core needs CUDA "
+                         "(or TRITON_INTERPRET=1 for CPU debugging)")
+    if a.stride(1) != 1 and a.shape[1] > 1:
+        raise ValueError(f"matmul: a has strides {a.stride()}; need unit column stride (call a.contiguous())")
+    if b.stride(1) == 1 or b.shape[1] == 1:
+        b_kmajor = False
+    elif b.stride(0) == 1 or b.shape[0] == 1:
+        b_kmajor = True
+    else:
+        raise ValueError(f"matmul: b has strides {b.stride()}; need row-major [K, N] or column-major "
+                         "(weight.t() of a contiguous [N, K] weight); call b.contiguous()")
+    m, n = a.shape[0], b.shape[1]
+    if out is not None:
+        if out.shape != (m, n) or out.dtype != a.dtype or out.device != a.device:
+            raise ValueError(f"matmul: out is {tuple(out.shape)} {out.dtype} on {out.device}; "
+                             f"need ({m}, {n}) {a.dtype} on {a.device}")
+        if out.stride(1) != 1 and n > 1:
+            raise ValueError(f"matmul: out has strides {out.stride()}; need unit column stride")
+    return b_kmajor
+
+
+def _check_chunks(m, chunk_m, name):
+    if not isinstance(chunk_m, int) or chunk_m < 1:
+        raise ValueError(f"matmul: {name}={chunk_m!r}; need a positive int (rows per communication chunk)")
+    return -(-m // chunk_m)
+
+
+def _check_generation(gen, name):
+    if not isinstance(gen, int) or not 1 <= gen <= _MAX_GENERATION:
+        raise ValueError(f"matmul: {name}={gen!r}; need an int in [1, 2**31 - 1] (signals are int32)")
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+           config: Optional[GemmConfig] = None, tile_order: str = "grouped",
+           chunk_m: Optional[int] = None, start_chunk: int = 0,
+           wait: Optional[WaitSpec] = None, epilogue: Optional[EpilogueSpec] = None,
+           check: bool = True, use_tma: Optional[bool] = None) -> Optional[torch.Tensor]:
+    """``a [M, K] @ b [K, N]`` with the persistent Triton core.
+
+    Returns ``out`` (allocated when None) or, with ``epilogue``, None (tiles went to the
+    chunk destinations). ``chunk_m`` defaults to the hook spec's; tile orders ``"round"`` and
+    ``"owner"`` need one. ``start_chunk`` is the first chunk in those orders. With ``wait`` and
+    ``check=True`` the call synchronizes and raises TimeoutError from the error word; with
+    ``check=False`` call :func:`check_error_word` yourself. ``use_tma`` None = where possible.
+    """
+    b_kmajor = _check_operands(a, b, out)
+    if tile_order not in TILE_ORDERS:
+        raise ValueError(f"matmul: tile_order={tile_order!r}; choose one of {TILE_ORDERS}")
+    m, k = a.shape
+    n = b.shape[1]
+    device = a.device
+    if out is None and epilogue is None:
+        out = torch.empty(m, n, dtype=a.dtype, device=device)
+
+    chunk_sources = [("chunk_m", chunk_m), ("wait.chunk_m", wait.chunk_m if wait else None),
+                     ("epilogue.chunk_m", epilogue.chunk_m if epilogue else None)]
+    given = [(nm, v) for nm, v in chunk_sources if v is not None]
+    if len({v for _, v in given}) > 1:
+        raise ValueError(f"matmul: chunk sizes disagree: {given}; the tile order and both hooks share one chunk_m")
+    chunk_m = given[0][1] if given else None
+    if tile_order != "grouped" and chunk_m is None:
+        raise ValueError(f"matmul: tile_order={tile_order!r} needs chunk_m (rows per chunk)")
+    num_chunks = _check_chunks(m, chunk_m, given[0][0]) if chunk_m is not None else 1
+    if not isinstance(start_chunk, int) or not 0 <= start_chunk < max(num_chunks, 1):
+        raise ValueError(f"matmul: start_chunk={start_chunk!r}; need 0 <= start_chunk < num_chunks={num_chunks}")
+
+    if m == 0 or n == 0:
+        return out if epilogue is None else None
+    if k == 0 and epilogue is None and wait is None:
+        return out.zero_()
+
+    if wait is not None:
+        _check_generation(wait.generation, "wait.generation")
+        s = wait.signal
+        if s.dtype != torch.int32 or s.device != device or s.numel() < num_chunks:
+            raise ValueError(f"matmul: wait.signal is {s.dtype} with {s.numel()} elements on {s.device}; "
+                             f"need int32 with >= num_chunks={num_chunks} elements on {device}")
+        if wait.error is not None and (wait.error.dtype != torch.int32 or wait.error.numel() < ERROR_WORDS):
+            raise ValueError(f"matmul: wait.error must be int32 with {ERROR_WORDS} words; use new_error_word()")
+    if epilogue is not None:
+        _check_generation(epilogue.generation, "epilogue.generation")
+        for nm, t, dt in (("dest_ptrs", epilogue.dest_ptrs, torch.int64),
+                          ("signal_ptrs", epilogue.signal_ptrs, torch.int64),
+                          ("counters", epilogue.counters, torch.int32)):
+            if t.dtype != dt or t.numel() < num_chunks or t.device != device:
+                raise ValueError(f"matmul: epilogue.{nm} is {t.dtype} with {t.numel()} elements on {t.device}; "
+                                 f"need {dt} with >= num_chunks={num_chunks} elements on {device}")
+
+    cfg = config or _lookup(m, n, k, a.dtype, b_kmajor, device) or default_config(m, n, k, a.dtype)
+    if not isinstance(cfg, GemmConfig):
+        raise TypeError(f"matmul: config must be a GemmConfig, got {type(cfg).__name__}")
+
+    triton, tl, km = _triton()
+    if use_tma is None:
+        use_tma, why = _tma_ok(device, a, b, None if epilogue else out, b_kmajor)
+        if not use_tma and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+            _warn_once(f"tpfuse.gemm_core: plain-pointer path instead of TMA ({why})")
+    elif use_tma:
+        ok, why = _tma_ok(device, a, b, None if epilogue else out, b_kmajor)
+        if not ok:
+            raise ValueError(f"matmul: use_tma=True but {why}; pass use_tma=None to fall back")
+
+    bm, bn, bk = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
+        if b_kmajor:
+            b_arg = TensorDescriptor(b, [n, k], [b.stride(1), 1], [bn, bk])
+        else:
+            b_arg = TensorDescriptor(b, [k, n], [b.stride(0), 1], [bk, bn])
+        c_arg = (TensorDescriptor(out, [m, n], [out.stride(0), 1], [bm, bn // cfg.EPI_SUBTILE])
+                 if epilogue is None else None)
+    else:
+        a_arg, b_arg, c_arg = a, b, (out if epilogue is None else None)
+
+    num_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    grid = (min(num_tiles, cfg.num_programs or _num_programs(device)),)
+    use_asm = (device.type == "cuda" and not _interpreting()
+               and os.environ.get("TPFUSE_SIGNAL_ASM", "1") != "0")
+
+    dummy_i32 = epilogue.counters if epilogue is not None else (wait.signal if wait is not None else None)
+    err = None
+    if wait is not None:
+        err = wait.error if wait.error is not None else new_error_word(device)
+    c_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[a.dtype]
+    km.gemm_kernel[grid](
+        a_arg, b_arg, c_arg, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0,
+        chunk_m or 1, num_chunks, start_chunk,
+        wait.signal if wait else dummy_i32, wait.generation if wait else 0,
+        (wait.timeout_ns if use_asm else wait.max_spins) if wait else 0,
+        err if wait else dummy_i32,
+        epilogue.dest_ptrs if epilogue else None, epilogue.dest_stride if epilogue else 0,
+        epilogue.signal_ptrs if epilogue else None, epilogue.counters if epilogue else None,
+        epilogue.generation if epilogue else 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.GROUP_M, EPI_SUBTILE=cfg.EPI_SUBTILE,
+        TILE_ORDER=0 if tile_order == "grouped" else 1, USE_TMA=bool(use_tma), B_KMAJOR=b_kmajor,
+        C_DTYPE=c_dtype, WAIT=wait is not None, EPILOGUE=epilogue is not None, USE_ASM=use_asm,
+        FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize, DOT_FP32=_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if wait is not None and check:
+        check_error_word(err, rank=wait.rank, timeout_ns=wait.timeout_ns if use_asm else None)
+    return out if epilogue is None else None

@@ -1,0 +1,209 @@
+"""Persistent Triton GEMM shared by every fused strategy: ``c = a @ b``.
+
+Shapes: ``a [M, K]`` row-major (any row stride), ``b [K, N]`` row-major (``B_KMAJOR=False``)
+or column-major, i.e. ``weight.t()`` of a contiguous ``[N, K]`` weight (``B_KMAJOR=True``).
+fp32 accumulation; fp32 inputs go through tf32.
+
+The grid is at most one program per SM; program ``p`` runs tiles ``p, p + P, p + 2P, ...`` of
+the tile order (``P`` = number of programs), so tiles early in the order run first.
+
+Tile orders (``TILE_ORDER`` constexpr):
+
+* ``0`` grouped: the usual GROUP_M swizzle over the whole ``M x N`` tile grid (L2 reuse).
+* ``1`` chunk-rotated: rows are cut in communication chunks of ``chunk_m`` rows. The order
+  starts at the M-tile holding the first row of chunk ``start_chunk`` and goes round
+  (``start_chunk``, ``start_chunk + 1``, ..., wrapping); each chunk's tiles form one segment,
+  GROUP_M-swizzled inside the segment, so a chunk's tiles all run before the next chunk's.
+  A tile that straddles two chunks runs with the earlier one in this order. The host names this
+  order ``"round"`` (AG: start at the local chunk) and ``"owner"`` (RS: start at the next rank).
+
+Hooks (constexpr, compiled away when off):
+
+* ``WAIT``: before loading the A rows of a tile, wait until ``wait_signal[c] >= wait_gen`` for
+  every chunk ``c`` the tile's rows touch (acquire, system scope, bounded; see signals.py).
+* ``EPILOGUE``: store the finished tile to the destination of each chunk it touches
+  (``dest_ptrs[c]``: int64 address of a ``[chunk_m, N]`` buffer with row stride
+  ``stride_dm``) instead of ``c``, then count the tile in ``counters[c]`` (acq_rel, sys); the
+  program that stores the chunk's last tile publishes ``*signal_ptrs[c] = epi_gen`` (release,
+  sys) and resets the counter to zero for the next call.
+
+Three granularities stay separate: CTA tile (BLOCK_M/N/K), epilogue subtile (EPI_SUBTILE
+column slices of the tile per store), communication chunk (chunk_m rows, num_chunks).
+"""
+import triton
+import triton.language as tl
+
+from .signals import publish, record_timeout, wait_geq
+
+
+@triton.jit
+def _grouped(local, rows, num_pid_n, GROUP_M: tl.constexpr):
+    # GROUP_M swizzle on a rows x num_pid_n grid: column-major inside groups of GROUP_M rows.
+    num_in_group = GROUP_M * num_pid_n
+    group_id = local // num_in_group
+    first_m = group_id * GROUP_M
+    group_rows = tl.minimum(rows - first_m, GROUP_M)
+    pid_m = first_m + (local % num_in_group) % group_rows
+    pid_n = (local % num_in_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+                 BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, TILE_ORDER: tl.constexpr):
+    """Tile id in tile-order space -> (pid_m, pid_n)."""
+    if TILE_ORDER == 0:
+        pid_m, pid_n = _grouped(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    else:
+        # Rotated M-tile positions p = (pid_m - t0) mod num_pid_m. Segment j (chunk
+        # (start_chunk + j) % num_chunks) covers positions [R(j), R(j+1)): from the tile after
+        # the previous chunk's last tile up to the tile holding this chunk's last row.
+        t0 = (start_chunk * chunk_m) // BLOCK_M
+        seg_lo = tl.zeros((), tl.int32)
+        seg_hi = num_pid_m
+        for j in range(1, num_chunks):
+            c = (start_chunk + j) % num_chunks
+            r = tl.cdiv(c * chunk_m, BLOCK_M) - t0
+            r = tl.where(c < start_chunk, r + num_pid_m, r)
+            r = tl.minimum(tl.maximum(r, 0), num_pid_m)
+            if r * num_pid_n <= tile_id:
+                seg_lo = tl.maximum(seg_lo, r)
+            else:
+                seg_hi = tl.minimum(seg_hi, r)
+        local = tile_id - seg_lo * num_pid_n
+        pos_m, pid_n = _grouped(local, seg_hi - seg_lo, num_pid_n, GROUP_M)
+        pid_m = (seg_lo + pos_m + t0) % num_pid_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _store_rows(base, rows, offs_n, vals, row_lo, row_hi, N, stride_m, stride_n):
+    """Masked store of a [BM, BN'] block; rows outside [row_lo, row_hi) or cols >= N skipped."""
+    mask = ((rows >= row_lo) & (rows < row_hi))[:, None] & (offs_n < N)[None, :]
+    ptrs = base + (rows - row_lo)[:, None] * stride_m + offs_n[None, :] * stride_n
+    tl.store(ptrs, vals, mask=mask)
+
+
+@triton.jit
+def _epilogue_store(acc, c, off_m, off_n, c_lo, c_hi, M, N,
+                    c_ptr, stride_cm, stride_cn, dest_ptrs, stride_dm, chunk_m,
+                    C_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SUB_N: tl.constexpr,
+                    SUB_IDX: tl.constexpr, USE_TMA: tl.constexpr, EPILOGUE: tl.constexpr):
+    """Store one column subtile (SUB_IDX-th slice of SUB_N columns)."""
+    vals = acc.to(C_DTYPE)
+    offs_m = off_m + tl.arange(0, acc.shape[0])
+    offs_n = off_n + SUB_IDX * SUB_N + tl.arange(0, SUB_N)
+    if EPILOGUE:
+        for cc in range(c_lo, c_hi + 1):
+            dest = tl.load(dest_ptrs + cc).to(tl.pointer_type(C_DTYPE))
+            _store_rows(dest, offs_m, offs_n, vals, cc * chunk_m,
+                        tl.minimum((cc + 1) * chunk_m, M), N, stride_dm, 1)
+    elif USE_TMA:
+        c.store([off_m, off_n + SUB_IDX * SUB_N], vals)
+    else:
+        _store_rows(c_ptr, offs_m, offs_n, vals, 0, M, N, stride_cm, stride_cn)
+
+
+@triton.jit
+def gemm_kernel(
+    a, b, c,                                   # tensor descriptors (USE_TMA) or pointers
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    # communication chunks (tile order and hooks)
+    chunk_m, num_chunks, start_chunk,
+    # wait hook
+    wait_signal, wait_gen, wait_timeout, err_ptr,
+    # epilogue hook
+    dest_ptrs, stride_dm, signal_ptrs, counters, epi_gen,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPI_SUBTILE: tl.constexpr, TILE_ORDER: tl.constexpr, USE_TMA: tl.constexpr,
+    B_KMAJOR: tl.constexpr, C_DTYPE: tl.constexpr,
+    WAIT: tl.constexpr, EPILOGUE: tl.constexpr, USE_ASM: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    start_pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    offs_k0 = tl.arange(0, BLOCK_K)
+    SUB_N: tl.constexpr = BLOCK_N // EPI_SUBTILE
+    status = tl.zeros((), tl.int32)  # 0 until a wait of this program fails
+
+    for tile_id in tl.range(start_pid, num_tiles, num_progs, flatten=FLATTEN,
+                            warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks,
+                                    start_chunk, BLOCK_M, GROUP_M, TILE_ORDER)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        if WAIT or EPILOGUE:
+            c_lo = off_m // chunk_m
+            c_hi = (tl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
+        else:
+            c_lo = 0
+            c_hi = 0
+        if WAIT:
+            for cc in range(c_lo, c_hi + 1):
+                if status == 0:
+                    st, seen = wait_geq(wait_signal + cc, wait_gen, wait_timeout, err_ptr, USE_ASM)
+                    if st == 1:
+                        record_timeout(err_ptr, tile_id, cc, wait_gen, seen)
+                    status = st
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if USE_TMA:
+            for ki in range(k_tiles):
+                off_k = ki * BLOCK_K
+                a_blk = a.load([off_m, off_k])
+                if B_KMAJOR:
+                    b_blk = b.load([off_n, off_k]).T
+                else:
+                    b_blk = b.load([off_k, off_n])
+                acc = tl.dot(a_blk, b_blk, acc)
+        else:
+            offs_am = off_m + tl.arange(0, BLOCK_M)
+            offs_bn = off_n + tl.arange(0, BLOCK_N)
+            offs_am = tl.where(offs_am < M, offs_am, 0)   # clamp instead of masking rows
+            offs_bn = tl.where(offs_bn < N, offs_bn, 0)
+            for ki in range(k_tiles):
+                offs_k = ki * BLOCK_K + offs_k0
+                a_blk = tl.load(a + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                                mask=(offs_k < K)[None, :], other=0.0)
+                b_blk = tl.load(b + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn,
+                                mask=(offs_k < K)[:, None], other=0.0)
+                if DOT_FP32:
+                    # TRITON_INTERPRET=1 (triton 3.6) multiplies bf16 bit patterns as integers
+                    # in tl.dot; exact fp32 products of the same bf16/fp16 values avoid it.
+                    a_blk = a_blk.to(tl.float32)
+                    b_blk = b_blk.to(tl.float32)
+                acc = tl.dot(a_blk, b_blk, acc)
+
+        if EPI_SUBTILE == 1:
+            _epilogue_store(acc, c, off_m, off_n, c_lo, c_hi, M, N, c, stride_cm, stride_cn,
+                            dest_ptrs, stride_dm, chunk_m, C_DTYPE, BLOCK_N, SUB_N, 0,
+                            USE_TMA, EPILOGUE)
+        else:
+            acc3 = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            acc_lo, acc_hi = tl.split(acc3)
+            _epilogue_store(acc_lo, c, off_m, off_n, c_lo, c_hi, M, N, c, stride_cm, stride_cn,
+                            dest_ptrs, stride_dm, chunk_m, C_DTYPE, BLOCK_N, SUB_N, 0,
+                            USE_TMA, EPILOGUE)
+            _epilogue_store(acc_hi, c, off_m, off_n, c_lo, c_hi, M, N, c, stride_cm, stride_cn,
+                            dest_ptrs, stride_dm, chunk_m, C_DTYPE, BLOCK_N, SUB_N, 1,
+                            USE_TMA, EPILOGUE)
+
+        if EPILOGUE:
+            # Every thread's stores of this tile happen before the release chain below.
+            tl.debug_barrier()
+            for cc in range(c_lo, c_hi + 1):
+                row_end = tl.minimum((cc + 1) * chunk_m, M)
+                tiles_in_chunk = ((row_end - 1) // BLOCK_M - (cc * chunk_m) // BLOCK_M + 1) * num_pid_n
+                done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="sys")
+                if done == tiles_in_chunk - 1:
+                    # Last tile of chunk cc: this program has acquired every other tile's
+                    # release, so its release publishes the whole chunk.
+                    tl.atomic_xchg(counters + cc, 0, sem="relaxed", scope="gpu")
+                    if status == 0:
+                        sig = tl.load(signal_ptrs + cc).to(tl.pointer_type(tl.int32))
+                        publish(sig, epi_gen)

@@ -1,0 +1,100 @@
+"""Device-side signal primitives: acquire loads, bounded waits, release publishes.
+
+Protocol (DESIGN.md §3): a signal is an int32 word that carries a *generation* (the call
+counter). A consumer waits until ``signal >= generation`` (acquire, system scope); a producer
+publishes ``signal = generation`` (release, system scope). Nothing is zeroed between calls.
+
+Two variants, chosen by the ``USE_ASM`` constexpr:
+
+* ``USE_ASM=True`` (CUDA): ``ld.global.acquire.sys.b32`` through inline PTX and a wall-clock
+  bound read from ``%globaltimer`` (nanoseconds). Both were seen working on the H200 of this
+  project (DESIGN.md §6).
+* ``USE_ASM=False`` (``TRITON_INTERPRET=1`` and any backend without inline PTX): the acquire
+  load is ``atomic_add(ptr, 0, sem="acquire", scope="sys")`` and the bound is a spin count,
+  since the interpreter runs atomics but not inline asm.
+
+Error word (int32[ERROR_WORDS], zero = no error), written once by the first program that
+times out (first writer wins through a CAS on word 0)::
+
+    [0] status   ERR_WAIT_TIMEOUT
+    [1] tile     linear tile id in tile-order space
+    [2] chunk    chunk index whose signal never reached the generation
+    [3] generation awaited
+    [4] last value seen in signal[chunk]
+    [5] program id that timed out
+"""
+import triton
+import triton.language as tl
+
+ERROR_WORDS = 8
+ERR_OK = 0
+ERR_WAIT_TIMEOUT = 1
+
+
+@triton.jit
+def ld_acquire_sys(ptr, USE_ASM: tl.constexpr):
+    """Acquire load of one int32 at system scope (orders every later read of this thread)."""
+    if USE_ASM:
+        val = tl.inline_asm_elementwise(
+            "ld.global.acquire.sys.b32 $0, [$1];", "=r,l", [ptr],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        val = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    return val
+
+
+@triton.jit
+def now_ns(USE_ASM: tl.constexpr):
+    """%globaltimer in ns with USE_ASM, else 0 (callers then bound by spin count)."""
+    if USE_ASM:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [],
+                                      dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        t = tl.full((), 0, tl.int64)
+    return t
+
+
+@triton.jit
+def wait_geq(flag_ptr, target, timeout, err_ptr, USE_ASM: tl.constexpr):
+    """Spin until ``*flag_ptr >= target``; bounded.
+
+    ``timeout`` is nanoseconds with USE_ASM (read off %globaltimer) and a spin count without.
+    The spin also stops as soon as another program has written the error word, so one
+    timeout ends every waiter quickly. Returns ``(status, last_seen)``: status 0 when the
+    flag reached ``target``, 1 on timeout, 2 when stopped by someone else's error.
+    """
+    val = ld_acquire_sys(flag_ptr, USE_ASM)
+    status = tl.full((), 0, tl.int32)
+    start = now_ns(USE_ASM)
+    spins = tl.full((), 0, tl.int64)
+    while (val < target) & (status == 0):
+        if USE_ASM:
+            elapsed = now_ns(USE_ASM) - start
+        else:
+            elapsed = spins
+        if elapsed > timeout:
+            status = tl.full((), 1, tl.int32)
+        else:
+            if tl.load(err_ptr, volatile=True) != 0:
+                status = tl.full((), 2, tl.int32)
+            val = ld_acquire_sys(flag_ptr, USE_ASM)
+        spins += 1
+    return status, val
+
+
+@triton.jit
+def record_timeout(err_ptr, tile, chunk, generation, last_seen):
+    """First timeout wins the error word; later ones leave it as it is."""
+    old = tl.atomic_cas(err_ptr, 0, 1, sem="acq_rel", scope="sys")
+    if old == 0:
+        tl.store(err_ptr + 1, tile)
+        tl.store(err_ptr + 2, chunk)
+        tl.store(err_ptr + 3, generation)
+        tl.store(err_ptr + 4, last_seen)
+        tl.store(err_ptr + 5, tl.program_id(0))
+
+
+@triton.jit
+def publish(flag_ptr, generation):
+    """``*flag_ptr = generation`` with release semantics at system scope."""
+    tl.atomic_xchg(flag_ptr, generation, sem="release", scope="sys")
