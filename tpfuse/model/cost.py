@@ -12,7 +12,7 @@ smaller tiles paying ``rel``; ``k' = k / split`` makes small K lose efficiency (
 epilogue of a tile are not amortised).
 
 Transfer: ``alpha + bytes / B_eff`` where ``B_eff`` depends on who moves the bytes: NCCL (ring,
-its SMs), the copy engine (no SMs) or ``num_sms`` SMs doing peer stores (``sm_p2p_gbps``).
+its SMs; ``p2p`` = NCCL send/recv issued step by step from Python), the copy engine (no SMs) or ``num_sms`` SMs doing peer stores (``sm_p2p_gbps``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ TILE_SHAPES: tuple[tuple[int, int], ...] = ((128, 256), (128, 128), (64, 128))
 SPLIT_K: tuple[int, ...] = (1, 2, 4)
 _MIN_K_PER_SPLIT = 256
 
-Path = Literal["nccl", "ce", "sm"]
+Path = Literal["nccl", "p2p", "ce", "sm"]
 
 
 def gemm_time_ms(m: int, n: int, k: int, dtype: str, hw: HardwareProfile, *,
@@ -62,6 +62,14 @@ def gemm_time_ms(m: int, n: int, k: int, dtype: str, hw: HardwareProfile, *,
     sms = hw.sm_count if num_sms is None else num_sms
     if sms <= 0:
         raise ValueError(f"num_sms: {sms} leaves no SMs for the GEMM; use fewer communication SMs")
+    if sms < hw.sm_count:
+        # Fewer SMs are never faster: the wave-quantization model alone could say so by luck.
+        return max(_gemm_time_ms(m, n, k, dtype, hw, sms, hbm_share, launch),
+                   _gemm_time_ms(m, n, k, dtype, hw, hw.sm_count, hbm_share, launch))
+    return _gemm_time_ms(m, n, k, dtype, hw, sms, hbm_share, launch)
+
+
+def _gemm_time_ms(m, n, k, dtype, hw, sms, hbm_share, launch) -> float:
     elt = DTYPE_BYTES[dtype]
     flops = 2.0 * m * n * k
     peak = hw.tflops(dtype) * 1e12 * hw.gemm_eff_max
@@ -90,7 +98,7 @@ def gemm_tflops(m: int, n: int, k: int, dtype: str, hw: HardwareProfile, **kw) -
 
 def link_gbps(path: Path, hw: HardwareProfile, num_sms: int | None = None) -> float:
     """Achieved per-direction bandwidth of a transport."""
-    if path == "nccl":
+    if path in ("nccl", "p2p"):
         return hw.link_nccl_gbps
     if path == "ce":
         return hw.link_ce_gbps
@@ -100,7 +108,8 @@ def link_gbps(path: Path, hw: HardwareProfile, num_sms: int | None = None) -> fl
 
 
 def alpha_ms(path: Path, hw: HardwareProfile) -> float:
-    return {"nccl": hw.alpha_nccl_us, "ce": hw.alpha_ce_us, "sm": hw.alpha_sm_us}[path] * 1e-3
+    return {"nccl": hw.alpha_nccl_us, "p2p": hw.alpha_p2p_us, "ce": hw.alpha_ce_us,
+            "sm": hw.alpha_sm_us}[path] * 1e-3
 
 
 def transfer_time_ms(num_bytes: float, path: Path, hw: HardwareProfile, *,
@@ -114,11 +123,13 @@ def transfer_time_ms(num_bytes: float, path: Path, hw: HardwareProfile, *,
     return alpha_ms(path, hw) + num_bytes / (bw * 1e9) * 1e3
 
 
-def reduce_time_ms(num_bytes_moved: float, hw: HardwareProfile) -> float:
-    """A memory-bound elementwise reduction that reads and writes ``num_bytes_moved`` in total."""
+def reduce_time_ms(num_bytes_moved: float, hw: HardwareProfile, *, launch: bool = True) -> float:
+    """A memory-bound elementwise reduction that reads and writes ``num_bytes_moved`` in total
+    (``launch=False``: done inside an already running kernel)."""
     if num_bytes_moved <= 0:
         return 0.0
-    return num_bytes_moved / (hw.hbm_gbps * 1e9 * hw.hbm_eff) * 1e3 + hw.gemm_launch_us * 1e-3
+    t = num_bytes_moved / (hw.hbm_gbps * 1e9 * hw.hbm_eff) * 1e3
+    return t + (hw.gemm_launch_us * 1e-3 if launch else 0.0)
 
 
 def all_gather_ms(total_bytes: float, world_size: int, hw: HardwareProfile) -> float:

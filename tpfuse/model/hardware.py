@@ -62,7 +62,8 @@ class HardwareProfile:
     link_sm_gbps_per_sm: float  # SM-driven peer stores: rate one SM sustains
     link_sm_max_gbps: float  # SM-driven peer stores: ceiling, however many SMs push
     # latencies (alpha), microseconds
-    alpha_nccl_us: float  # per NCCL step (one send/recv of a ring step)
+    alpha_nccl_us: float  # per step of a ring inside one NCCL collective
+    alpha_p2p_us: float  # per torch.distributed P2P step (batch_isend_irecv from Python)
     alpha_ce_us: float  # per copy-engine copy, incl. signal wait/write
     alpha_sm_us: float  # per SM-driven chunk (flag release/acquire across GPUs)
     nccl_sms: int  # SMs an NCCL collective occupies while it runs next to a GEMM
@@ -111,8 +112,9 @@ _CE_H100 = ("copy-engine P2P ~380 GB/s/dir on H100 NVLink4 (DESIGN §5; CUTLASS 
             "and PyTorch async-TP report CE copies near NCCL busbw)")
 _SM_P2P = ("SM-driven P2P: lead estimate, ~25 GB/s per SM of ld/st over NVLink, saturating near "
            "the CE rate with ~16-20 SMs (Triton-distributed / FLUX use 8-20 comm SMs); calibrate")
-_ALPHA = ("alpha: lead estimates from nccl-tests small-message latency (~8-10 us per ring step "
-          "on NVLink) and ~3-5 us for a CE copy + stream wait; calibrate")
+_ALPHA = ("alpha: lead estimates: nccl-tests all_gather on 8xH100 takes ~20 us at 1 MB, i.e. ~3 us "
+          "per ring step; a Python-issued batch_isend_irecv step ~10-15 us; ~3-5 us for a CE copy "
+          "+ stream wait; ~2 us for a cross-GPU flag release/acquire; calibrate")
 _GEMM_LEAD = "GEMM curve defaults: lead; overridden by calibration/<name>.json where present"
 
 
@@ -134,7 +136,7 @@ _register(HardwareProfile(
     hbm_gbps=3350.0, sm_count=132,
     link_name="NVLink4", link_line_gbps=450.0, link_nccl_gbps=370.0, link_ce_gbps=380.0,
     link_sm_gbps_per_sm=25.0, link_sm_max_gbps=380.0,
-    alpha_nccl_us=8.0, alpha_ce_us=4.0, alpha_sm_us=2.0, nccl_sms=16, max_domain=8,
+    alpha_nccl_us=3.0, alpha_p2p_us=12.0, alpha_ce_us=4.0, alpha_sm_us=2.0, nccl_sms=16, max_domain=8,
     sources=_src(tflops_bf16=_H100_DS, hbm_gbps=_H100_DS, sm_count=_H100_DS, link_line_gbps=_NVL4,
                  link_nccl_gbps=_NCCL_H100, link_ce_gbps=_CE_H100, link_sm_gbps_per_sm=_SM_P2P,
                  alpha_nccl_us=_ALPHA, nccl_sms="NCCL default ring channels on NVSwitch: ~16 CTAs",
@@ -156,7 +158,7 @@ _register(HardwareProfile(
     hbm_gbps=8000.0, sm_count=148,
     link_name="NVLink5", link_line_gbps=900.0, link_nccl_gbps=720.0, link_ce_gbps=740.0,
     link_sm_gbps_per_sm=40.0, link_sm_max_gbps=740.0,
-    alpha_nccl_us=8.0, alpha_ce_us=4.0, alpha_sm_us=2.0, nccl_sms=16, max_domain=8,
+    alpha_nccl_us=3.0, alpha_p2p_us=12.0, alpha_ce_us=4.0, alpha_sm_us=2.0, nccl_sms=16, max_domain=8,
     sources=_src(tflops_bf16=_B200_DS, hbm_gbps=_B200_DS, sm_count="B200: 148 SMs (Blackwell whitepaper)",
                  link_line_gbps=_NVL5,
                  link_nccl_gbps="lead: ~80% of NVLink5 line rate, by analogy with H100 (370/450)",
@@ -182,7 +184,7 @@ _register(HardwareProfile(
     hbm_gbps=2000.0, sm_count=114,
     link_name="PCIe5 x16", link_line_gbps=64.0, link_nccl_gbps=40.0, link_ce_gbps=50.0,
     link_sm_gbps_per_sm=6.0, link_sm_max_gbps=45.0,
-    alpha_nccl_us=15.0, alpha_ce_us=8.0, alpha_sm_us=5.0, nccl_sms=8, max_domain=8,
+    alpha_nccl_us=8.0, alpha_p2p_us=20.0, alpha_ce_us=8.0, alpha_sm_us=5.0, nccl_sms=8, max_domain=8,
     sources=_src(tflops_bf16="NVIDIA H100 PCIe datasheet (dense = half the sparse figure)",
                  hbm_gbps="NVIDIA H100 PCIe datasheet: 2.0 TB/s HBM2e", sm_count="H100 PCIe: 114 SMs",
                  link_line_gbps="PCIe Gen5 x16: 64 GB/s per direction (raw, before protocol overhead)",
@@ -197,7 +199,7 @@ _register(HardwareProfile(
     hbm_gbps=864.0, sm_count=142,
     link_name="PCIe4 x16", link_line_gbps=32.0, link_nccl_gbps=20.0, link_ce_gbps=25.0,
     link_sm_gbps_per_sm=3.0, link_sm_max_gbps=22.0,
-    alpha_nccl_us=15.0, alpha_ce_us=8.0, alpha_sm_us=5.0, nccl_sms=8, max_domain=8,
+    alpha_nccl_us=8.0, alpha_p2p_us=20.0, alpha_ce_us=8.0, alpha_sm_us=5.0, nccl_sms=8, max_domain=8,
     sources=_src(tflops_bf16="NVIDIA L40S datasheet: 362 TFLOP/s bf16 dense (733 sparse)",
                  hbm_gbps="NVIDIA L40S datasheet: 864 GB/s GDDR6", sm_count="L40S: 142 SMs",
                  link_line_gbps="PCIe Gen4 x16: 32 GB/s per direction",
@@ -212,7 +214,7 @@ _register(HardwareProfile(
     hbm_gbps=20.0, sm_count=8,
     link_name="gloo/TCP loopback", link_line_gbps=5.0, link_nccl_gbps=2.0, link_ce_gbps=2.0,
     link_sm_gbps_per_sm=1.0, link_sm_max_gbps=2.0,
-    alpha_nccl_us=80.0, alpha_ce_us=80.0, alpha_sm_us=80.0, nccl_sms=1, max_domain=64,
+    alpha_nccl_us=80.0, alpha_p2p_us=150.0, alpha_ce_us=80.0, alpha_sm_us=80.0, nccl_sms=1, max_domain=64,
     gemm_eff_max=0.7, gemm_k_half=32.0, gemm_tile_rel=(1.0, 1.0, 1.0), hbm_eff=0.5,
     gemm_launch_us=20.0,
     sources=_src(**{f: "ROUGH guess for a few-core CI VM (torch CPU matmul, gloo over TCP "

@@ -1,0 +1,478 @@
+"""Discrete-event replay of one fused op on W ranks: which chunk runs where, and when.
+
+Each rank has two in-order engines, ``gemm`` (the SMs running GEMM chunks and reductions) and
+``comm`` (whoever moves the bytes: NCCL, the copy engine or communication SMs).  A strategy is a
+list of tasks per engine, in the strategy's order, with dependencies -- also across ranks (a ring
+step waits for the neighbour's previous step; a reduce-scatter owner waits for every peer's
+partial).  A task starts when its engine is free, its rank has started (per-rank skew) and every
+dependency has finished.  Engines never reorder work, so the replay is exact for that model and
+monotone: no task duration getting shorter can make the op slower.
+
+Staging slots follow the life cycle FREE -> PRODUCING -> READY -> IN_FLIGHT -> FREE: with
+``num_slots`` slots, producing chunk ``j`` waits until the transfer of chunk ``j - num_slots``
+has completed (its credit came back).
+
+Per rank the result reports, around the bottleneck engine (the one with more work), ``fill``
+(start until it starts), ``drain`` (the exposed tail: the other engine's work after it ended) and
+``steady`` (the rest, bubbles included), ``backlog`` (most chunks
+waiting between producer and consumer at once), GEMM/comm busy time, exposed communication and
+the total; ``draw_timeline`` turns it into a PNG.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tpfuse.model import cost
+from tpfuse.model.hardware import HardwareProfile
+
+__all__ = [
+    "OPS",
+    "STRATEGIES",
+    "Task",
+    "RankStats",
+    "SimResult",
+    "simulate",
+    "default_comm_sms",
+    "draw_timeline",
+]
+
+OPS = ("ag_gemm", "gemm_rs", "gemm_ar")
+STRATEGIES = ("unfused", "ring", "copy_engine", "fused")
+
+
+@dataclass
+class Task:
+    """One unit of work on one engine of one rank. Times are ms from the earliest rank start."""
+
+    tid: int
+    rank: int
+    engine: str  # "gemm" | "comm"
+    kind: str  # "gemm" | "comm" | "reduce"
+    duration: float
+    deps: tuple[int, ...]
+    label: str
+    chunk: int = -1
+    start: float = math.nan
+    end: float = math.nan
+
+
+@dataclass(frozen=True)
+class RankStats:
+    rank: int
+    start: float
+    end: float
+    total: float
+    fill: float
+    steady: float
+    drain: float
+    backlog: int
+    gemm_busy: float
+    comm_busy: float
+    exposed_comm: float
+
+
+@dataclass
+class SimResult:
+    op: str
+    strategy: str
+    world_size: int
+    num_chunks: int
+    makespan_ms: float
+    ranks: list[RankStats]
+    tasks: list[Task] = field(repr=False)
+
+    @property
+    def fill_ms(self) -> float:
+        return max(r.fill for r in self.ranks)
+
+    @property
+    def drain_ms(self) -> float:
+        return max(r.drain for r in self.ranks)
+
+    @property
+    def exposed_comm_ms(self) -> float:
+        return max(r.exposed_comm for r in self.ranks)
+
+
+class _Graph:
+    def __init__(self, world_size: int, skew: tuple[float, ...]):
+        self.tasks: list[Task] = []
+        self.world_size = world_size
+        self.skew = skew
+        self.pairs: list[tuple[int, int, int]] = []  # (rank, producer tid, consumer tid)
+
+    def add(self, rank: int, engine: str, kind: str, duration: float, deps=(), label: str = "",
+            chunk: int = -1) -> int:
+        tid = len(self.tasks)
+        self.tasks.append(Task(tid, rank, engine, kind, max(0.0, duration),
+                               tuple(d for d in deps if d is not None), label, chunk))
+        return tid
+
+    def run(self) -> None:
+        """Process each engine's queue in order; a task runs once its deps are done."""
+        queues: dict[tuple[int, str], list[Task]] = {}
+        for t in self.tasks:
+            queues.setdefault((t.rank, t.engine), []).append(t)
+        heads = {key: 0 for key in queues}
+        free = {key: self.skew[key[0]] for key in queues}
+        done = [False] * len(self.tasks)
+        remaining = len(self.tasks)
+        while remaining:
+            progressed = False
+            for key, queue in queues.items():
+                while heads[key] < len(queue):
+                    t = queue[heads[key]]
+                    if not all(done[d] for d in t.deps):
+                        break
+                    t.start = max([free[key]] + [self.tasks[d].end for d in t.deps])
+                    t.end = t.start + t.duration
+                    free[key] = t.end
+                    done[t.tid] = True
+                    heads[key] += 1
+                    remaining -= 1
+                    progressed = True
+            assert progressed, "simulator deadlock: a strategy built a cyclic schedule"
+
+
+def default_comm_sms(hw: HardwareProfile) -> int:
+    """Fewest SMs whose peer stores reach the copy-engine rate (the fused kernel's comm workers)."""
+    return max(1, min(hw.sm_count // 4, math.ceil(hw.link_ce_gbps / hw.link_sm_gbps_per_sm)))
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """``total`` rows into ``parts`` near-equal integer pieces (the first ones one larger)."""
+    q, r = divmod(total, parts)
+    return [q + (1 if i < r else 0) for i in range(parts)]
+
+
+def _check(op, strategy, world_size, num_chunks):
+    if op not in OPS:
+        raise ValueError(f"op: unknown op {op!r}; use one of {OPS}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy: unknown strategy {strategy!r}; use one of {STRATEGIES}")
+    if world_size < 1:
+        raise ValueError(f"world_size: {world_size} must be >= 1")
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks: {num_chunks} must be >= 1")
+    if op != "gemm_ar" and strategy in ("copy_engine", "fused") and num_chunks % world_size:
+        raise ValueError(f"num_chunks: {num_chunks} is not a multiple of world_size {world_size}; "
+                         f"{op} chunks each rank's shard, use a multiple such as {world_size}")
+
+
+def simulate(op: str, strategy: str, *, m: int, n: int, k: int, world_size: int, dtype: str,
+             hw: HardwareProfile, num_chunks: int | None = None, skew_ms: tuple[float, ...] | None = None,
+             comm_sms: int | None = None, num_slots: int | None = None) -> SimResult:
+    """Replay ``op`` with ``strategy`` on ``world_size`` ranks.
+
+    ``m`` is the full M, ``n``/``k`` the local sizes (as the ops take them); ``dtype`` a
+    canonical name (``bf16``...).  ``num_chunks`` counts communication chunks along the full M
+    (for ag_gemm/gemm_rs a multiple of W: each shard is cut into ``num_chunks / W`` pieces;
+    ``ring`` always uses W).  ``skew_ms[r]`` delays rank r's start.  ``comm_sms`` is the SMs the
+    fused kernel gives to communication; ``num_slots`` bounds staged chunks in flight
+    (None: one slot per chunk).
+    """
+    w = world_size
+    if num_chunks is None:
+        num_chunks = 1 if (w == 1 or strategy == "unfused") else w
+    if strategy == "ring" and w > 1:
+        num_chunks = w
+    _check(op, strategy, w, num_chunks)
+    skew = tuple(skew_ms) if skew_ms is not None else (0.0,) * w
+    if len(skew) != w:
+        raise ValueError(f"skew_ms: {len(skew)} values for world_size {w}; give one per rank")
+    base = min(skew)
+    skew = tuple(s - base for s in skew)
+    if comm_sms is None:
+        comm_sms = default_comm_sms(hw)
+    g = _Graph(w, skew)
+    ctx = _Ctx(op, m, n, k, w, dtype, hw, num_chunks, comm_sms, num_slots)
+    if w == 1 or strategy == "unfused":
+        _build_unfused(g, ctx)
+    else:
+        {"ag_gemm": _build_ag, "gemm_rs": _build_rs, "gemm_ar": _build_ar}[op](g, ctx, strategy)
+    g.run()
+    ranks = [_rank_stats(g, r) for r in range(w)]
+    makespan = max(r.end for r in ranks) - min(r.start for r in ranks)
+    return SimResult(op, strategy, w, num_chunks, makespan, ranks, g.tasks)
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    op: str
+    m: int
+    n: int
+    k: int
+    w: int
+    dtype: str
+    hw: HardwareProfile
+    num_chunks: int
+    comm_sms: int
+    num_slots: int | None
+
+    @property
+    def elt(self) -> int:
+        return cost.DTYPE_BYTES[self.dtype]
+
+    def gemm(self, rows: int, *, num_sms: int | None = None, hbm_share: float = 1.0) -> float:
+        """A separately launched GEMM on ``rows`` rows; never faster per row than the whole GEMM
+        (the tile-choice model can otherwise reward chunking for wave-quantization luck)."""
+        t = cost.gemm_time_ms(rows, self.n, self.k, self.dtype, self.hw, num_sms=num_sms,
+                              hbm_share=hbm_share)
+        whole = cost.gemm_time_ms(self.m, self.n, self.k, self.dtype, self.hw, num_sms=num_sms,
+                                  hbm_share=hbm_share, launch=False)
+        return max(t, whole * rows / max(self.m, 1))
+
+    def persistent(self, rows: int, first: bool) -> float:
+        """A chunk of rows inside one persistent kernel on the SMs left by the comm workers."""
+        whole = cost.gemm_time_ms(self.m, self.n, self.k, self.dtype, self.hw,
+                                  num_sms=self.hw.sm_count - self.comm_sms, launch=False)
+        return whole * rows / max(self.m, 1) + (self.hw.gemm_launch_us * 1e-3 if first else 0.0)
+
+    def xfer(self, num_bytes: float, path: str) -> float:
+        return cost.transfer_time_ms(num_bytes, path, self.hw,
+                                     num_sms=self.comm_sms if path == "sm" else None)
+
+
+def _build_unfused(g: _Graph, c: _Ctx) -> None:
+    """Collective then GEMM (ag) or GEMM then collective (rs, ar); NCCL waits for every rank."""
+    comm = cost.collective_ms(c.op, c.m, c.n, c.k, c.w, c.dtype, c.hw)
+    full = cost.gemm_time_ms(c.m, c.n, c.k, c.dtype, c.hw)
+    if c.w == 1:
+        for r in range(c.w):
+            g.add(r, "gemm", "gemm", full, label="GEMM")
+        return
+    if c.op == "ag_gemm":
+        starts = [g.add(r, "comm", "comm", 0.0, label="join") for r in range(c.w)]
+        for r in range(c.w):
+            t = g.add(r, "comm", "comm", comm, deps=starts, label="all_gather")
+            g.add(r, "gemm", "gemm", full, deps=(t,), label="GEMM")
+            g.pairs.append((r, t, t + 1))
+    else:
+        gemms = [g.add(r, "gemm", "gemm", full, label="GEMM") for r in range(c.w)]
+        name = "reduce_scatter" if c.op == "gemm_rs" else "all_reduce"
+        for r in range(c.w):
+            t = g.add(r, "comm", "comm", comm, deps=gemms, label=name)
+            g.pairs.append((r, gemms[r], t))
+
+
+def _build_ag(g: _Graph, c: _Ctx, strategy: str) -> None:
+    w = c.w
+    shard_rows = _split(c.m, w)
+    if strategy == "ring":
+        # step s: compute on shard (r - s) while shard (r - s - 1) travels from rank r - 1.
+        contended = c.hw.sm_count - c.hw.nccl_sms
+        recv = {}  # (rank, step) -> tid
+        for s in range(1, w):
+            for r in range(w):
+                src = (r - s) % w
+                prev = recv.get(((r - 1) % w, s - 1))
+                recv[(r, s)] = g.add(r, "comm", "comm", c.xfer(shard_rows[src] * c.k * c.elt, "p2p"),
+                                     deps=(prev,), label=f"recv {src}", chunk=src)
+        for r in range(w):
+            for s in range(w):
+                src = (r - s) % w
+                dep = recv.get((r, s))
+                sms = contended if s < w - 1 else None
+                t = g.add(r, "gemm", "gemm", c.gemm(shard_rows[src], num_sms=sms), deps=(dep,),
+                          label=f"GEMM {src}", chunk=src)
+                if dep is not None:
+                    g.pairs.append((r, dep, t))
+        return
+    # copy_engine / fused: pull every peer's shard in pieces, nearest peer first; compute the
+    # local shard first, then each piece as it lands.
+    pieces = c.num_chunks // w
+    path = "ce" if strategy == "copy_engine" else "sm"
+    for r in range(w):
+        order = [(r + d) % w for d in range(w)]
+        arrivals = []
+        for src in order[1:]:
+            for p, rows in enumerate(_split(shard_rows[src], pieces)):
+                tid = g.add(r, "comm", "comm", c.xfer(rows * c.k * c.elt, path),
+                            label=f"pull {src}.{p}", chunk=src * pieces + p)
+                arrivals.append((tid, rows, src * pieces + p))
+        first = True
+        if strategy == "copy_engine":
+            g.add(r, "gemm", "gemm", c.gemm(shard_rows[r]), label=f"GEMM {r}", chunk=r * pieces)
+            for tid, rows, ch in arrivals:
+                t = g.add(r, "gemm", "gemm", c.gemm(rows), deps=(tid,), label=f"GEMM {ch}", chunk=ch)
+                g.pairs.append((r, tid, t))
+        else:
+            for p, rows in enumerate(_split(shard_rows[r], pieces)):
+                g.add(r, "gemm", "gemm", c.persistent(rows, first), label=f"tiles {r}.{p}",
+                      chunk=r * pieces + p)
+                first = False
+            for tid, rows, ch in arrivals:
+                t = g.add(r, "gemm", "gemm", c.persistent(rows, False), deps=(tid,),
+                          label=f"tiles {ch}", chunk=ch)
+                g.pairs.append((r, tid, t))
+
+
+def _build_rs(g: _Graph, c: _Ctx, strategy: str) -> None:
+    w = c.w
+    shard_rows = _split(c.m, w)
+    if strategy == "ring":
+        # step s: compute the partial of shard (r - s - 1), add what rank r - 1 sent at step s - 1,
+        # send it on; the last step's shard is r's own.
+        contended = c.hw.sm_count - c.hw.nccl_sms
+        send = {}
+        gemm_tid = {}
+        for s in range(w):
+            for r in range(w):
+                dst = (r - s - 1) % w
+                sms = contended if s < w - 1 else None
+                gemm_tid[(r, s)] = g.add(r, "gemm", "gemm", c.gemm(shard_rows[dst], num_sms=sms),
+                                         label=f"GEMM {dst}", chunk=dst)
+        for s in range(w - 1):
+            for r in range(w):
+                dst = (r - s - 1) % w
+                prev = send.get(((r - 1) % w, s - 1))
+                send[(r, s)] = g.add(r, "comm", "comm",
+                                     c.xfer(shard_rows[dst] * c.n * c.elt, "p2p"),
+                                     deps=(gemm_tid[(r, s)], prev), label=f"send {dst}", chunk=dst)
+                g.pairs.append((r, gemm_tid[(r, s)], send[(r, s)]))
+        for r in range(w):
+            g.add(r, "gemm", "reduce", cost.reduce_time_ms(3 * shard_rows[r] * c.n * c.elt, c.hw),
+                  deps=(send[((r - 1) % w, w - 2)], gemm_tid[(r, w - 1)]), label="add", chunk=r)
+        return
+    # copy_engine / fused: produce partials in owner order (r+1, r+2, ..., own last), push each
+    # piece to its owner as soon as it is READY; the owner reduces once every peer's piece is in.
+    pieces = c.num_chunks // w
+    path = "ce" if strategy == "copy_engine" else "sm"
+    slots = c.num_slots
+    pushes: dict[int, list[int]] = {r: [] for r in range(w)}  # owner -> transfer tids
+    own_gemm = {}
+    for r in range(w):
+        order = [(r + d) % w for d in range(1, w)] + [r]
+        sends: list[int] = []
+        first = True
+        for dst in order:
+            for p, rows in enumerate(_split(shard_rows[dst], pieces)):
+                ch = dst * pieces + p
+                credit = sends[len(sends) - slots] if (slots and dst != r and len(sends) >= slots) else None
+                if strategy == "copy_engine":
+                    dur = c.gemm(rows)
+                else:
+                    dur = c.persistent(rows, first)
+                first = False
+                gt = g.add(r, "gemm", "gemm", dur, deps=(credit,), label=f"GEMM {dst}.{p}", chunk=ch)
+                if dst == r:
+                    own_gemm.setdefault(r, []).append(gt)
+                    continue
+                st = g.add(r, "comm", "comm", c.xfer(rows * c.n * c.elt, path), deps=(gt,),
+                           label=f"push {dst}.{p}", chunk=ch)
+                sends.append(st)
+                pushes[dst].append(st)
+                g.pairs.append((r, gt, st))
+    for r in range(w):
+        red = cost.reduce_time_ms((w + 1) * shard_rows[r] * c.n * c.elt, c.hw,
+                                  launch=strategy == "copy_engine")
+        g.add(r, "gemm", "reduce", red,
+              deps=tuple(pushes[r]) + tuple(own_gemm[r]), label="reduce", chunk=r)
+
+
+def _build_ar(g: _Graph, c: _Ctx, strategy: str) -> None:
+    w = c.w
+    if strategy == "ring":
+        # ring reduce-scatter (as gemm_rs) then a ring all-gather of the reduced shards (exposed).
+        _build_rs(g, c, "ring")
+        shard_rows = _split(c.m, w)
+        reduces = {t.rank: t.tid for t in g.tasks if t.kind == "reduce"}
+        recv = {}
+        for s in range(1, w):
+            for r in range(w):
+                src = (r - s) % w
+                prev = recv.get(((r - 1) % w, s - 1), reduces[(r - 1) % w] if s == 1 else None)
+                recv[(r, s)] = g.add(r, "comm", "comm", c.xfer(shard_rows[src] * c.n * c.elt, "p2p"),
+                                     deps=(prev, reduces[r]), label=f"ag {src}", chunk=src)
+        return
+    # copy_engine / fused: cut M into chunks; all-reduce chunk i (best of one-shot pull-and-reduce
+    # and two-shot RS+AG, reduction on the comm side) while chunk i+1 is computed.
+    path = "ce" if strategy == "copy_engine" else "sm"
+    rows_list = _split(c.m, c.num_chunks)
+    gemms: dict[tuple[int, int], int] = {}
+    for r in range(w):
+        first = True
+        for i, rows in enumerate(rows_list):
+            dur = c.gemm(rows) if strategy == "copy_engine" else c.persistent(rows, first)
+            first = False
+            gemms[(r, i)] = g.add(r, "gemm", "gemm", dur, label=f"GEMM {i}", chunk=i)
+    for r in range(w):
+        for i, rows in enumerate(rows_list):
+            nbytes = rows * c.n * c.elt
+            launch = strategy == "copy_engine"  # a separate reduction kernel; fused reduces in-kernel
+            one_shot = (c.xfer((w - 1) * nbytes, path)
+                        + cost.reduce_time_ms((w + 1) * nbytes, c.hw, launch=launch))
+            two_shot = (2 * c.xfer((w - 1) * nbytes / w, path)
+                        + cost.reduce_time_ms((w + 1) * nbytes / w, c.hw, launch=launch))
+            t = g.add(r, "comm", "comm", min(one_shot, two_shot),
+                      deps=tuple(gemms[(q, i)] for q in range(w)), label=f"AR {i}", chunk=i)
+            g.pairs.append((r, gemms[(r, i)], t))
+
+
+def _rank_stats(g: _Graph, r: int) -> RankStats:
+    mine = [t for t in g.tasks if t.rank == r and t.duration > 0]
+    start = g.skew[r]
+    end = max((t.end for t in mine), default=start)
+    gemm_tasks = [t for t in mine if t.engine == "gemm"]
+    comm_tasks = [t for t in mine if t.engine == "comm"]
+    gemm_busy = sum(t.duration for t in gemm_tasks)
+    comm_busy = sum(t.duration for t in comm_tasks)
+    total = end - start
+    if gemm_tasks and comm_tasks:
+        # The seed decomposition T = fill + steady + drain around the bottleneck engine (the one
+        # with more work): fill = before it starts, drain = the other engine's tail after it ends.
+        bottleneck = gemm_tasks if gemm_busy >= comm_busy else comm_tasks
+        fill = max(0.0, min(t.start for t in bottleneck) - start)
+        drain = max(0.0, end - max(t.end for t in bottleneck))
+    else:
+        fill = drain = 0.0
+    events = []
+    for rank, prod, cons in g.pairs:
+        if rank == r:
+            events.append((g.tasks[prod].end, 1))
+            events.append((g.tasks[cons].start, -1))
+    backlog = peak = 0
+    for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+        backlog += delta
+        peak = max(peak, backlog)
+    return RankStats(rank=r, start=start, end=end, total=total, fill=fill,
+                     steady=max(0.0, total - fill - drain), drain=drain, backlog=peak,
+                     gemm_busy=gemm_busy, comm_busy=comm_busy,
+                     exposed_comm=max(0.0, total - gemm_busy))
+
+
+def draw_timeline(result: SimResult, path, *, title: str | None = None) -> None:
+    """Draw per rank a GEMM lane and a comm lane of ``result`` into a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    w = result.world_size
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.7 * w))
+    colors = {"gemm": "#4C72B0", "comm": "#DD8452", "reduce": "#55A868"}
+    yticks, ylabels = [], []
+    for r in range(w):
+        for lane, engine in enumerate(("gemm", "comm")):
+            y = (w - 1 - r) * 2.4 + (1 - lane) * 1.1
+            yticks.append(y + 0.5)
+            ylabels.append(f"rank {r} {engine}")
+            for t in result.tasks:
+                if t.rank != r or t.engine != engine or t.duration <= 0:
+                    continue
+                ax.broken_barh([(t.start, t.duration)], (y, 1.0), facecolors=colors[t.kind],
+                               edgecolors="white", linewidth=0.5)
+                if t.duration > result.makespan_ms / 40:
+                    ax.text(t.start + t.duration / 2, y + 0.5, t.label.split()[-1], ha="center",
+                            va="center", fontsize=6, color="white")
+    ax.set_yticks(yticks, ylabels, fontsize=7)
+    ax.set_xlabel("ms (predicted)")
+    ax.set_title(title or f"{result.op} / {result.strategy}: W={w}, {result.num_chunks} chunks, "
+                 f"{result.makespan_ms:.3f} ms predicted", fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=col) for col in colors.values()]
+    ax.legend(handles, list(colors), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

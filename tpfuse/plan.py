@@ -1,0 +1,460 @@
+"""The planner: pick a strategy and chunking per shape from the cost model and the tuning cache.
+
+    from tpfuse.plan import plan, choose, record_measurement
+    p = plan("ag_gemm", m=16384, n=7168, k=8192, world_size=8, dtype="bf16", hardware="h200")
+    print(p.strategy, p.num_chunks, p.predicted_ms, p.explain())
+
+``m`` is the full M; ``n`` and ``k`` are this rank's local sizes (as the ops take them).
+``plan`` predicts every strategy ("unfused", "ring", "copy_engine", "fused") with the pipeline
+simulator (``tpfuse.model.simulate``), each at its best chunk count, and picks the fastest.
+``choose`` is what ``strategy="auto"`` calls on every op call: the same, restricted to the
+strategies the environment can run, cached, and with measured times from the tuning cache
+(``record_measurement``) overriding predictions.
+
+Note: ``tpfuse/__init__.py`` re-exports the function ``plan``, which shadows this module as the
+attribute ``tpfuse.plan``; import names from it with ``from tpfuse.plan import ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.metadata
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from tpfuse.model import cost
+from tpfuse.model.hardware import HardwareProfile, get_profile
+from tpfuse.model.simulate import OPS, STRATEGIES, SimResult, default_comm_sms, draw_timeline, simulate
+
+__all__ = [
+    "Plan",
+    "plan",
+    "choose",
+    "record_measurement",
+    "tuning_cache_path",
+    "canonical_dtype",
+    "chunk_candidates",
+    "tp_sizes",
+    "add_plan_arguments",
+    "run_plan_cli",
+]
+
+_DTYPE_NAMES = {
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16",
+    "fp32": "fp32", "float32": "fp32", "float": "fp32",
+    "fp64": "fp64", "float64": "fp64", "double": "fp64",
+    "fp8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+}
+
+
+def canonical_dtype(dtype: Any) -> str:
+    """``torch.bfloat16`` / ``"bfloat16"`` / ``"bf16"`` -> ``"bf16"`` (likewise fp16, fp32, fp64, fp8)."""
+    name = str(dtype).removeprefix("torch.").lower() if dtype is not None else "None"
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"dtype: {dtype!r} is not supported; use torch.bfloat16, torch.float16, "
+                         "torch.float32 or torch.float64 (or 'bf16', 'fp16', 'fp32', 'fp64')")
+    return _DTYPE_NAMES[name]
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: {value} must be >= {minimum}")
+    return value
+
+
+def _validate(op, m, n, k, world_size, dtype, hardware) -> tuple[str, HardwareProfile]:
+    if op not in OPS:
+        raise ValueError(f"op: unknown op {op!r}; use one of {', '.join(OPS)}")
+    _check_int("m", m, 0)
+    _check_int("n", n, 1)
+    _check_int("k", k, 1)
+    _check_int("world_size", world_size, 1)
+    return canonical_dtype(dtype), get_profile(hardware)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's decision for one op call shape, with every candidate's prediction.
+
+    ``predicted_ms``: strategy -> ms (its best chunk count); ``chunks``: strategy -> that count.
+    ``breakdown``: ``gemm_ms`` (the whole local GEMM alone) and ``comm_ms`` (the collective alone;
+    both strategy-independent, ``comm_ms`` 0 at world_size 1), ``fill_ms``/``drain_ms``/
+    ``exposed_comm_ms`` of the chosen strategy.  ``measured``: strategies whose time came from
+    the tuning cache instead of the model.
+    """
+
+    op: str
+    strategy: str
+    num_chunks: int
+    m: int
+    n: int
+    k: int
+    world_size: int
+    dtype: str
+    hardware: str
+    comm_sms: int
+    predicted_ms: Mapping[str, float] = field(compare=False)
+    chunks: Mapping[str, int] = field(compare=False)
+    breakdown: Mapping[str, float] = field(compare=False)
+    measured: tuple[str, ...] = ()
+    reason: str = ""
+
+    @property
+    def chunk_m(self) -> int:
+        """Rows of one communication chunk (of the full M)."""
+        return math.ceil(self.m / self.num_chunks) if self.num_chunks else self.m
+
+    @property
+    def speedup(self) -> float:
+        """Predicted unfused time over the chosen strategy's."""
+        chosen = self.predicted_ms[self.strategy]
+        return self.predicted_ms["unfused"] / chosen if chosen > 0 else 1.0
+
+    @property
+    def bound(self) -> str:
+        """Which side limits the overlapped pipeline: "gemm", "comm" or "none" (no comm)."""
+        if self.breakdown["comm_ms"] == 0:
+            return "none"
+        return "gemm" if self.breakdown["gemm_ms"] >= self.breakdown["comm_ms"] else "comm"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(predicted_ms=dict(self.predicted_ms), chunks=dict(self.chunks),
+                 breakdown=dict(self.breakdown), measured=list(self.measured),
+                 chunk_m=self.chunk_m, speedup=self.speedup, bound=self.bound)
+        return d
+
+    def explain(self) -> str:
+        """Why this strategy: the shape, the two costs it overlaps, every candidate's time."""
+        b = self.breakdown
+        coll = {"ag_gemm": "all-gather", "gemm_rs": "reduce-scatter", "gemm_ar": "all-reduce"}[self.op]
+        lines = [
+            f"{self.op} m={self.m} n={self.n} k={self.k} world_size={self.world_size} {self.dtype} "
+            f"on {self.hardware}: chose {self.strategy!r} with {self.num_chunks} chunk(s) "
+            f"(chunk_m={self.chunk_m}), {self.predicted_ms[self.strategy]:.4f} ms vs unfused "
+            f"{self.predicted_ms['unfused']:.4f} ms ({self.speedup:.2f}x).",
+            f"  GEMM alone {b['gemm_ms']:.4f} ms, {coll} alone {b['comm_ms']:.4f} ms "
+            f"({'no communication' if self.bound == 'none' else self.bound + '-bound'}); "
+            f"chosen pipeline: fill {b['fill_ms']:.4f} ms, drain {b['drain_ms']:.4f} ms, "
+            f"exposed comm {b['exposed_comm_ms']:.4f} ms.",
+            f"  Why: {self.reason}",
+            "  Candidates: " + ", ".join(
+                f"{s} {ms:.4f} ms" + (f" ({self.chunks[s]} chunks)" if s != "unfused" else "")
+                + (" [measured]" if s in self.measured else "")
+                for s, ms in sorted(self.predicted_ms.items(), key=lambda kv: kv[1])),
+        ]
+        return "\n".join(lines)
+
+
+def chunk_candidates(op: str, strategy: str, m: int, world_size: int) -> tuple[int, ...]:
+    """Chunk counts the planner tries for a strategy (ring: W steps; unfused: 1)."""
+    w = world_size
+    if strategy == "unfused" or w == 1:
+        return (1,)
+    if strategy == "ring":
+        return (w,)
+    if op == "gemm_ar":
+        return tuple(c for c in (1, 2, 4, 8, 16) if c == 1 or m // c >= 16)
+    shard = max(1, m // w)
+    return tuple(w * s for s in (1, 2, 4, 8) if s == 1 or shard // s >= 16)
+
+
+def _simulate(op, strategy, m, n, k, w, dtype, hw, num_chunks) -> SimResult:
+    return simulate(op, strategy, m=m, n=n, k=k, world_size=w, dtype=dtype, hw=hw,
+                    num_chunks=num_chunks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _best_per_strategy(op, m, n, k, w, dtype, hw: HardwareProfile, strategy) -> tuple[float, int, SimResult]:
+    best = None
+    for nc in chunk_candidates(op, strategy, m, w):
+        res = _simulate(op, strategy, m, n, k, w, dtype, hw, nc)
+        if best is None or res.makespan_ms < best[0] - 1e-12:  # ties: fewer chunks (tried first)
+            best = (res.makespan_ms, nc, res)
+    return best
+
+
+def _reason(op, strategy, w, predicted, gemm_ms, comm_ms, measured) -> str:
+    if w == 1:
+        return "world_size is 1: there is no communication to overlap, so the plain GEMM (unfused) is used."
+    src = " (measured times from the tuning cache)" if measured else ""
+    if strategy == "unfused":
+        return (f"no overlapped strategy is predicted faster{src}: the {comm_ms:.4f} ms of communication "
+                "is too small to pay for per-chunk latencies, extra launches, smaller GEMMs and SMs "
+                "taken by communication.")
+    hidden = predicted["unfused"] - predicted[strategy]
+    bound = "GEMM" if gemm_ms >= comm_ms else "communication"
+    how = {"ring": "torch.distributed P2P ring steps overlapped with per-shard GEMMs",
+           "copy_engine": "copy-engine peer copies (no SMs taken) overlapped with per-chunk GEMMs",
+           "fused": "one persistent kernel whose communication SMs overlap its GEMM tiles"}[strategy]
+    return (f"{strategy} ({how}) hides {hidden:.4f} ms of the {comm_ms:.4f} ms collective{src}; "
+            f"the pipeline is {bound}-bound, the best possible is max(GEMM, comm) = "
+            f"{max(gemm_ms, comm_ms):.4f} ms.")
+
+
+def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str, ...],
+               measured: Mapping[str, float]) -> Plan:
+    gemm_ms = cost.gemm_time_ms(m, n, k, dtype, hw) if m > 0 else 0.0
+    comm_ms = cost.collective_ms(op, m, n, k, w, dtype, hw) if m > 0 else 0.0
+    predicted, chunks, results = {}, {}, {}
+    for s in candidates:
+        ms, nc, res = _best_per_strategy(op, m, n, k, w, dtype, hw, s)
+        predicted[s], chunks[s], results[s] = ms, nc, res
+    used = tuple(s for s in candidates if s in measured)
+    for s in used:
+        predicted[s] = float(measured[s])
+    if w == 1:
+        chosen = "unfused"
+    else:
+        # deterministic: fastest; ties go to the earlier (simpler) strategy in STRATEGIES order
+        chosen = min(candidates, key=lambda s: (round(predicted[s], 9), STRATEGIES.index(s)))
+    res = results[chosen]
+    breakdown = {"gemm_ms": gemm_ms, "comm_ms": comm_ms if w > 1 else 0.0,
+                 "fill_ms": res.fill_ms, "drain_ms": res.drain_ms,
+                 "exposed_comm_ms": max(0.0, predicted[chosen] - gemm_ms)}
+    return Plan(op=op, strategy=chosen, num_chunks=chunks[chosen], m=m, n=n, k=k, world_size=w,
+                dtype=dtype, hardware=hw.name, comm_sms=default_comm_sms(hw) if chosen == "fused" else 0,
+                predicted_ms=predicted, chunks=chunks, breakdown=breakdown, measured=used,
+                reason=_reason(op, chosen, w, predicted, gemm_ms, comm_ms, used))
+
+
+def plan(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any = "bf16",
+         hardware: str | HardwareProfile = "h200") -> Plan:
+    """Predict every strategy for one op shape and choose the fastest (model only, no cache).
+
+    ``m``: full M; ``n``, ``k``: this rank's local sizes; ``dtype``: torch dtype or name;
+    ``hardware``: profile name (``tpfuse.model.hardware.PROFILES``) or a ``HardwareProfile``.
+    """
+    dtype_name, hw = _validate(op, m, n, k, world_size, dtype, hardware)
+    return _make_plan(op, m, n, k, world_size, dtype_name, hw, STRATEGIES, {})
+
+
+# --- auto: choose() + tuning cache -----------------------------------------------------------------
+def tuning_cache_path() -> Path:
+    """``$TPFUSE_CACHE_DIR/tuning.json``, else ``~/.cache/tpfuse/tuning.json``."""
+    root = os.environ.get("TPFUSE_CACHE_DIR")
+    return Path(root if root else Path.home() / ".cache" / "tpfuse") / "tuning.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _versions() -> str:
+    import torch
+
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = "none"
+    try:
+        ours = importlib.metadata.version("tpfuse")
+    except importlib.metadata.PackageNotFoundError:
+        ours = "dev"
+    return f"torch={torch.__version__}|triton={triton}|tpfuse={ours}"
+
+
+def _cache_key(op, m, n, k, w, dtype, hw_name) -> str:
+    return f"{op}|m={m}|n={n}|k={k}|W={w}|{dtype}|{hw_name}|{_versions()}"
+
+
+class _TuningCache:
+    """The JSON tuning cache, loaded once per path; a missing or corrupt file is an empty cache."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._path: Path | None = None
+        self._entries: dict[str, dict] = {}
+        self.generation = 0
+        self._warned: set[str] = set()
+
+    def _load(self, path: Path) -> None:
+        self._path, self._entries = path, {}
+        self.generation += 1
+        if not path.exists():
+            return
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+                raise ValueError("no 'entries' object")
+            self._entries = data["entries"]
+        except (OSError, ValueError) as exc:
+            if str(path) not in self._warned:
+                self._warned.add(str(path))
+                warnings.warn(f"tpfuse: tuning cache {str(path)!r} is unreadable ({exc}); ignoring it "
+                              "(it is rewritten on the next record_measurement; delete it to silence this)",
+                              RuntimeWarning, stacklevel=4)
+
+    def current(self) -> tuple[int, Path]:
+        path = tuning_cache_path()
+        with self._lock:
+            if path != self._path:
+                self._load(path)
+            return self.generation, path
+
+    def measured(self, key: str) -> dict[str, float]:
+        with self._lock:
+            entry = self._entries.get(key, {})
+            return {s: statistics.median(v) for s, v in entry.get("measured", {}).items() if v}
+
+    def record(self, key: str, fields: dict, strategy: str, ms: float) -> None:
+        self.current()
+        with self._lock:
+            entry = self._entries.setdefault(key, dict(fields, measured={}))
+            entry["measured"].setdefault(strategy, []).append(ms)
+            entry["measured"][strategy] = entry["measured"][strategy][-16:]
+            path = self._path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tuning.", suffix=".json", dir=path.parent)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"version": 1, "entries": self._entries}, f, indent=1, sort_keys=True)
+                os.replace(tmp, path)  # atomic: readers see the old or the new file, never half
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            self.generation += 1
+
+
+_CACHE = _TuningCache()
+
+
+def record_measurement(op: str, m: int, n: int, k: int, world_size: int, dtype: Any,
+                       hardware: str | HardwareProfile, strategy: str, ms: float) -> None:
+    """Store a measured time for (shape, strategy); ``choose`` then prefers it over the model."""
+    dtype_name, hw = _validate(op, m, n, k, world_size, dtype, hardware)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy: unknown strategy {strategy!r}; use one of {STRATEGIES}")
+    if not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0):
+        raise ValueError(f"ms: {ms!r} must be a positive finite number of milliseconds")
+    key = _cache_key(op, m, n, k, world_size, dtype_name, hw.name)
+    fields = {"op": op, "m": m, "n": n, "k": k, "world_size": world_size, "dtype": dtype_name,
+              "hardware": hw.name}
+    _CACHE.record(key, fields, strategy, float(ms))
+
+
+@functools.lru_cache(maxsize=8192)
+def _choose_cached(op, m, n, k, w, dtype, hw, candidates, generation, path) -> Plan:
+    measured = _CACHE.measured(_cache_key(op, m, n, k, w, dtype, hw.name))
+    return _make_plan(op, m, n, k, w, dtype, hw, candidates, measured)
+
+
+def choose(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any,
+           hardware: str | HardwareProfile, candidates: tuple[str, ...]) -> Plan:
+    """``plan`` restricted to ``candidates`` (what this environment can run; "unfused" is always
+    added), with measured times from the tuning cache overriding the model.  Cached: cheap on
+    every op call; a ``record_measurement`` or a change of ``TPFUSE_CACHE_DIR`` invalidates it."""
+    dtype_name, hw = _validate(op, m, n, k, world_size, dtype, hardware)
+    cands = tuple(candidates)
+    bad = [c for c in cands if c not in STRATEGIES]
+    if bad:
+        raise ValueError(f"candidates: unknown strategies {bad}; use names from {STRATEGIES}")
+    cands = tuple(s for s in STRATEGIES if s in cands or s == "unfused")
+    generation, path = _CACHE.current()
+    return _choose_cached(op, m, n, k, world_size, dtype_name, hw, cands, generation, str(path))
+
+
+# --- CLI: `tpfuse plan` (tpfuse/cli.py calls these two) ---------------------------------------------
+def tp_sizes(hw: HardwareProfile) -> tuple[int, ...]:
+    """The TP degrees worth tabulating on a machine: 2/4/8, or 8..72 in an NVL72 domain."""
+    if hw.max_domain >= 72:
+        return (8, 16, 32, 72)
+    return tuple(w for w in (2, 4, 8) if w <= hw.max_domain)
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``tpfuse plan``."""
+    parser.add_argument("--op", choices=OPS, help="one cell: the op")
+    parser.add_argument("--m", type=int, help="one cell: full M (tokens)")
+    parser.add_argument("--n", type=int, help="one cell: local N")
+    parser.add_argument("--k", type=int, help="one cell: local K")
+    parser.add_argument("--world-size", type=int, help="TP degree W (with the matrix: only this W)")
+    parser.add_argument("--dtype", default="bf16", help="bf16 (default), fp16, fp32, fp64")
+    parser.add_argument("--hardware", default="h200", help="hardware profile (default h200)")
+    parser.add_argument("--model", choices=("8b", "70b", "405b"), help="matrix: only this Llama-3 size")
+    parser.add_argument("--phase", choices=("training", "prefill", "decode"), help="matrix: only this phase")
+    parser.add_argument("--all", action="store_true", help="the whole workload matrix for the hardware")
+    parser.add_argument("--timeline", metavar="OUT.png", help="draw the chosen strategy's simulated timeline")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _cells(args) -> list[tuple[str, Plan]]:
+    hw = get_profile(args.hardware)
+    cell_args = [args.op, args.m, args.n, args.k]
+    if any(a is not None for a in cell_args) and not args.all:
+        if any(a is None for a in cell_args) or args.world_size is None:
+            raise ValueError("one cell needs --op, --m, --n, --k and --world-size; "
+                             "or give none of them for the workload matrix")
+        p = plan(args.op, m=args.m, n=args.n, k=args.k, world_size=args.world_size,
+                 dtype=args.dtype, hardware=hw)
+        return [(f"{args.op} {args.m}x{args.n}x{args.k}", p)]
+    from tpfuse.bench.workloads import workload_matrix
+
+    sizes = (args.world_size,) if args.world_size else tp_sizes(hw)
+    cells = workload_matrix(
+        world_sizes=sizes, dtype=canonical_dtype(args.dtype),
+        models=(args.model,) if args.model else ("8b", "70b", "405b"),
+        phases=(args.phase,) if args.phase else ("training", "prefill", "decode"))
+    return [(c.name, plan(c.op, m=c.m, n=c.n, k=c.k, world_size=c.world_size, dtype=c.dtype,
+                          hardware=hw)) for c in cells]
+
+
+def _print_table(rows: list[tuple[str, Plan]], title: str) -> None:
+    header = ["cell", "op", "W", "strategy", "chunks", "pred ms", "unfused ms", "speedup",
+              "exposed comm ms", "bound"]
+    body = [[name, p.op, str(p.world_size), p.strategy, str(p.num_chunks),
+             f"{p.predicted_ms[p.strategy]:.4f}", f"{p.predicted_ms['unfused']:.4f}",
+             f"{p.speedup:.2f}x", f"{p.breakdown['exposed_comm_ms']:.4f}", p.bound] for name, p in rows]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
+        print(title)
+        for r in [header] + body:
+            print("  ".join(c.ljust(wd) for c, wd in zip(r, widths)))
+        return
+    table = Table(title=title)
+    for i, h in enumerate(header):
+        table.add_column(h, justify="left" if i in (0, 1, 3, 9) else "right")
+    for r in body:
+        table.add_row(*r)
+    Console(file=sys.stdout, width=max(120, sum(len(h) for h in header) + 40)).print(table)
+
+
+def run_plan_cli(args: argparse.Namespace) -> int:
+    """``tpfuse plan``: a table (or JSON) of predictions for one cell or the workload matrix."""
+    try:
+        rows = _cells(args)
+    except (ValueError, TypeError) as exc:
+        print(f"tpfuse plan: {exc}", file=sys.stderr)
+        return 2
+    hw = get_profile(args.hardware)
+    if args.json:
+        print(json.dumps([dict(p.to_dict(), cell=name) for name, p in rows], indent=1))
+    else:
+        cal = f"calibrated: {hw.calibrated}" if hw.calibrated else "uncalibrated datasheet/lead numbers"
+        _print_table(rows, f"tpfuse plan -- PREDICTED on {hw.name} ({cal})")
+        if len(rows) == 1:
+            print(rows[0][1].explain())
+    if args.timeline:
+        out = Path(args.timeline)
+        for i, (name, p) in enumerate(rows):
+            path = out if len(rows) == 1 else out.with_name(f"{out.stem}-{name}{out.suffix or '.png'}")
+            res = _simulate(p.op, p.strategy, p.m, p.n, p.k, p.world_size, p.dtype, hw, p.num_chunks)
+            draw_timeline(res, path, title=f"{name}: {p.strategy}, {p.num_chunks} chunks, "
+                          f"{p.predicted_ms[p.strategy]:.3f} ms predicted on {hw.name} "
+                          f"(unfused {p.predicted_ms['unfused']:.3f} ms)")
+            if not args.json:
+                print(f"timeline: {path}")
+    return 0
