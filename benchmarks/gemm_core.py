@@ -1,0 +1,227 @@
+"""GEMM core vs cuBLAS on the per-rank Llama-3 shapes at TP W=8, plus hook overhead.
+
+    PYTHONUNBUFFERED=1 python benchmarks/gemm_core.py --out benchmarks/results
+
+For each shape: tune the candidate configs of ``tpfuse.gemm_core.candidate_configs`` (each
+checked against cuBLAS first), then time the best config, ``torch.matmul`` (cuBLAS), and the
+best config with hooks on (signals pre-set) in one run: ``triton.testing.do_bench`` median,
+random data, inputs rotated over enough copies to exceed L2 (do_bench also flushes L2).
+Writes ``gemm_core_h200.json`` (``--name`` changes it) and prints a short table last.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tpfuse import gemm_core as gc  # noqa: E402
+
+MODELS = {"8B": (4096, 14336), "70B": (8192, 28672), "405B": (16384, 53248)}
+WORLD_SIZE = 8
+M_VALUES = (("train", 16384), ("prefill", 4096), ("train_chunk", 16384 // WORLD_SIZE),
+            ("prefill_chunk", 4096 // WORLD_SIZE), ("decode", 128))
+L2_BYTES = 60 * 2**20   # H200: 60 MB L2 read off torch.cuda.get_device_properties (KINDS.md, 2026-10-28)
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    phase: str
+    m: int
+    n: int
+    k: int
+
+
+def shapes(quick: bool) -> list[Shape]:
+    out = []
+    for model, (h, ffn) in MODELS.items():
+        for phase, m in M_VALUES:
+            out.append(Shape(f"{model}-fc1-{phase}", phase, m, 2 * ffn // WORLD_SIZE, h))
+            out.append(Shape(f"{model}-fc2-{phase}", phase, m, h, ffn // WORLD_SIZE))
+    if quick:
+        out = [s for s in out if s.name.startswith("70B")]
+    return out
+
+
+def make_inputs(s: Shape, dtype):
+    per_set = (s.m * s.k + s.n * s.k + s.m * s.n) * torch.empty((), dtype=dtype).element_size()
+    n_sets = max(1, min(8, math.ceil(3 * L2_BYTES / per_set)))
+    sets = []
+    for _ in range(n_sets):
+        a = torch.randn(s.m, s.k, device="cuda", dtype=dtype)
+        w = torch.randn(s.n, s.k, device="cuda", dtype=dtype) / math.sqrt(s.k)
+        sets.append((a, w.t(), torch.empty(s.m, s.n, device="cuda", dtype=dtype)))
+    return sets
+
+
+def bench(fn_of_set, sets, rep):
+    import triton
+    i = [0]
+
+    def step():
+        fn_of_set(*sets[i[0] % len(sets)])
+        i[0] += 1
+    return triton.testing.do_bench(step, warmup=10, rep=rep, return_mode="median")
+
+
+def rel_err(x, ref):
+    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def hook_specs(s: Shape, out, num_chunks=WORLD_SIZE):
+    chunk_m = -(-s.m // num_chunks)
+    sig = torch.full((num_chunks,), 7, dtype=torch.int32, device="cuda")
+    wait = gc.WaitSpec(sig, 7, chunk_m, timeout_ns=5_000_000_000, error=gc.new_error_word("cuda"))
+    dests = [out[c * chunk_m:(c + 1) * chunk_m] for c in range(num_chunks)]
+    esig = torch.zeros(num_chunks, dtype=torch.int32, device="cuda")
+    epi = gc.EpilogueSpec.from_tensors(dests, esig, 7, chunk_m)
+    return chunk_m, wait, epi, esig
+
+
+def run_shape(s: Shape, dtype, args, log):
+    sets = make_inputs(s, dtype)
+    a0, b0, c0 = sets[0]
+    ref = torch.matmul(a0, b0)
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    timings = []
+    cands = gc.candidate_configs(s.m, s.n, s.k, dtype)
+    if args.no_tune:
+        cands = [gc.default_config(s.m, s.n, s.k, dtype)]
+    for cfg in cands:
+        try:
+            c0.fill_(float("nan"))
+            gc.matmul(a0, b0, out=c0, config=cfg)
+            err = rel_err(c0, ref)
+            if not math.isfinite(err) or err > tol:
+                log.append({"shape": s.name, "config": cfg.to_dict(), "error": f"rel_err {err}"})
+                continue
+            ms = bench(lambda a, b, c: gc.matmul(a, b, out=c, config=cfg), sets, args.tune_rep)
+        except Exception as e:  # noqa: BLE001 - record and skip configs that do not compile
+            log.append({"shape": s.name, "config": cfg.to_dict(), "error": f"{type(e).__name__}: {e}"[:300]})
+            continue
+        timings.append((ms, cfg))
+        log.append({"shape": s.name, "config": cfg.to_dict(), "ms": ms})
+    timings.sort(key=lambda t: t[0])
+    best = timings[0][1]
+    flops = 2.0 * s.m * s.n * s.k
+    t_cublas = bench(lambda a, b, c: torch.matmul(a, b, out=c), sets, args.rep)
+    t_ours = bench(lambda a, b, c: gc.matmul(a, b, out=c, config=best), sets, args.rep)
+    t_cublas2 = bench(lambda a, b, c: torch.matmul(a, b, out=c), sets, args.rep)
+    t_cublas = min(t_cublas, t_cublas2)   # the fairer of two cuBLAS timings around ours
+    row = {"name": s.name, "phase": s.phase, "m": s.m, "n": s.n, "k": s.k,
+           "ours_ms": t_ours, "cublas_ms": t_cublas,
+           "ours_tflops": flops / t_ours / 1e9, "cublas_tflops": flops / t_cublas / 1e9,
+           "ratio": t_cublas / t_ours, "config": best.to_dict(),
+           "runner_up": [dict(ms=t, **c.to_dict()) for t, c in timings[1:4]]}
+    # hooks: same config, signals pre-set (wait never spins), epilogue routed to 8 chunk views
+    chunk_m, wait, epi, esig = hook_specs(s, c0)
+    variants = {
+        "wait": dict(tile_order="round", start_chunk=1, wait=wait, check=False),
+        "epilogue": dict(tile_order="owner", start_chunk=1, epilogue=epi),
+        "round_order": dict(tile_order="round", start_chunk=1, chunk_m=chunk_m),
+    }
+    for key, kw in variants.items():
+        cfg = best
+        try:
+            c0.fill_(float("nan"))
+            esig.zero_()
+            o = gc.matmul(a0, b0, out=None if "epilogue" in kw else c0, config=cfg, **kw)
+            torch.cuda.synchronize()
+            err = rel_err(c0, ref)
+            if "wait" in kw:
+                gc.check_error_word(wait.error)
+            if "epilogue" in kw and not bool((esig == 7).all()):
+                raise RuntimeError(f"signals after epilogue: {esig.tolist()}")
+            if not math.isfinite(err) or err > tol:
+                raise RuntimeError(f"rel_err {err}")
+            # the hooked call with its own buffers, rotating a/b only (dests are fixed views)
+            t = bench(lambda a, b, c: gc.matmul(a, b, out=None if "epilogue" in kw else c, config=cfg, **kw),
+                      sets, args.rep)
+            row[f"{key}_ms"] = t
+            row[f"{key}_overhead"] = t / t_ours - 1.0
+        except Exception as e:  # noqa: BLE001
+            row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:300]
+    del sets
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON")
+    p.add_argument("--name", default="gemm_core_h200.json")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) for the final timings")
+    p.add_argument("--tune-rep", type=int, default=15, help="do_bench rep (ms) per tuning candidate")
+    p.add_argument("--quick", action="store_true", help="70B shapes only")
+    p.add_argument("--no-tune", action="store_true", help="default_config only")
+    p.add_argument("--only", default="", help="comma-separated substrings of shape names")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gemm_core.py needs a CUDA GPU")
+    import triton
+    dtype = getattr(torch, args.dtype)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "num_gpus": torch.cuda.device_count(),
+            "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype,
+            "world_size": WORLD_SIZE, "command": "python " + " ".join(sys.argv),
+            "timing": "triton.testing.do_bench median (L2 flushed per rep), inputs rotated; "
+                      "cublas = torch.matmul(a, w.t()), best of two timings around ours"}
+    todo = shapes(args.quick)
+    if args.only:
+        keys = args.only.split(",")
+        todo = [s for s in todo if any(k in s.name for k in keys)]
+    rows, log = [], []
+    t0 = time.time()
+    for s in todo:
+        row = run_shape(s, dtype, args, log)
+        rows.append(row)
+        print(f"[{time.time() - t0:6.1f}s] {s.name:24s} {s.m:6d}x{s.n:6d}x{s.k:6d} ours {row['ours_tflops']:6.1f} "
+              f"cublas {row['cublas_tflops']:6.1f} ratio {row['ratio']:.3f} "
+              f"wait {row.get('wait_overhead', float('nan')):+.3f} epi {row.get('epilogue_overhead', float('nan')):+.3f} "
+              f"{row['config']['BLOCK_M']}x{row['config']['BLOCK_N']}x{row['config']['BLOCK_K']} "
+              f"w{row['config']['num_warps']}s{row['config']['num_stages']}"
+              f"{' sub2' if row['config']['EPI_SUBTILE'] == 2 else ''}{' flat' if row['config']['flatten'] else ''}",
+              flush=True)
+        summary = summarize(rows)
+        (out_dir / args.name).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
+        (out_dir / args.name.replace(".json", "_tuning_log.json")).write_text(json.dumps(log, indent=0))
+    print_table(rows, summarize(rows))
+
+
+def summarize(rows):
+    ratios = [r["ratio"] for r in rows]
+    big = [r for r in rows if r["phase"] in ("train", "prefill")]
+    out = {"geomean_ratio": math.exp(sum(map(math.log, ratios)) / len(ratios)),
+           "min_ratio": min(ratios), "min_ratio_shape": min(rows, key=lambda r: r["ratio"])["name"]}
+    for key in ("wait", "epilogue"):
+        vals = [r[f"{key}_overhead"] for r in big if f"{key}_overhead" in r]
+        if vals:
+            out[f"{key}_overhead_train_prefill_max"] = max(vals)
+            out[f"{key}_overhead_train_prefill_mean"] = sum(vals) / len(vals)
+    return out
+
+
+def print_table(rows, summary):
+    print()
+    print(f"{'shape':24s} {'M':>6s} {'N':>6s} {'K':>6s} {'ours':>7s} {'cuBLAS':>7s} {'ratio':>6s} {'wait%':>6s} {'epi%':>6s}")
+    for r in rows:
+        print(f"{r['name']:24s} {r['m']:6d} {r['n']:6d} {r['k']:6d} {r['ours_tflops']:7.1f} {r['cublas_tflops']:7.1f} "
+              f"{r['ratio']:6.3f} {100 * r.get('wait_overhead', float('nan')):6.1f} "
+              f"{100 * r.get('epilogue_overhead', float('nan')):6.1f}")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""GEMM core under TRITON_INTERPRET=1: index math, masks, tile orders, hooks, error word.
+
+Every output is poisoned with NaN first; results are compared with a float64 reference of the
+same (rounded) inputs with a tolerance a few times the output dtype's rounding. Small blocks
+(16x16x16) and 4 persistent programs keep the interpreter quick and make every program loop
+over several tiles.
+"""
+import os
+
+_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"   # before any triton import: kernels are decorated lazily
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed; the interpreter tests need it")
+
+from tpfuse import gemm_core as gc  # noqa: E402
+
+CFG = gc.GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
+# relative Frobenius error allowed: ~3x the output rounding of each dtype
+TOL = {torch.bfloat16: 1.2e-2, torch.float16: 1.5e-3, torch.float32: 1e-5}
+
+
+def _purge_kernels():
+    for name in ("tpfuse.kernels.gemm", "tpfuse.kernels.signals"):
+        sys.modules.pop(name, None)
+    gc._triton.cache_clear()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter():
+    # Kernels decorated before this module (or by a later GPU module) must not leak across.
+    os.environ["TRITON_INTERPRET"] = "1"
+    _purge_kernels()
+    yield
+    if _PREV_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
+    _purge_kernels()
+
+
+def _operands(m, k, n, dtype, b_layout, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g).to(dtype)
+    if b_layout == "weight_t":
+        b = torch.randn(n, k, generator=g).to(dtype).t()      # column-major view, no copy
+    else:
+        b = torch.randn(k, n, generator=g).to(dtype)
+    return a, b, a.double() @ b.double()
+
+
+def _assert_close(out, ref, dtype):
+    assert not torch.isnan(out).any(), "an output element was never written"
+    assert torch.isfinite(out).all()
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < TOL[dtype], f"relative error {err} >= {TOL[dtype]}"
+
+
+@pytest.mark.parametrize("shape", [(37, 53, 29), (130, 70, 65)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("b_layout", ["row_major", "weight_t"])
+def test_matmul_odd_shapes_bf16(shape, b_layout):
+    m, k, n = shape
+    a, b, ref = _operands(m, k, n, torch.bfloat16, b_layout)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    assert gc.matmul(a, b, out=out, config=CFG) is out
+    _assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_matmul_other_dtypes(dtype):
+    a, b, ref = _operands(37, 53, 29, dtype, "weight_t", seed=1)
+    out = torch.full((37, 29), float("nan"), dtype=dtype)
+    gc.matmul(a, b, out=out, config=CFG)
+    _assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("order,start", [("grouped", 0), ("round", 2), ("owner", 3)])
+def test_tile_orders_compute_every_tile(order, start):
+    # chunk_m = 33 is no multiple of BLOCK_M: tiles straddle chunks.
+    a, b, ref = _operands(130, 70, 65, torch.bfloat16, "weight_t", seed=2)
+    out = torch.full((130, 65), float("nan"), dtype=torch.bfloat16)
+    gc.matmul(a, b, out=out, config=CFG, tile_order=order,
+              chunk_m=None if order == "grouped" else 33, start_chunk=start)
+    _assert_close(out, ref, torch.bfloat16)
+
+
+def _probe_tile_order(out_ptr, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+                      BLOCK_M: "tl.constexpr", GROUP_M: "tl.constexpr", TILE_ORDER: "tl.constexpr"):
+    for t in range(0, num_pid_m * num_pid_n):
+        pm, pn = _tile_coords(t, M, num_pid_m, num_pid_n, chunk_m, num_chunks,
+                              start_chunk, BLOCK_M, GROUP_M, TILE_ORDER)
+        tl.store(out_ptr + 2 * t, pm)
+        tl.store(out_ptr + 2 * t + 1, pn)
+
+
+def _tile_sequence(m, n, chunk_m, start, order, block_m=16, block_n=16, group_m=2):
+    """(pid_m, pid_n) of each tile id, straight from the kernel's _tile_coords."""
+    import triton
+    import triton.language
+    from tpfuse.kernels import gemm
+
+    globals().update(tl=triton.language, _tile_coords=gemm._tile_coords)
+    probe = triton.jit(_probe_tile_order)
+    npm, npn = -(-m // block_m), -(-n // block_n)
+    out = torch.full((npm * npn, 2), -1, dtype=torch.int32)
+    probe[(1,)](out, m, npm, npn, chunk_m, -(-m // chunk_m), start,
+                BLOCK_M=block_m, GROUP_M=group_m, TILE_ORDER=0 if order == "grouped" else 1)
+    return [tuple(r) for r in out.tolist()]
+
+
+def test_grouped_order_is_the_group_m_swizzle():
+    seq = _tile_sequence(100, 80, 1, 0, "grouped")
+    npm, npn, g = 7, 5, 2
+    expect = []
+    for t in range(npm * npn):
+        first = (t // (g * npn)) * g
+        rows = min(npm - first, g)
+        expect.append((first + (t % (g * npn)) % rows, (t % (g * npn)) // rows))
+    assert seq == expect
+
+
+@pytest.mark.parametrize("m,chunk_m,start", [(130, 33, 2), (128, 16, 5), (160, 20, 0), (130, 33, 3)])
+def test_chunk_rotated_order_finishes_chunks_in_order(m, chunk_m, start):
+    seq = _tile_sequence(m, 48, chunk_m, start, "owner")
+    npm, npn = -(-m // 16), 3
+    assert sorted(seq) == [(i, j) for i in range(npm) for j in range(npn)], "not a permutation"
+    num_chunks = -(-m // chunk_m)
+
+    def chunks_of(pid_m):
+        lo, hi = pid_m * 16, min(pid_m * 16 + 16, m) - 1
+        return range(lo // chunk_m, hi // chunk_m + 1)
+
+    assert start in chunks_of(seq[0][0]), "the first tile must hold rows of start_chunk"
+    finish = {}
+    for pos, (pm, _) in enumerate(seq):
+        for c in chunks_of(pm):
+            finish[c] = pos
+    order = [(start + j) % num_chunks for j in range(num_chunks)]
+    finishes = [finish[c] for c in order]
+    assert finishes == sorted(finishes), f"chunks finish out of order: {dict(zip(order, finishes))}"
+    # a chunk's tiles form one contiguous run, except tiles shared with an earlier chunk
+    for j, c in enumerate(order):
+        positions = [p for p, (pm, _) in enumerate(seq) if c in chunks_of(pm)
+                     and not any(order[i] in chunks_of(pm) for i in range(j))]
+        assert positions == list(range(positions[0], positions[-1] + 1)) if positions else True
+
+
+def test_wait_hook_with_signals_preset():
+    a, b, ref = _operands(130, 70, 65, torch.bfloat16, "weight_t", seed=3)
+    signal = torch.tensor([5, 7, 5, 9, 5], dtype=torch.int32)   # >= generation 5 everywhere
+    wait = gc.WaitSpec(signal, generation=5, chunk_m=27, max_spins=10)
+    out = torch.full((130, 65), float("nan"), dtype=torch.bfloat16)
+    gc.matmul(a, b, out=out, config=CFG, tile_order="round", start_chunk=1, wait=wait)
+    _assert_close(out, ref, torch.bfloat16)
+    assert signal.tolist() == [5, 7, 5, 9, 5], "a wait must not write the signal"
+
+
+@pytest.mark.parametrize("per_chunk_signals", [False, True])
+def test_epilogue_routes_chunks_and_publishes(per_chunk_signals):
+    m, k, n, chunk_m = 100, 40, 45, 27          # 4 chunks: 27, 27, 27, 19 rows
+    num_chunks = 4
+    dests = [torch.full((chunk_m + 3, n), float("nan"), dtype=torch.bfloat16) for _ in range(num_chunks)]
+    if per_chunk_signals:
+        signals = [torch.zeros(2, dtype=torch.int32) for _ in range(num_chunks)]
+        sig_value = lambda: [s[0].item() for s in signals]  # noqa: E731
+    else:
+        signals = torch.zeros(num_chunks, dtype=torch.int32)
+        sig_value = lambda: signals.tolist()  # noqa: E731
+    spec = None
+    for generation in (1, 2):   # counters reset themselves: a second call publishes again
+        a, b, ref = _operands(m, k, n, torch.bfloat16, "row_major", seed=10 + generation)
+        for d in dests:
+            d.fill_(float("nan"))
+        spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m,
+                                            counters=spec.counters if spec else None)
+        assert gc.matmul(a, b, config=CFG, tile_order="owner", start_chunk=2, epilogue=spec) is None
+        assert sig_value() == [generation] * num_chunks
+        assert spec.counters.tolist() == [0] * num_chunks
+        for c, d in enumerate(dests):
+            rows = min(chunk_m, m - c * chunk_m)
+            _assert_close(d[:rows], ref[c * chunk_m:c * chunk_m + rows], torch.bfloat16)
+            assert torch.isnan(d[rows:]).all(), f"dest {c} written past its chunk"
+
+
+def test_wait_timeout_raises_with_chunk_and_generation():
+    a, b, _ = _operands(64, 32, 32, torch.bfloat16, "row_major", seed=4)
+    signal = torch.tensor([3, 3, 2, 3], dtype=torch.int32)      # chunk 2 never reaches 3
+    err = gc.new_error_word("cpu")
+    wait = gc.WaitSpec(signal, generation=3, chunk_m=16, max_spins=20, error=err, rank=5)
+    gc.matmul(a, b, config=CFG, tile_order="round", start_chunk=0, wait=wait, check=False)
+    words = err.tolist()
+    assert words[0] == 1 and words[2] == 2 and words[3] == 3 and words[4] == 2
+    with pytest.raises(TimeoutError, match=r"rank 5.*chunk=2.*generation 3"):
+        gc.check_error_word(err, rank=5)
+    with pytest.raises(TimeoutError, match=r"chunk=2\] >= generation 3"):
+        gc.matmul(a, b, config=CFG, wait=gc.WaitSpec(signal, 3, 16, max_spins=20))
+
+
+def test_failed_wait_does_not_publish():
+    a, b, _ = _operands(64, 32, 32, torch.bfloat16, "row_major", seed=5)
+    wait = gc.WaitSpec(torch.zeros(4, dtype=torch.int32), generation=1, chunk_m=16, max_spins=5)
+    dests = [torch.empty(16, 32, dtype=torch.bfloat16) for _ in range(4)]
+    signals = torch.zeros(4, dtype=torch.int32)
+    epi = gc.EpilogueSpec.from_tensors(dests, signals, 1, 16)
+    with pytest.raises(TimeoutError):
+        gc.matmul(a, b, config=CFG, wait=wait, epilogue=epi)
+    assert signals.tolist() == [0, 0, 0, 0], "garbage chunks must never be signalled ready"
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda a, b: gc.matmul(a.double(), b.double()), TypeError, "a.dtype=torch.float64"),
+    (lambda a, b: gc.matmul(a, b.half()), TypeError, "b.dtype"),
+    (lambda a, b: gc.matmul(a, b[:-1]), ValueError, r"need a \[M, K\] and b \[K, N\]"),
+    (lambda a, b: gc.matmul(a[None], b), ValueError, "must be 2-D"),
+    (lambda a, b: gc.matmul(a.t().contiguous().t(), b), ValueError, "unit column stride"),
+    (lambda a, b: gc.matmul(a, torch.randn(32, 16, dtype=a.dtype)[::2, ::2]), ValueError, "call b.contiguous"),
+    (lambda a, b: gc.matmul(a, b, tile_order="zigzag"), ValueError, "tile_order='zigzag'"),
+    (lambda a, b: gc.matmul(a, b, tile_order="round"), ValueError, "needs chunk_m"),
+    (lambda a, b: gc.matmul(a, b, tile_order="round", chunk_m=8, start_chunk=4), ValueError, "start_chunk=4"),
+    (lambda a, b: gc.matmul(a, b, chunk_m=8, wait=gc.WaitSpec(torch.zeros(2, dtype=torch.int32), 1, 16)),
+     ValueError, "chunk sizes disagree"),
+    (lambda a, b: gc.matmul(a, b, wait=gc.WaitSpec(torch.zeros(2, dtype=torch.int32), 0, 8)),
+     ValueError, "wait.generation=0"),
+    (lambda a, b: gc.matmul(a, b, wait=gc.WaitSpec(torch.zeros(1, dtype=torch.int32), 1, 8)),
+     ValueError, "num_chunks=2"),
+    (lambda a, b: gc.matmul(a, b, out=torch.empty(16, 9, dtype=a.dtype)), ValueError, r"need \(16, 8\)"),
+    (lambda a, b: gc.matmul(a, b, config="fast"), TypeError, "GemmConfig"),
+])
+def test_bad_input_names_argument_and_fix(call, exc, match):
+    a = torch.randn(16, 16, dtype=torch.bfloat16)
+    b = torch.randn(16, 8, dtype=torch.bfloat16)
+    with pytest.raises(exc, match=match):
+        call(a, b)
+
+
+def test_config_validation_and_smem_pruning():
+    with pytest.raises(ValueError, match="BLOCK_N=96"):
+        gc.GemmConfig(BLOCK_N=96)
+    with pytest.raises(ValueError, match="EPI_SUBTILE=4"):
+        gc.GemmConfig(EPI_SUBTILE=4)
+    cands = gc.candidate_configs(4096, 4096, 4096, torch.bfloat16, smem_limit=150_000)
+    assert cands and all(c.smem_bytes(2) <= 150_000 for c in cands)
+    assert len(gc.candidate_configs(4096, 4096, 4096)) > len(cands)
+    assert len(gc.candidate_configs(128, 4096, 4096)) > len(gc.candidate_configs(4096, 4096, 4096))
+
+
+def test_empty_m_and_zero_k():
+    a = torch.randn(0, 16, dtype=torch.bfloat16)
+    assert gc.matmul(a, torch.randn(16, 8, dtype=torch.bfloat16)).shape == (0, 8)
+    out = gc.matmul(torch.randn(4, 0, dtype=torch.bfloat16), torch.randn(0, 8, dtype=torch.bfloat16))
+    assert out.shape == (4, 8) and (out == 0).all()
+
+
+def test_import_needs_no_triton_and_no_gpu():
+    code = ("import sys; import tpfuse.gemm_core as g; "
+            "assert 'triton' not in sys.modules, 'triton imported eagerly'; "
+            "assert not g._device_info.cache_info().currsize")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    subprocess.run([sys.executable, "-c", code], check=True, env=env,
+                   cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

@@ -1,0 +1,132 @@
+"""GEMM core on a CUDA GPU: TMA and plain-pointer paths, tile orders, hooks, bounded waits.
+
+Run in its own pytest process (tests/cpu/test_gemm_core_interp.py switches Triton to the
+interpreter while it runs). Outputs are poisoned with NaN and compared with a float64 reference.
+"""
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                       reason="TRITON_INTERPRET=1 is set; run tests/gpu in its own pytest process"),
+]
+pytest.importorskip("triton", reason="triton is not installed")
+
+from tpfuse import gemm_core as gc  # noqa: E402
+
+TOL = {torch.bfloat16: 1.2e-2, torch.float16: 1.5e-3, torch.float32: 2e-3}   # fp32 runs as tf32
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+BIG = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+SMALL = gc.GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+
+
+def _operands(m, k, n, dtype, b_layout, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(m, k, generator=g, device="cuda").to(dtype)
+    if b_layout == "weight_t":
+        b = torch.randn(n, k, generator=g, device="cuda").to(dtype).t()
+    else:
+        b = torch.randn(k, n, generator=g, device="cuda").to(dtype)
+    return a, b, a.double() @ b.double()
+
+
+def _assert_close(out, ref, dtype):
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any(), "an output element was never written"
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < TOL[dtype], f"relative error {err} >= {TOL[dtype]}"
+
+
+@pytest.mark.parametrize("shape", [(37, 53, 29), (130, 70, 65), (4091, 1000, 771), (2048, 4096, 3584)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("b_layout", ["row_major", "weight_t"])
+@pytest.mark.parametrize("config", [BIG, SMALL], ids=["128x256", "64x64"])
+def test_matmul_bf16(shape, b_layout, config):
+    m, k, n = shape
+    a, b, ref = _operands(m, k, n, torch.bfloat16, b_layout)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gc.matmul(a, b, out=out, config=config)
+    _assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("use_tma", [False] + ([True] if HOPPER else []))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_paths_and_dtypes(use_tma, dtype):
+    a, b, ref = _operands(1024, 512, 768, dtype, "weight_t", seed=1)
+    out = torch.full((1024, 768), float("nan"), device="cuda", dtype=dtype)
+    gc.matmul(a, b, out=out, config=gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32,
+                                                  num_stages=3), use_tma=use_tma)
+    _assert_close(out, ref, dtype)
+
+
+@pytest.mark.skipif(not HOPPER, reason="TMA needs compute capability 9.0")
+def test_tma_rejects_misaligned_rows_with_a_clear_error():
+    a, b, _ = _operands(64, 53, 64, torch.bfloat16, "row_major")   # 53 * 2 bytes: not 16-aligned
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gc.matmul(a, b, use_tma=True)
+
+
+@pytest.mark.parametrize("order,start", [("grouped", 0), ("round", 3), ("owner", 5)])
+@pytest.mark.parametrize("flatten,sub", [(False, 1), (True, 2)])
+def test_tile_orders(order, start, flatten, sub):
+    a, b, ref = _operands(4091 * 2, 1000, 771, torch.bfloat16, "weight_t", seed=2)
+    out = torch.full((8182, 771), float("nan"), device="cuda", dtype=torch.bfloat16)
+    cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=3, flatten=flatten, EPI_SUBTILE=sub)
+    gc.matmul(a, b, out=out, config=cfg, tile_order=order,
+              chunk_m=None if order == "grouped" else 1023, start_chunk=start)
+    _assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("use_asm", ["1", "0"])
+def test_wait_hook_signals_preset(use_asm, monkeypatch):
+    monkeypatch.setenv("TPFUSE_SIGNAL_ASM", use_asm)
+    a, b, ref = _operands(8 * 517, 1024, 1536, torch.bfloat16, "weight_t", seed=3)
+    signal = torch.tensor([4, 9, 4, 4, 5, 4, 4, 4], dtype=torch.int32, device="cuda")
+    out = torch.full((8 * 517, 1536), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gc.matmul(a, b, out=out, config=BIG, tile_order="round", start_chunk=2,
+              wait=gc.WaitSpec(signal, 4, 517, timeout_ns=2_000_000_000))
+    _assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("use_asm", ["1", "0"])
+def test_wait_timeout_is_bounded(use_asm, monkeypatch):
+    import time
+    monkeypatch.setenv("TPFUSE_SIGNAL_ASM", use_asm)
+    a, b, _ = _operands(1024, 512, 512, torch.bfloat16, "row_major", seed=4)
+    signal = torch.tensor([7, 7, 6, 7], dtype=torch.int32, device="cuda")
+    t0 = time.time()
+    with pytest.raises(TimeoutError, match=r"rank 3.*chunk=2\] >= generation 7, last value seen 6"):
+        gc.matmul(a, b, config=BIG, wait=gc.WaitSpec(signal, 7, 256, timeout_ns=20_000_000,
+                                                      max_spins=100_000, rank=3))
+    assert time.time() - t0 < 30
+
+
+def test_epilogue_routes_and_publishes_several_generations():
+    m, k, n, chunk_m = 8 * 517, 1024, 1536, 517
+    dests = [torch.full((chunk_m + 5, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+             for _ in range(8)]
+    signals = torch.zeros(8, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(8, dtype=torch.int32, device="cuda")
+    for generation in (1, 2, 3):
+        a, b, ref = _operands(m, k, n, torch.bfloat16, "weight_t", seed=generation)
+        for d in dests:
+            d.fill_(float("nan"))
+        spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m, counters=counters)
+        gc.matmul(a, b, config=BIG, tile_order="owner", start_chunk=3, epilogue=spec)
+        torch.cuda.synchronize()
+        assert signals.tolist() == [generation] * 8
+        assert counters.tolist() == [0] * 8
+        for c, d in enumerate(dests):
+            _assert_close(d[:chunk_m], ref[c * chunk_m:(c + 1) * chunk_m], torch.bfloat16)
+            assert torch.isnan(d[chunk_m:]).all()
+
+
+def test_tune_writes_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPFUSE_CACHE_DIR", str(tmp_path))
+    a, b, _ = _operands(512, 512, 512, torch.bfloat16, "weight_t")
+    best, timings = gc.tune(a, b, configs=[SMALL, gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)], rep_ms=5)
+    assert len(timings) == 2 and (tmp_path / "gemm_core.json").exists()
+    assert gc._lookup(512, 512, 512, torch.bfloat16, True, a.device) == best
