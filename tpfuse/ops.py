@@ -13,7 +13,6 @@ K and N are this rank's local sizes.  Each op is also a ``torch.library`` custom
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.distributed as dist
@@ -91,17 +90,19 @@ def resolve_strategy(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, c
         return strategy
     candidates = strategies.runnable(ctx, a.device, a.dtype)
     m, n, k = _problem_size(op, a, b, ctx.world_size)
-    return _auto_choice(op, m, n, k, ctx.world_size, a.dtype, a.device.type, candidates)
+    return _auto_choice(op, m, n, k, ctx.world_size, a.dtype, a.device, candidates)
 
 
-@functools.lru_cache(maxsize=4096)
-def _auto_choice(op: str, m: int, n: int, k: int, world_size: int, dtype: torch.dtype, device_type: str,
+def _auto_choice(op: str, m: int, n: int, k: int, world_size: int, dtype: torch.dtype, device: torch.device,
                  candidates: tuple[str, ...]) -> str:
-    if world_size == 1 or m * n * k == 0:
-        return "unfused"
-    # First-cut rule until the planner lands: pipelining pays once the GEMM is large enough
-    # for one chunk's compute to cover a transfer.
-    return "ring" if "ring" in candidates and m * n * k >= 2**21 else "unfused"
+    """The planner's pick (cached inside :func:`tpfuse.plan.choose`; deterministic, so every rank
+    that sees the same shapes picks the same strategy)."""
+    from tpfuse.model.hardware import detect, get_profile
+    from tpfuse.plan import choose
+
+    hardware = detect(device) if device.type == "cuda" else get_profile("cpu-gloo")
+    return choose(op, m=m, n=n, k=k, world_size=world_size, dtype=dtype, hardware=hardware,
+                  candidates=candidates).strategy
 
 
 # --------------------------------------------------------------------------------------------

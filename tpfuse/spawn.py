@@ -1,4 +1,6 @@
-"""Run a function on W CPU ranks (gloo) without torchrun: the harness of the tests and the demo.
+"""Run a function on W ranks without torchrun: the harness of the tests and the demo.
+
+CPU ranks use gloo; ``backend="nccl"`` puts rank r on GPU r (for the demo on a GPU machine).
 
     with RankPool(world_size=4) as pool:
         results = pool.run(fn, arg1, arg2, timeout=60)   # fn(rank, world_size, arg1, arg2) on every rank
@@ -46,7 +48,7 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, env: dict[str, str], jobs: mp.Queue, results: mp.Queue,
-            pg_timeout_s: float) -> None:
+            pg_timeout_s: float, backend: str) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -55,7 +57,9 @@ def _worker(rank: int, world_size: int, port: int, env: dict[str, str], jobs: mp
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
     except Exception:  # report, then exit: the parent turns it into RankError
         results.put((rank, "error", traceback.format_exc()))
@@ -77,9 +81,11 @@ class RankPool:
     """W spawned gloo ranks that run jobs until closed.  Use as a context manager."""
 
     def __init__(self, world_size: int, *, env: dict[str, str] | None = None, start_timeout: float = 120.0,
-                 pg_timeout_s: float = 120.0):
+                 pg_timeout_s: float = 120.0, backend: str = "gloo"):
         if world_size < 1:
             raise ValueError(f"world_size: {world_size} must be >= 1")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend: {backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (one GPU per rank)")
         self.world_size = world_size
         self._crumbs = tempfile.mkdtemp(prefix="tpfuse-ranks-")
         ctx = mp.get_context("spawn")
@@ -88,7 +94,7 @@ class RankPool:
         self._jobs = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, full_env, self._jobs[r], self._results, pg_timeout_s),
+            ctx.Process(target=_worker, args=(r, world_size, port, full_env, self._jobs[r], self._results, pg_timeout_s, backend),
                         daemon=True, name=f"tpfuse-rank{r}")
             for r in range(world_size)
         ]
@@ -173,7 +179,7 @@ class RankPool:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-              env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
-    """One job on a fresh pool of ``world_size`` gloo ranks: ``fn(rank, world_size, *args)``."""
-    with RankPool(world_size, env=env) as pool:
+              env: dict[str, str] | None = None, backend: str = "gloo", **kwargs: Any) -> list[Any]:
+    """One job on a fresh pool of ``world_size`` ranks: ``fn(rank, world_size, *args)``."""
+    with RankPool(world_size, env=env, backend=backend) as pool:
         return pool.run(fn, *args, timeout=timeout, **kwargs)

@@ -1,0 +1,5 @@
+import sys
+
+from tpfuse.cli import main
+
+sys.exit(main())

@@ -1,0 +1,133 @@
+"""``tpfuse demo | plan | check``: parse arguments, build a config, call the library."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _print_table(rows: list[list[str]], title: str) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # plain text without the optional dependency
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        print(title)
+        for row in rows:
+            print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        return
+    table = Table(title=title)
+    for name in rows[0]:
+        table.add_column(name, justify="right")
+    for row in rows[1:]:
+        table.add_row(*row)
+    Console(width=160).print(table)
+
+
+class _Progress:
+    """A one-line progress indicator on stderr (rich when available)."""
+
+    def __init__(self) -> None:
+        self._bar = None
+        try:
+            from rich.progress import Progress
+
+            self._bar = Progress(transient=False)
+            self._task = None
+        except ImportError:
+            pass
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        if self._bar is None:
+            print(f"[{done}/{total}] {label}", file=sys.stderr, flush=True)
+            return
+        if self._task is None:
+            self._bar.start()
+            self._task = self._bar.add_task("demo", total=total)
+        self._bar.update(self._task, completed=done, description=f"demo: {label}")
+        if done == total:
+            self._bar.stop()
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from tpfuse.demo import DemoConfig, format_table, run_demo
+
+    config = DemoConfig(world_size=args.world_size, model=args.model, scale=args.scale, repeats=args.repeats,
+                        device=args.device)
+    rows = run_demo(config, progress=_Progress())
+    where = "CUDA/NCCL" if rows and config.device != "cpu" and _cuda() else "CPU/gloo (timings are CPU timings)"
+    _print_table(format_table(rows), f"tpfuse demo: Llama-3 {config.model} cells scaled 1/{config.scale}, "
+                                     f"W={config.world_size}, {where}")
+    bad = [r for r in rows if not (r.max_rel_err < 1e-2)]
+    if bad:
+        print(f"FAILED: {len(bad)} row(s) off the float64 reference", file=sys.stderr)
+        return 1
+    print("all outputs match the float64 reference")
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check(args: argparse.Namespace) -> int:
+    """Report the environment: versions, devices, and which strategies can run."""
+    import platform
+
+    import torch
+
+    import tpfuse
+
+    rows = [["item", "value"], ["tpfuse", tpfuse.__version__], ["python", platform.python_version()],
+            ["torch", torch.__version__]]
+    try:
+        import triton
+
+        rows.append(["triton", triton.__version__])
+    except ImportError:
+        rows.append(["triton", "not installed (fused strategies unavailable)"])
+    if torch.cuda.is_available():
+        rows.append(["gpus", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"])
+    else:
+        rows.append(["gpus", "none: CPU/gloo strategies only (unfused, ring)"])
+    _print_table(rows, "tpfuse check")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tpfuse", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run the three ops on a scaled-down Llama workload, check and time them")
+    demo.add_argument("--world-size", type=int, default=4, help="ranks to spawn (CPU) or GPUs to use (default 4)")
+    demo.add_argument("--model", choices=["8b", "70b", "405b"], default="8b")
+    demo.add_argument("--scale", type=int, default=8, help="divide M, N and K of the Llama cell by this (default 8)")
+    demo.add_argument("--repeats", type=int, default=5, help="timed calls per strategy (median reported)")
+    demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    demo.set_defaults(func=_demo)
+
+    from tpfuse.plan import add_plan_arguments, run_plan_cli
+
+    plan = sub.add_parser("plan", help="predict and explain the strategy choice for a shape or the workload matrix")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=run_plan_cli)
+
+    check = sub.add_parser("check", help="report versions, devices and runnable strategies")
+    check.set_defaults(func=_check)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "world_size", 1) is not None and args.command == "demo" and args.world_size < 1:
+        print(f"--world-size: {args.world_size} must be >= 1", file=sys.stderr)
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
