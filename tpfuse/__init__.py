@@ -3,11 +3,14 @@
     c = tpfuse.ag_gemm(a_shard, b, group)      # all_gather(a_shard) @ b
     c_shard = tpfuse.gemm_rs(a, b, group)      # reduce_scatter(a @ b)
     c = tpfuse.gemm_ar(a, b, group)            # all_reduce(a @ b)
+    p = tpfuse.plan("ag_gemm", m=..., n=..., k=..., world_size=..., dtype=..., hardware="h200")
 
 Importing tpfuse needs no GPU, no Triton GPU backend and no process group.
 """
 
+from tpfuse import autograd as _autograd  # noqa: F401  (registers the custom ops' backward formulas)
 from tpfuse.ops import ag_gemm, gemm_ar, gemm_rs
+from tpfuse.plan import Plan, plan  # noqa: E402  (binds tpfuse.plan to the function; the module stays importable)
 
 __version__ = "0.1.0"
-__all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "__version__"]
+__all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "plan", "Plan", "__version__"]
