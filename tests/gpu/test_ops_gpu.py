@@ -1,0 +1,87 @@
+"""The ops on CUDA: W = 1 with NCCL (one GPU), and W = 2 gloo ranks sharing one GPU.
+
+NCCL refuses two ranks on one GPU, so the multi-rank CUDA path of ``ring`` (side stream,
+record_stream, stream waits) is checked with a gloo group carrying CUDA tensors where gloo
+supports that; the test skips with the reason otherwise.  These are correctness checks only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpfuse
+from tpfuse.spawn import RankError, run_ranks
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+ENV = {"TPFUSE_POISON": "1", "TPFUSE_DEBUG": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 5e-3}  # fp32 may use tf32
+
+
+def _rel_err(out, ref):
+    return ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item() if ref.numel() else 0.0
+
+
+def ops_on_one_gpu(rank, world_size, shapes):
+    """Every op x strategy x dtype on CUDA; returns failures as strings (empty = all good)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    failures = []
+    for rows, k, n in shapes:
+        g = torch.Generator().manual_seed(rows * 7 + k)
+        a_full = torch.randn(world_size * rows, k, generator=g, dtype=torch.float64)
+        bs = [torch.randn(n, k, generator=g, dtype=torch.float64) for _ in range(world_size)]  # [N, K] weights
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            w = bs[rank].to(dev, dtype)
+            for strategy in ("unfused", "ring", "auto"):
+                a_shard = a_full[rank * rows:(rank + 1) * rows].to(dev, dtype)
+                c, gathered = tpfuse.ag_gemm(a_shard, w.t(), strategy=strategy, return_gathered=True)
+                ref = a_full.to(dtype).double() @ bs[rank].to(dtype).double().t()
+                if not torch.equal(gathered.cpu(), a_full.to(dtype)):
+                    failures.append(f"ag_gemm gathered {strategy} {dtype} {rows}x{k}x{n}")
+                if not (_rel_err(c.cpu(), ref) < TOL[dtype]) or not torch.isfinite(c).all():
+                    failures.append(f"ag_gemm {strategy} {dtype} {rows}x{k}x{n}: {_rel_err(c.cpu(), ref):.2e}")
+                a_mine = a_full.to(dev, dtype)  # [M, K] as this rank's K slice
+                full = sum(a_full.to(dtype).double() @ x.to(dtype).double().t() for x in bs)
+                rs = tpfuse.gemm_rs(a_mine, w.t(), strategy=strategy)
+                m_shard = full.shape[0] // world_size
+                if not (_rel_err(rs.cpu(), full[rank * m_shard:(rank + 1) * m_shard]) < TOL[dtype]):
+                    failures.append(f"gemm_rs {strategy} {dtype}")
+                ar = tpfuse.gemm_ar(a_mine[: max(1, a_mine.shape[0] - 1)], w.t(), strategy=strategy)
+                if not (_rel_err(ar.cpu(), full[: max(1, full.shape[0] - 1)]) < TOL[dtype]):
+                    failures.append(f"gemm_ar {strategy} {dtype}")
+    for name in ("copy_engine", "fused"):
+        try:
+            tpfuse.ag_gemm(torch.randn(4, 8, device=dev), torch.randn(8, 4, device=dev), strategy=name)
+            failures.append(f"{name} ran although it is not built")
+        except ValueError as exc:
+            if "not part of this tpfuse build" not in str(exc):
+                failures.append(f"{name}: unexpected message {exc}")
+    torch.cuda.synchronize()
+    return failures
+
+
+def test_w1_nccl():
+    results = run_ranks(ops_on_one_gpu, 1, [(37, 53, 29), (4091, 1000, 771)], backend="nccl", env=ENV, timeout=300)
+    assert results == [[]]
+
+
+def gloo_cuda_p2p_works(rank, world_size):
+    x = torch.full((4,), float(rank), device="cuda")
+    ops = [dist.P2POp(dist.isend, x, (rank + 1) % world_size), dist.P2POp(dist.irecv, y := torch.empty_like(x), (rank - 1) % world_size)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    torch.cuda.synchronize()
+    return y.cpu().tolist()
+
+
+def test_ring_cuda_streams_two_ranks_one_gpu():
+    env = {**ENV, "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    try:
+        run_ranks(gloo_cuda_p2p_works, 2, env=env, timeout=120)
+    except RankError as exc:
+        pytest.skip(f"gloo cannot send CUDA tensors here: {str(exc).splitlines()[-1]}")
+    results = run_ranks(ops_on_one_gpu, 2, [(37, 53, 29), (1031, 512, 389)], env=env, timeout=300)
+    assert results == [[], []]
