@@ -17,6 +17,7 @@ its SMs; ``p2p`` = NCCL send/recv issued step by step from Python), the copy eng
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -28,6 +29,7 @@ __all__ = [
     "SPLIT_K",
     "gemm_time_ms",
     "gemm_tflops",
+    "gemm_memory_time_ms",
     "transfer_time_ms",
     "link_gbps",
     "alpha_ms",
@@ -49,9 +51,10 @@ _MIN_K_PER_SPLIT = 256
 Path = Literal["nccl", "p2p", "ce", "sm"]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def gemm_time_ms(m: int, n: int, k: int, dtype: str, hw: HardwareProfile, *,
                  num_sms: int | None = None, hbm_share: float = 1.0, launch: bool = True) -> float:
-    """Predicted time of one ``[m, k] @ [k, n]`` GEMM.
+    """Predicted time of one ``[m, k] @ [k, n]`` GEMM (pure, hence cached).
 
     ``num_sms`` < ``hw.sm_count`` models SMs taken by communication workers (contention);
     ``hbm_share`` < 1 models HBM bandwidth taken by concurrent copies; ``launch=False`` drops
@@ -89,6 +92,11 @@ def _gemm_time_ms(m, n, k, dtype, hw, sms, hbm_share, launch) -> float:
             t = (t_comp ** p + t_mem ** p) ** (1.0 / p)
             best = min(best, t)
     return best * 1e3 + (hw.gemm_launch_us * 1e-3 if launch else 0.0)
+
+
+def gemm_memory_time_ms(m: int, n: int, k: int, dtype: str, hw: HardwareProfile) -> float:
+    """The HBM floor of a GEMM: A, B and C each moved once at the achievable bandwidth."""
+    return DTYPE_BYTES[dtype] * (m * k + k * n + m * n) / (hw.hbm_gbps * 1e9 * hw.hbm_eff) * 1e3
 
 
 def gemm_tflops(m: int, n: int, k: int, dtype: str, hw: HardwareProfile, **kw) -> float:

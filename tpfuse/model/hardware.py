@@ -219,7 +219,7 @@ _register(HardwareProfile(
     gemm_launch_us=20.0,
     sources=_src(**{f: "ROUGH guess for a few-core CI VM (torch CPU matmul, gloo over TCP "
                        "loopback); orders of magnitude only, never used for GPU decisions"
-                    for f in ("tflops_bf16", "tflops_fp32", "hbm_gbps", "link_nccl_gbps",
+                    for f in ("tflops_bf16", "tflops_fp32", "hbm_gbps", "link_line_gbps", "link_nccl_gbps",
                               "alpha_nccl_us", "sm_count")}),
 ))
 

@@ -111,29 +111,37 @@ class _Graph:
         return tid
 
     def run(self) -> None:
-        """Process each engine's queue in order; a task runs once its deps are done."""
+        """Event-driven replay: each engine runs its queue in order; a task starts at
+        max(engine free, rank start, end of every dependency)."""
         queues: dict[tuple[int, str], list[Task]] = {}
         for t in self.tasks:
             queues.setdefault((t.rank, t.engine), []).append(t)
         heads = {key: 0 for key in queues}
         free = {key: self.skew[key[0]] for key in queues}
-        done = [False] * len(self.tasks)
-        remaining = len(self.tasks)
-        while remaining:
-            progressed = False
-            for key, queue in queues.items():
-                while heads[key] < len(queue):
-                    t = queue[heads[key]]
-                    if not all(done[d] for d in t.deps):
-                        break
-                    t.start = max([free[key]] + [self.tasks[d].end for d in t.deps])
-                    t.end = t.start + t.duration
-                    free[key] = t.end
-                    done[t.tid] = True
-                    heads[key] += 1
-                    remaining -= 1
-                    progressed = True
-            assert progressed, "simulator deadlock: a strategy built a cyclic schedule"
+        waiting = [len(set(t.deps)) for t in self.tasks]
+        dependents: list[list[int]] = [[] for _ in self.tasks]
+        for t in self.tasks:
+            for d in set(t.deps):
+                dependents[d].append(t.tid)
+        ready = [key for key, q in queues.items() if waiting[q[0].tid] == 0]
+        finished = 0
+        while ready:
+            key = ready.pop()
+            queue = queues[key]
+            while heads[key] < len(queue) and waiting[queue[heads[key]].tid] == 0:
+                t = queue[heads[key]]
+                t.start = max([free[key]] + [self.tasks[d].end for d in t.deps])
+                t.end = t.start + t.duration
+                free[key] = t.end
+                heads[key] += 1
+                finished += 1
+                for d in dependents[t.tid]:
+                    waiting[d] -= 1
+                    dt = self.tasks[d]
+                    other = (dt.rank, dt.engine)
+                    if waiting[d] == 0 and other != key and queues[other][heads[other]] is dt:
+                        ready.append(other)
+        assert finished == len(self.tasks), "simulator deadlock: a strategy built a cyclic schedule"
 
 
 def default_comm_sms(hw: HardwareProfile) -> int:
@@ -193,7 +201,13 @@ def simulate(op: str, strategy: str, *, m: int, n: int, k: int, world_size: int,
     else:
         {"ag_gemm": _build_ag, "gemm_rs": _build_rs, "gemm_ar": _build_ar}[op](g, ctx, strategy)
     g.run()
-    ranks = [_rank_stats(g, r) for r in range(w)]
+    by_rank: list[list[Task]] = [[] for _ in range(w)]
+    for t in g.tasks:
+        by_rank[t.rank].append(t)
+    pairs: list[list[tuple[int, int]]] = [[] for _ in range(w)]
+    for rank, prod, cons in g.pairs:
+        pairs[rank].append((prod, cons))
+    ranks = [_rank_stats(g, r, by_rank[r], pairs[r]) for r in range(w)]
     makespan = max(r.end for r in ranks) - min(r.start for r in ranks)
     return SimResult(op, strategy, w, num_chunks, makespan, ranks, g.tasks)
 
@@ -225,10 +239,17 @@ class _Ctx:
         return max(t, whole * rows / max(self.m, 1))
 
     def persistent(self, rows: int, first: bool) -> float:
-        """A chunk of rows inside one persistent kernel on the SMs left by the comm workers."""
-        whole = cost.gemm_time_ms(self.m, self.n, self.k, self.dtype, self.hw,
-                                  num_sms=self.hw.sm_count - self.comm_sms, launch=False)
-        return whole * rows / max(self.m, 1) + (self.hw.gemm_launch_us * 1e-3 if first else 0.0)
+        """A chunk of rows inside one persistent kernel on the SMs left by the comm workers.
+
+        Its share of the whole GEMM (tiles of consecutive chunks share waves: no per-chunk launch
+        or wave tail), but never less than the chunk's own HBM floor: a chunk's tiles still read
+        all of B, so a memory-bound (decode-sized) GEMM cut into W chunks reads the weights W
+        times (L2 reuse across chunks is ignored: conservative)."""
+        sms = self.hw.sm_count - self.comm_sms
+        whole = cost.gemm_time_ms(self.m, self.n, self.k, self.dtype, self.hw, num_sms=sms, launch=False)
+        floor = cost.gemm_memory_time_ms(rows, self.n, self.k, self.dtype, self.hw)
+        share = max(whole * rows / max(self.m, 1), floor)
+        return share + (self.hw.gemm_launch_us * 1e-3 if first else 0.0)
 
     def xfer(self, num_bytes: float, path: str) -> float:
         return cost.transfer_time_ms(num_bytes, path, self.hw,
@@ -411,8 +432,8 @@ def _build_ar(g: _Graph, c: _Ctx, strategy: str) -> None:
             g.pairs.append((r, gemms[(r, i)], t))
 
 
-def _rank_stats(g: _Graph, r: int) -> RankStats:
-    mine = [t for t in g.tasks if t.rank == r and t.duration > 0]
+def _rank_stats(g: _Graph, r: int, tasks: list[Task], pairs: list[tuple[int, int]]) -> RankStats:
+    mine = [t for t in tasks if t.duration > 0]
     start = g.skew[r]
     end = max((t.end for t in mine), default=start)
     gemm_tasks = [t for t in mine if t.engine == "gemm"]
@@ -429,10 +450,9 @@ def _rank_stats(g: _Graph, r: int) -> RankStats:
     else:
         fill = drain = 0.0
     events = []
-    for rank, prod, cons in g.pairs:
-        if rank == r:
-            events.append((g.tasks[prod].end, 1))
-            events.append((g.tasks[cons].start, -1))
+    for prod, cons in pairs:
+        events.append((g.tasks[prod].end, 1))
+        events.append((g.tasks[cons].start, -1))
     backlog = peak = 0
     for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
         backlog += delta

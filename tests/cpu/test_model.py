@@ -1,0 +1,173 @@
+"""The performance model: hardware profiles, costs, and the pipeline simulator against closed forms."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from tpfuse.model import cost
+from tpfuse.model.hardware import (PROFILES, apply_calibration, detect, get_profile, load_calibration,
+                                   profile_for_device_name)
+from tpfuse.model.simulate import STRATEGIES, draw_timeline, simulate
+
+H200 = get_profile("h200")
+# no launch overhead and no NCCL SM contention: every chunk of a uniform split costs the same
+UNIFORM = dataclasses.replace(H200, gemm_launch_us=0.0, nccl_sms=0)
+
+
+def _durations(res, engine, kind=None):
+    return [t.duration for t in res.tasks
+            if t.rank == 0 and t.engine == engine and (kind is None or t.kind == kind) and t.duration > 0]
+
+
+# --- hardware -----------------------------------------------------------------------------------
+def test_required_profiles_have_sources():
+    for name in ("h100", "h200", "b200", "gb200", "h100-pcie", "l40s", "cpu-gloo"):
+        p = PROFILES[name]
+        for f in ("tflops_bf16", "hbm_gbps", "link_line_gbps", "link_nccl_gbps", "alpha_nccl_us"):
+            assert p.source(f), f"{name}.{f} has no source"
+    assert PROFILES["gb200"].max_domain == 72
+    assert "ROUGH" in PROFILES["cpu-gloo"].description
+
+
+def test_get_profile_errors_and_aliases():
+    with pytest.raises(ValueError, match="hardware: unknown profile 'a100'.*h200"):
+        get_profile("a100")
+    assert get_profile("H200-SXM").name == "h200"
+
+
+def test_device_name_mapping_and_detect_without_cuda():
+    assert profile_for_device_name("NVIDIA H200") == "h200"
+    assert profile_for_device_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert profile_for_device_name("NVIDIA H100 PCIe") == "h100-pcie"
+    assert profile_for_device_name("NVIDIA GB200") == "gb200"
+    assert profile_for_device_name("Tesla T4") is None
+    import torch
+
+    if not torch.cuda.is_available():
+        assert detect().name == "cpu-gloo"
+
+
+def test_packaged_calibration_applies(tmp_path):
+    raw = get_profile("h200", calibration=False)
+    assert raw.calibrated == ""
+    assert H200.calibrated and H200.gemm_eff_max != raw.gemm_eff_max
+    assert "calibrated" in H200.source("gemm_eff_max")
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"overrides": {"link_ce_gbps": 123.0}}))
+    assert get_profile("h200", calibration=path).link_ce_gbps == 123.0
+    with pytest.raises(ValueError, match="unknown or fixed field 'warp_speed'"):
+        apply_calibration(raw, {"overrides": {"warp_speed": 9}})
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="calibration: cannot read"):
+        load_calibration(path)
+
+
+# --- cost ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(16, 4096, 1792), (512, 3584, 4096), (16384, 14336, 4096)])
+def test_gemm_cost_monotone(shape):
+    m, n, k = shape
+    t = cost.gemm_time_ms(m, n, k, "bf16", H200)
+    faster = dataclasses.replace(H200, tflops_bf16=2 * H200.tflops_bf16, hbm_gbps=2 * H200.hbm_gbps)
+    assert cost.gemm_time_ms(m, n, k, "bf16", faster) <= t
+    assert cost.gemm_time_ms(m, n, k, "bf16", H200, num_sms=100) >= t
+    assert cost.gemm_time_ms(2 * m, n, k, "bf16", H200) >= t
+    # the roofline is a floor the efficiency curve never beats
+    assert t >= 2 * m * n * k / (H200.tflops_bf16 * 1e12) * 1e3
+
+
+def test_transfer_cost_alpha_beta():
+    t1 = cost.transfer_time_ms(1e6, "ce", H200)
+    t2 = cost.transfer_time_ms(2e6, "ce", H200)
+    assert t1 == pytest.approx(H200.alpha_ce_us * 1e-3 + 1e6 / (H200.link_ce_gbps * 1e9) * 1e3)
+    assert t2 - t1 == pytest.approx(1e6 / (H200.link_ce_gbps * 1e9) * 1e3)
+    assert cost.transfer_time_ms(1e6, "sm", H200, num_sms=4) > cost.transfer_time_ms(1e6, "sm", H200, num_sms=16)
+    assert cost.transfer_time_ms(0, "ce", H200) == 0.0
+
+
+# --- simulator vs closed forms ------------------------------------------------------------------
+@pytest.mark.parametrize("num_chunks", [1, 4, 8])
+@pytest.mark.parametrize("shape", [(4096, 8192, 3584), (512, 16384, 13312)])
+def test_gemm_ar_fused_matches_two_stage_closed_form(shape, num_chunks):
+    m, n, k = shape
+    res = simulate("gemm_ar", "fused", m=m, n=n, k=k, world_size=4, dtype="bf16", hw=UNIFORM,
+                   num_chunks=num_chunks)
+    (t_g,), (t_c,) = set(_durations(res, "gemm")), set(_durations(res, "comm"))
+    assert res.makespan_ms == pytest.approx(cost.two_stage_pipeline_ms(t_g, t_c, num_chunks))
+
+
+@pytest.mark.parametrize("w", [2, 4, 8])
+@pytest.mark.parametrize("shape", [(16384, 7168, 8192), (128, 7168, 8192)])
+def test_ring_matches_closed_form(shape, w):
+    m, n, k = shape
+    ag = simulate("ag_gemm", "ring", m=m, n=n, k=k, world_size=w, dtype="bf16", hw=UNIFORM)
+    (t_g,), (t_c,) = set(_durations(ag, "gemm")), set(_durations(ag, "comm"))
+    # local shard first: no fill, then W-1 steps of max(GEMM, transfer), then the last GEMM
+    assert ag.makespan_ms == pytest.approx(t_g + (w - 1) * max(t_g, t_c))
+    rs = simulate("gemm_rs", "ring", m=m, n=n, k=k, world_size=w, dtype="bf16", hw=UNIFORM)
+    (t_g,), (t_c,), (t_add,) = (set(_durations(rs, "gemm", "gemm")), set(_durations(rs, "comm")),
+                                set(_durations(rs, "gemm", "reduce")))
+    assert rs.makespan_ms == pytest.approx(t_g + (w - 1) * max(t_g, t_c) + t_add)
+
+
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs", "gemm_ar"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_world_size_one_is_the_gemm(op, strategy):
+    res = simulate(op, strategy, m=4096, n=4096, k=4096, world_size=1, dtype="bf16", hw=H200)
+    assert _durations(res, "comm") == []
+    assert res.makespan_ms == pytest.approx(cost.gemm_time_ms(4096, 4096, 4096, "bf16", H200))
+    assert res.ranks[0].exposed_comm == 0
+
+
+def test_interior_optimum_in_chunk_count():
+    """alpha > 0: more chunks shrink the exposed last chunk but add a latency per chunk."""
+    times = [simulate("ag_gemm", "fused", m=16384, n=1792, k=4096, world_size=8, dtype="bf16",
+                      hw=H200, num_chunks=8 * s).makespan_ms for s in (1, 2, 4, 8, 16)]
+    best = times.index(min(times))
+    assert 0 < best < len(times) - 1, times
+    no_alpha = dataclasses.replace(H200, alpha_sm_us=0.0)
+    flat = [simulate("ag_gemm", "fused", m=16384, n=1792, k=4096, world_size=8, dtype="bf16",
+                     hw=no_alpha, num_chunks=8 * s).makespan_ms for s in (1, 2, 4, 8, 16)]
+    assert all(f <= t for f, t in zip(flat, times))
+    assert flat.index(min(flat)) >= best  # the latency is what stops finer chunking
+
+
+def test_rank_stats_add_up_and_skew_delays():
+    base = simulate("gemm_rs", "fused", m=16384, n=8192, k=3584, world_size=4, dtype="bf16",
+                    hw=H200, num_chunks=8)
+    for r in base.ranks:
+        assert r.fill + r.steady + r.drain == pytest.approx(r.total)
+        assert r.backlog >= 0 and r.gemm_busy > 0 and r.comm_busy > 0
+    late = simulate("gemm_rs", "fused", m=16384, n=8192, k=3584, world_size=4, dtype="bf16",
+                    hw=H200, num_chunks=8, skew_ms=(0.0, 0.5, 0.0, 0.0))
+    assert late.makespan_ms >= base.makespan_ms + 0.4  # the late rank's own work ends later
+    # rank 0 is the late rank's last peer in owner order: it waits for that partial to reduce
+    assert late.ranks[0].total > base.ranks[0].total
+
+
+def test_credits_bound_in_flight_chunks():
+    free = simulate("gemm_rs", "copy_engine", m=16384, n=8192, k=3584, world_size=4, dtype="bf16",
+                    hw=H200, num_chunks=16)
+    one = simulate("gemm_rs", "copy_engine", m=16384, n=8192, k=3584, world_size=4, dtype="bf16",
+                   hw=H200, num_chunks=16, num_slots=1)
+    assert one.makespan_ms >= free.makespan_ms
+    assert one.ranks[0].backlog <= 1
+
+
+def test_simulate_validates():
+    with pytest.raises(ValueError, match="num_chunks: 6 is not a multiple of world_size 4"):
+        simulate("ag_gemm", "fused", m=64, n=8, k=8, world_size=4, dtype="bf16", hw=H200, num_chunks=6)
+    with pytest.raises(ValueError, match="strategy: unknown strategy 'magic'"):
+        simulate("ag_gemm", "magic", m=64, n=8, k=8, world_size=4, dtype="bf16", hw=H200)
+    with pytest.raises(ValueError, match="skew_ms: 1 values for world_size 2"):
+        simulate("ag_gemm", "ring", m=64, n=8, k=8, world_size=2, dtype="bf16", hw=H200, skew_ms=(0.0,))
+
+
+def test_timeline_png(tmp_path):
+    res = simulate("ag_gemm", "copy_engine", m=4096, n=7168, k=8192, world_size=4, dtype="bf16",
+                   hw=H200, num_chunks=8, skew_ms=(0.0, 0.02, 0.0, 0.01))
+    out = tmp_path / "timeline.png"
+    draw_timeline(res, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

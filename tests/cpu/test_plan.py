@@ -1,0 +1,231 @@
+"""The planner: Plan fields, decisions, validation, the tuning cache, and the `tpfuse plan` CLI."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+import warnings
+
+import pytest
+import torch
+
+from tpfuse.bench.workloads import workload_matrix
+from tpfuse.model import cost
+from tpfuse.model.hardware import get_profile
+from tpfuse.plan import (STRATEGIES, Plan, add_plan_arguments, canonical_dtype, choose, plan,
+                         record_measurement, run_plan_cli, tuning_cache_path)
+
+SHAPE = dict(m=16384, n=7168, k=8192)  # Llama-3 70B fc1, training, TP 8
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPFUSE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_plan_fields():
+    p = plan("ag_gemm", **SHAPE, world_size=8, dtype="bf16", hardware="h200")
+    assert isinstance(p, Plan) and p.op == "ag_gemm"
+    assert set(p.predicted_ms) == set(STRATEGIES)
+    assert p.strategy in STRATEGIES and p.predicted_ms[p.strategy] == min(p.predicted_ms.values())
+    assert p.num_chunks == p.chunks[p.strategy] >= 1
+    assert {"gemm_ms", "comm_ms", "fill_ms", "drain_ms"} <= set(p.breakdown)
+    assert p.breakdown["gemm_ms"] == pytest.approx(cost.gemm_time_ms(16384, 7168, 8192, "bf16", get_profile("h200")))
+    assert p.breakdown["comm_ms"] > 0
+    assert p.strategy in p.explain() and "unfused" in p.explain()
+    assert p.speedup > 1  # a training-sized GEMM on NVLink hides its all-gather
+    json.dumps(p.to_dict())
+
+
+def test_breakdown_is_strategy_independent():
+    p = plan("gemm_rs", m=4096, n=8192, k=3584, world_size=8, dtype="bf16")
+    q = choose("gemm_rs", m=4096, n=8192, k=3584, world_size=8, dtype="bf16", hardware="h200",
+               candidates=("unfused",))
+    assert q.strategy == "unfused"
+    assert (p.breakdown["gemm_ms"], p.breakdown["comm_ms"]) == (q.breakdown["gemm_ms"], q.breakdown["comm_ms"])
+
+
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs", "gemm_ar"])
+def test_world_size_one_is_unfused_without_comm(op):
+    p = plan(op, m=4096, n=4096, k=4096, world_size=1, dtype=torch.bfloat16)
+    assert p.strategy == "unfused" and p.breakdown["comm_ms"] == 0.0
+    assert "world_size is 1" in p.explain()
+    c = choose(op, m=4096, n=4096, k=4096, world_size=1, dtype="bf16", hardware="h200",
+               candidates=("unfused", "ring", "fused"))
+    assert c.strategy == "unfused"
+
+
+def test_dtype_spellings_agree():
+    assert canonical_dtype(torch.bfloat16) == canonical_dtype("bfloat16") == canonical_dtype("bf16") == "bf16"
+    assert canonical_dtype(torch.float64) == canonical_dtype("fp64") == "fp64"
+    a = plan("gemm_ar", m=128, n=8192, k=3584, world_size=8, dtype=torch.bfloat16)
+    b = plan("gemm_ar", m=128, n=8192, k=3584, world_size=8, dtype="bf16")
+    assert a == b and dict(a.predicted_ms) == dict(b.predicted_ms)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(op="allgather"), "op: unknown op 'allgather'"),
+    (dict(dtype="int8"), "dtype: 'int8' is not supported"),
+    (dict(hardware="tpu"), "hardware: unknown profile 'tpu'"),
+    (dict(m=-1), "m: -1 must be >= 0"),
+    (dict(n=0), "n: 0 must be >= 1"),
+    (dict(world_size=0), "world_size: 0 must be >= 1"),
+])
+def test_validation_names_arg_value_fix(kwargs, match):
+    args = dict(op="ag_gemm", m=4096, n=1024, k=1024, world_size=4, dtype="bf16", hardware="h200")
+    args.update(kwargs)
+    op = args.pop("op")
+    with pytest.raises(ValueError, match=match):
+        plan(op, **args)
+
+
+def test_m_must_be_int():
+    with pytest.raises(TypeError, match="m: expected an int"):
+        plan("ag_gemm", m=4096.0, n=8, k=8, world_size=2)
+
+
+def test_empty_m_is_legal():
+    p = plan("ag_gemm", m=0, n=1024, k=1024, world_size=4)
+    assert p.breakdown["comm_ms"] == 0.0 and p.predicted_ms["unfused"] >= 0
+
+
+def test_deterministic_and_fast_on_repeat():
+    a = plan("gemm_rs", m=16384, n=8192, k=3584, world_size=8)
+    assert a == plan("gemm_rs", m=16384, n=8192, k=3584, world_size=8)
+    args = dict(m=16384, n=8192, k=3584, world_size=8, dtype=torch.bfloat16, hardware="h200",
+                candidates=("unfused", "ring", "copy_engine", "fused"))
+    first = choose("gemm_rs", **args)
+    t0 = time.perf_counter()
+    for _ in range(1000):
+        assert choose("gemm_rs", **args) is first
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_choose_respects_candidates():
+    p = choose("ag_gemm", **SHAPE, world_size=8, dtype="bf16", hardware="h200", candidates=("ring",))
+    assert set(p.predicted_ms) == {"unfused", "ring"} and p.strategy in ("unfused", "ring")
+    with pytest.raises(ValueError, match="candidates: unknown strategies"):
+        choose("ag_gemm", **SHAPE, world_size=8, dtype="bf16", hardware="h200", candidates=("warp",))
+
+
+def test_never_beats_its_parts():
+    """No strategy is predicted faster than the GEMM alone or the bytes over the link's line rate."""
+    hw = get_profile("h200")
+    for cell in workload_matrix(world_sizes=(2, 8), phases=("training", "decode")):
+        p = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, dtype=cell.dtype)
+        elt = cost.DTYPE_BYTES["bf16"]
+        w = cell.world_size
+        moved = {"ag_gemm": cell.m * cell.k * elt * (w - 1) / w, "gemm_rs": cell.m * cell.n * elt * (w - 1) / w,
+                 "gemm_ar": 2 * cell.m * cell.n * elt * (w - 1) / w}[cell.op]
+        floor = max(p.breakdown["gemm_ms"] - hw.gemm_launch_us * 1e-3,
+                    moved / (hw.link_line_gbps * 1e9) * 1e3)
+        for s, ms in p.predicted_ms.items():
+            assert ms >= floor, (cell.name, s, ms, floor)
+
+
+@pytest.mark.parametrize("field", ["link", "flops"])
+def test_more_bandwidth_or_flops_never_slower(field):
+    base = get_profile("h200")
+    if field == "link":
+        better = dataclasses.replace(base, link_nccl_gbps=2 * base.link_nccl_gbps, link_ce_gbps=2 * base.link_ce_gbps,
+                                     link_sm_max_gbps=2 * base.link_sm_max_gbps,
+                                     link_sm_gbps_per_sm=2 * base.link_sm_gbps_per_sm)
+    else:
+        better = dataclasses.replace(base, tflops_bf16=2 * base.tflops_bf16)
+    for cell in workload_matrix(world_sizes=(2, 8), models=("8b", "70b")):
+        p = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, hardware=base)
+        q = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, hardware=better)
+        for s in STRATEGIES:
+            assert q.predicted_ms[s] <= p.predicted_ms[s] * (1 + 1e-9), (cell.name, s)
+
+
+def test_decode_gains_less_than_training():
+    def speedup(phase):
+        (fc1,) = [c for c in workload_matrix(world_sizes=(8,), models=("70b",), phases=(phase,)) if c.gemm == "fc1"]
+        return plan(fc1.op, m=fc1.m, n=fc1.n, k=fc1.k, world_size=8).speedup
+    assert 1.0 <= speedup("decode") < speedup("training")
+
+
+def test_cpu_gloo_profile_plans():
+    p = plan("ag_gemm", m=64, n=48, k=32, world_size=2, dtype="fp32", hardware="cpu-gloo")
+    assert p.strategy in STRATEGIES
+    c = choose("ag_gemm", m=64, n=48, k=32, world_size=2, dtype="fp32", hardware="cpu-gloo",
+               candidates=("unfused", "ring"))
+    assert c.strategy == min(("unfused", "ring"), key=lambda s: c.predicted_ms[s])
+
+
+# --- tuning cache -------------------------------------------------------------------------------
+def test_measurement_overrides_model():
+    args = dict(m=16384, n=7168, k=8192, world_size=8, dtype="bf16", hardware="h200")
+    cands = ("unfused", "ring", "copy_engine", "fused")
+    before = choose("ag_gemm", **args, candidates=cands)
+    assert before.strategy != "unfused" and before.measured == ()
+    record_measurement("ag_gemm", strategy="unfused", ms=0.001, **args)
+    after = choose("ag_gemm", **args, candidates=cands)
+    assert after.strategy == "unfused" and after.measured == ("unfused",)
+    assert after.predicted_ms["unfused"] == 0.001 and "measured" in after.explain()
+    data = json.loads(tuning_cache_path().read_text())
+    (entry,) = data["entries"].values()
+    assert entry["measured"] == {"unfused": [0.001]} and entry["world_size"] == 8
+    (key,) = data["entries"]
+    assert "torch=" in key and "triton=" in key and "tpfuse=" in key and "h200" in key
+    with pytest.raises(ValueError, match="ms: -1 must be a positive"):
+        record_measurement("ag_gemm", strategy="fused", ms=-1, **args)
+
+
+def test_corrupt_cache_is_empty_with_one_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPFUSE_CACHE_DIR", str(tmp_path / "corrupt"))
+    path = tuning_cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text('{"entries": {broken')
+    args = dict(m=4096, n=7168, k=8192, world_size=8, dtype="bf16", hardware="h200",
+                candidates=("unfused", "fused"))
+    with pytest.warns(RuntimeWarning, match="tuning cache .* is unreadable"):
+        p = choose("ag_gemm", **args)
+    assert p.measured == ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        choose("ag_gemm", **dict(args, m=8192))  # no second warning
+    record_measurement("ag_gemm", m=4096, n=7168, k=8192, world_size=8, dtype="bf16", hardware="h200",
+                       strategy="fused", ms=0.5)
+    assert json.loads(path.read_text())["version"] == 1  # rewritten whole, atomically
+    assert choose("ag_gemm", **args).predicted_ms["fused"] == 0.5
+
+
+# --- CLI ----------------------------------------------------------------------------------------
+def _run(argv):
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    return run_plan_cli(parser.parse_args(argv))
+
+
+def test_cli_one_cell_table(capsys):
+    assert _run(["--op", "gemm_rs", "--m", "16384", "--n", "8192", "--k", "3584", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    p = plan("gemm_rs", m=16384, n=8192, k=3584, world_size=8)
+    assert "PREDICTED" in out and p.strategy in out and f"{p.speedup:.2f}x" in out and "Why:" in out
+
+
+def test_cli_matrix_and_json(capsys):
+    assert _run(["--hardware", "h200", "--model", "8b", "--phase", "decode"]) == 0
+    out = capsys.readouterr().out
+    for w in (2, 4, 8):
+        assert f"8b-decode-fc1-tp{w}" in out and f"8b-decode-fc2-tp{w}" in out
+    assert _run(["--hardware", "gb200", "--model", "70b", "--phase", "prefill", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert sorted({r["world_size"] for r in rows}) == [8, 16, 32, 72]
+    assert all(r["strategy"] in STRATEGIES for r in rows)
+
+
+def test_cli_timeline_png(tmp_path, capsys):
+    out = tmp_path / "tl.png"
+    assert _run(["--op", "ag_gemm", "--m", "4096", "--n", "7168", "--k", "8192", "--world-size", "4",
+                 "--timeline", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG" and str(out) in capsys.readouterr().out
+
+
+def test_cli_partial_cell_is_an_error(capsys):
+    assert _run(["--op", "ag_gemm", "--m", "4096"]) == 2
+    assert "needs --op, --m, --n, --k and --world-size" in capsys.readouterr().err
