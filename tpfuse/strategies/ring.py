@@ -44,7 +44,11 @@ class _Ring:
         self.stream = _comm_stream(device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else None
 
-    def start(self, send: torch.Tensor | None, recv: torch.Tensor | None, what: str) -> list:
+    def start(self, send: torch.Tensor | None, recv: torch.Tensor | None, what: str, *,
+              after_compute: bool = True) -> list:
+        """Post the exchange.  ``after_compute=False`` lets it start before the compute stream's
+        pending work finishes: only correct when the send data was produced on the comm stream
+        (a chunk received by an earlier exchange) and the receive buffer is untouched."""
         ops = []
         if send is not None and send.numel() > 0:
             ops.append(dist.P2POp(dist.isend, send, self.ctx.next_rank, self.ctx.group))
@@ -55,7 +59,8 @@ class _Ring:
         breadcrumb(f"ring {what}: exchange posted")
         if self.stream is None:
             return dist.batch_isend_irecv(ops)
-        self.stream.wait_stream(torch.cuda.current_stream())
+        if after_compute:
+            self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             works = dist.batch_isend_irecv(ops)
         for op in ops:
@@ -92,7 +97,10 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
     for step in range(world_size):
         prev_chunk = (chunk - 1) % world_size
         last = step == world_size - 1
-        works = [] if last else ring.start(a_full[rows(chunk)], a_full[rows(prev_chunk)], f"ag_gemm step {step}")
+        # From step 1 on, the chunk to forward arrived on the comm stream itself: its transfer need
+        # not wait for the GEMM of the previous step, so transfers run back to back.
+        works = [] if last else ring.start(a_full[rows(chunk)], a_full[rows(prev_chunk)], f"ag_gemm step {step}",
+                                           after_compute=step == 0)
         torch.matmul(a_full[rows(chunk)], b, out=c[rows(chunk)])
         if works:
             ring.finish(works, f"ag_gemm step {step}")
