@@ -73,6 +73,54 @@ def bench(fn_of_set, sets, rep):
     return triton.testing.do_bench(step, warmup=10, rep=rep, return_mode="median")
 
 
+def graph_bench(fn, sets, rep):
+    """Median time of one call replayed from a CUDA graph (no host launch cost)."""
+    import triton
+    graphs = []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for st in sets:
+            fn(*st)
+    torch.cuda.current_stream().wait_stream(stream)
+    for st in sets:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(*st)
+        graphs.append(g)
+    i = [0]
+
+    def step():
+        graphs[i[0] % len(graphs)].replay()
+        i[0] += 1
+    t = triton.testing.do_bench(step, warmup=10, rep=rep, return_mode="median")
+    del graphs
+    return t
+
+
+def host_overhead_us(n=300):
+    """Host time per call of a tiny GEMM (GPU never the bottleneck), ours vs torch.matmul."""
+    a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(64, 64, device="cuda", dtype=torch.bfloat16)
+    res = {}
+    for name, fn in (("ours", lambda: gc.matmul(a, w.t(), out=out)),
+                     ("ours_triton_jit_launch", lambda: gc.matmul(a, w.t(), out=out)),
+                     ("cublas", lambda: torch.matmul(a, w.t(), out=out))):
+        os.environ["TPFUSE_FAST_LAUNCH"] = "0" if name == "ours_triton_jit_launch" else "1"
+        gc._COMPILED.clear()
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        res[name] = (time.perf_counter() - t) / n * 1e6
+        torch.cuda.synchronize()
+    os.environ["TPFUSE_FAST_LAUNCH"] = "1"
+    return res
+
+
 def rel_err(x, ref):
     return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -113,28 +161,20 @@ def run_shape(s: Shape, dtype, args, log):
     timings.sort(key=lambda t: t[0])
     best = timings[0][1]
     flops = 2.0 * s.m * s.n * s.k
-    t_cublas = bench(lambda a, b, c: torch.matmul(a, b, out=c), sets, args.rep)
-    t_ours = bench(lambda a, b, c: gc.matmul(a, b, out=c, config=best), sets, args.rep)
-    t_cublas2 = bench(lambda a, b, c: torch.matmul(a, b, out=c), sets, args.rep)
-    t_cublas = min(t_cublas, t_cublas2)   # the fairer of two cuBLAS timings around ours
-    row = {"name": s.name, "phase": s.phase, "m": s.m, "n": s.n, "k": s.k,
-           "ours_ms": t_ours, "cublas_ms": t_cublas,
-           "ours_tflops": flops / t_ours / 1e9, "cublas_tflops": flops / t_cublas / 1e9,
-           "ratio": t_cublas / t_ours, "config": best.to_dict(),
-           "runner_up": [dict(ms=t, **c.to_dict()) for t, c in timings[1:4]]}
-    # hooks: same config, signals pre-set (wait never spins), epilogue routed to 8 chunk views
     chunk_m, wait, epi, esig = hook_specs(s, c0)
     variants = {
+        "ours": dict(),
         "wait": dict(tile_order="round", start_chunk=1, wait=wait, check=False),
         "epilogue": dict(tile_order="owner", start_chunk=1, epilogue=epi),
-        "round_order": dict(tile_order="round", start_chunk=1, chunk_m=chunk_m),
     }
+    row = {"name": s.name, "phase": s.phase, "m": s.m, "n": s.n, "k": s.k, "config": best.to_dict(),
+           "runner_up": [dict(ms=t, **c.to_dict()) for t, c in timings[1:4]]}
+    fns = {"cublas": lambda a, b, c: torch.matmul(a, b, out=c)}
     for key, kw in variants.items():
-        cfg = best
         try:
             c0.fill_(float("nan"))
             esig.zero_()
-            o = gc.matmul(a0, b0, out=None if "epilogue" in kw else c0, config=cfg, **kw)
+            gc.matmul(a0, b0, out=None if "epilogue" in kw else c0, config=best, **kw)
             torch.cuda.synchronize()
             err = rel_err(c0, ref)
             if "wait" in kw:
@@ -143,13 +183,32 @@ def run_shape(s: Shape, dtype, args, log):
                 raise RuntimeError(f"signals after epilogue: {esig.tolist()}")
             if not math.isfinite(err) or err > tol:
                 raise RuntimeError(f"rel_err {err}")
-            # the hooked call with its own buffers, rotating a/b only (dests are fixed views)
-            t = bench(lambda a, b, c: gc.matmul(a, b, out=None if "epilogue" in kw else c, config=cfg, **kw),
-                      sets, args.rep)
-            row[f"{key}_ms"] = t
-            row[f"{key}_overhead"] = t / t_ours - 1.0
+            fns[key] = (lambda kw: lambda a, b, c: gc.matmul(
+                a, b, out=None if "epilogue" in kw else c, config=best, **kw))(kw)
         except Exception as e:  # noqa: BLE001
             row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:300]
+    # eager: rounds interleave the variants so that clock drift hits all alike; min of medians
+    eager = {k: [] for k in fns}
+    for _ in range(args.rounds):
+        for k, fn in fns.items():
+            eager[k].append(bench(fn, sets, args.rep))
+    graph = {k: graph_bench(fn, sets, args.rep) for k, fn in fns.items()} if args.graphs else {}
+    for k in fns:
+        row[f"{k}_ms"] = min(eager[k])
+        if k in graph:
+            row[f"{k}_graph_ms"] = graph[k]
+    row["ours_tflops"] = flops / row["ours_ms"] / 1e9
+    row["cublas_tflops"] = flops / row["cublas_ms"] / 1e9
+    row["ratio"] = row["cublas_ms"] / row["ours_ms"]
+    if graph:
+        row["ours_graph_tflops"] = flops / graph["ours"] / 1e9
+        row["cublas_graph_tflops"] = flops / graph["cublas"] / 1e9
+        row["graph_ratio"] = graph["cublas"] / graph["ours"]
+    for k in ("wait", "epilogue"):
+        if k in fns:
+            row[f"{k}_overhead"] = row[f"{k}_ms"] / row["ours_ms"] - 1.0
+            if graph:
+                row[f"{k}_graph_overhead"] = graph[k] / graph["ours"] - 1.0
     del sets
     torch.cuda.empty_cache()
     return row
@@ -160,10 +219,12 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON")
     p.add_argument("--name", default="gemm_core_h200.json")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) for the final timings")
+    p.add_argument("--rep", type=int, default=40, help="do_bench rep (ms) for the final timings")
     p.add_argument("--tune-rep", type=int, default=15, help="do_bench rep (ms) per tuning candidate")
     p.add_argument("--quick", action="store_true", help="70B shapes only")
     p.add_argument("--no-tune", action="store_true", help="default_config only")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved eager timing rounds")
+    p.add_argument("--no-graphs", dest="graphs", action="store_false", help="skip CUDA-graph timings")
     p.add_argument("--only", default="", help="comma-separated substrings of shape names")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -183,12 +244,14 @@ def main(argv=None):
         keys = args.only.split(",")
         todo = [s for s in todo if any(k in s.name for k in keys)]
     rows, log = [], []
+    meta["host_us_per_call"] = host_overhead_us()
+    print("host time per call (us):", meta["host_us_per_call"], flush=True)
     t0 = time.time()
     for s in todo:
         row = run_shape(s, dtype, args, log)
         rows.append(row)
         print(f"[{time.time() - t0:6.1f}s] {s.name:24s} {s.m:6d}x{s.n:6d}x{s.k:6d} ours {row['ours_tflops']:6.1f} "
-              f"cublas {row['cublas_tflops']:6.1f} ratio {row['ratio']:.3f} "
+              f"cublas {row['cublas_tflops']:6.1f} ratio {row['ratio']:.3f} graph {row.get('graph_ratio', float('nan')):.3f} "
               f"wait {row.get('wait_overhead', float('nan')):+.3f} epi {row.get('epilogue_overhead', float('nan')):+.3f} "
               f"{row['config']['BLOCK_M']}x{row['config']['BLOCK_N']}x{row['config']['BLOCK_K']} "
               f"w{row['config']['num_warps']}s{row['config']['num_stages']}"
@@ -205,7 +268,12 @@ def summarize(rows):
     big = [r for r in rows if r["phase"] in ("train", "prefill")]
     out = {"geomean_ratio": math.exp(sum(map(math.log, ratios)) / len(ratios)),
            "min_ratio": min(ratios), "min_ratio_shape": min(rows, key=lambda r: r["ratio"])["name"]}
-    for key in ("wait", "epilogue"):
+    if all("graph_ratio" in r for r in rows):
+        g = [r["graph_ratio"] for r in rows]
+        out["graph_geomean_ratio"] = math.exp(sum(map(math.log, g)) / len(g))
+        out["graph_min_ratio"] = min(g)
+        out["graph_min_ratio_shape"] = min(rows, key=lambda r: r["graph_ratio"])["name"]
+    for key in ("wait", "epilogue", "wait_graph", "epilogue_graph"):
         vals = [r[f"{key}_overhead"] for r in big if f"{key}_overhead" in r]
         if vals:
             out[f"{key}_overhead_train_prefill_max"] = max(vals)
@@ -215,11 +283,15 @@ def summarize(rows):
 
 def print_table(rows, summary):
     print()
-    print(f"{'shape':24s} {'M':>6s} {'N':>6s} {'K':>6s} {'ours':>7s} {'cuBLAS':>7s} {'ratio':>6s} {'wait%':>6s} {'epi%':>6s}")
+    nan = float("nan")
+    print(f"{'shape':24s} {'M':>6s} {'N':>6s} {'K':>6s} {'ours':>7s} {'cuBLAS':>7s} {'ratio':>6s} {'wait%':>6s} "
+          f"{'epi%':>6s} | {'graph:ours':>10s} {'cuBLAS':>7s} {'ratio':>6s} {'wait%':>6s} {'epi%':>6s}")
     for r in rows:
         print(f"{r['name']:24s} {r['m']:6d} {r['n']:6d} {r['k']:6d} {r['ours_tflops']:7.1f} {r['cublas_tflops']:7.1f} "
-              f"{r['ratio']:6.3f} {100 * r.get('wait_overhead', float('nan')):6.1f} "
-              f"{100 * r.get('epilogue_overhead', float('nan')):6.1f}")
+              f"{r['ratio']:6.3f} {100 * r.get('wait_overhead', nan):6.1f} {100 * r.get('epilogue_overhead', nan):6.1f} | "
+              f"{r.get('ours_graph_tflops', nan):10.1f} {r.get('cublas_graph_tflops', nan):7.1f} "
+              f"{r.get('graph_ratio', nan):6.3f} {100 * r.get('wait_graph_overhead', nan):6.1f} "
+              f"{100 * r.get('epilogue_graph_overhead', nan):6.1f}")
     print(json.dumps(summary))
 
 

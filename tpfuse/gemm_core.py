@@ -393,6 +393,100 @@ def _check_generation(gen, name):
         raise ValueError(f"matmul: {name}={gen!r}; need an int in [1, 2**31 - 1] (signals are int32)")
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """Everything about a call that its shapes, strides, dtype, config and options decide."""
+    m: int
+    n: int
+    k: int
+    b_kmajor: bool
+    use_tma: bool
+    cfg: GemmConfig
+    grid: tuple
+    chunk_m: int
+    num_chunks: int
+    start_chunk: int
+    use_asm: bool
+    constexprs: tuple   # values of the kernel's constexpr parameters, in signature order
+    num_warps: int
+    num_stages: int
+
+
+_PLANS: dict = {}
+_COMPILED: dict = {}
+
+
+def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilogue, use_tma) -> _Plan:
+    b_kmajor = _check_operands(a, b, out)
+    if tile_order not in TILE_ORDERS:
+        raise ValueError(f"matmul: tile_order={tile_order!r}; choose one of {TILE_ORDERS}")
+    m, k = a.shape
+    n = b.shape[1]
+    device = a.device
+    chunk_sources = [("chunk_m", chunk_m), ("wait.chunk_m", wait.chunk_m if wait else None),
+                     ("epilogue.chunk_m", epilogue.chunk_m if epilogue else None)]
+    given = [(nm, v) for nm, v in chunk_sources if v is not None]
+    if len({v for _, v in given}) > 1:
+        raise ValueError(f"matmul: chunk sizes disagree: {given}; the tile order and both hooks share one chunk_m")
+    chunk_m = given[0][1] if given else None
+    if tile_order != "grouped" and chunk_m is None:
+        raise ValueError(f"matmul: tile_order={tile_order!r} needs chunk_m (rows per chunk)")
+    num_chunks = _check_chunks(m, chunk_m, given[0][0]) if chunk_m is not None else 1
+    if not isinstance(start_chunk, int) or not 0 <= start_chunk < max(num_chunks, 1):
+        raise ValueError(f"matmul: start_chunk={start_chunk!r}; need 0 <= start_chunk < num_chunks={num_chunks}")
+    cfg = config or (_lookup(m, n, k, a.dtype, b_kmajor, device) if m and n and k else None) \
+        or default_config(m, n, k, a.dtype)
+    if not isinstance(cfg, GemmConfig):
+        raise TypeError(f"matmul: config must be a GemmConfig, got {type(cfg).__name__}")
+    if m == 0 or n == 0 or k == 0:   # nothing to launch; matmul() handles these
+        return _Plan(m, n, k, b_kmajor, False, cfg, (0,), chunk_m or 1, num_chunks, start_chunk,
+                     False, (), cfg.num_warps, cfg.num_stages)
+
+    triton, tl, _ = _triton()
+    c_out = None if epilogue is not None else out
+    if use_tma is None:
+        use_tma, why = _tma_ok(device, a, b, c_out, b_kmajor)
+        if not use_tma and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+            _warn_once(f"tpfuse.gemm_core: plain-pointer path instead of TMA ({why})")
+    elif use_tma:
+        ok, why = _tma_ok(device, a, b, c_out, b_kmajor)
+        if not ok:
+            raise ValueError(f"matmul: use_tma=True but {why}; pass use_tma=None to fall back")
+    num_tiles = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
+    grid = (min(num_tiles, cfg.num_programs or _num_programs(device)),)
+    use_asm = (device.type == "cuda" and not _interpreting()
+               and os.environ.get("TPFUSE_SIGNAL_ASM", "1") != "0")
+    c_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[a.dtype]
+    constexprs = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.GROUP_M, cfg.EPI_SUBTILE,
+                  0 if tile_order == "grouped" else 1, bool(use_tma), b_kmajor, c_dtype,
+                  wait is not None, epilogue is not None, use_asm, cfg.flatten, cfg.warp_specialize,
+                  _interpreting())
+    return _Plan(m, n, k, b_kmajor, bool(use_tma), cfg, grid, chunk_m or 1, num_chunks, start_chunk,
+                 use_asm, constexprs, cfg.num_warps, cfg.num_stages)
+
+
+def _launch(plan: _Plan, plan_key, args: list, device) -> None:
+    """Launch gemm_kernel. The first call of a specialization goes through Triton's JIT (which
+    compiles and caches); later ones call the compiled kernel directly, skipping the JIT's
+    argument binding (tens of microseconds of host time per call, which decode-sized GEMMs
+    cannot hide). Specialization of the kernel depends only on the plan and on the 16-byte
+    alignment of the plain-pointer operands (hook arguments are not specialized)."""
+    _, _, km = _triton()
+    full = args + list(plan.constexprs)
+    if _interpreting() or device.type != "cuda":
+        km.gemm_kernel[plan.grid](*full, num_warps=plan.num_warps, num_stages=plan.num_stages)
+        return
+    spec = (plan_key, tuple(x.data_ptr() % 16 == 0 for x in args[:3] if isinstance(x, torch.Tensor)),
+            tuple(-2**31 <= x < 2**31 for x in args[12:] if isinstance(x, int)))
+    compiled = _COMPILED.get(spec)
+    if compiled is not None:
+        compiled[plan.grid](*full, stream=torch._C._cuda_getCurrentRawStream(device.index))
+        return
+    compiled = km.gemm_kernel[plan.grid](*full, num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if os.environ.get("TPFUSE_FAST_LAUNCH", "1") != "0":
+        _COMPILED[spec] = compiled
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None,
            config: Optional[GemmConfig] = None, tile_order: str = "grouped",
            chunk_m: Optional[int] = None, start_chunk: int = 0,
@@ -405,33 +499,35 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
     ``"owner"`` need one. ``start_chunk`` is the first chunk in those orders. With ``wait`` and
     ``check=True`` the call synchronizes and raises TimeoutError from the error word; with
     ``check=False`` call :func:`check_error_word` yourself. ``use_tma`` None = where possible.
+
+    Everything decided by shapes, strides, dtypes, config and options is validated once and
+    cached (a "plan"); per call only the hook specs' buffers and generations are checked.
     """
-    b_kmajor = _check_operands(a, b, out)
-    if tile_order not in TILE_ORDERS:
-        raise ValueError(f"matmul: tile_order={tile_order!r}; choose one of {TILE_ORDERS}")
-    m, k = a.shape
-    n = b.shape[1]
+    try:
+        key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+               None if out is None else (out.shape, out.stride(), out.dtype, out.device),
+               config, tile_order, chunk_m, start_chunk, wait is not None and wait.chunk_m,
+               epilogue is not None and epilogue.chunk_m, use_tma,
+               os.environ.get("TRITON_INTERPRET"), os.environ.get("TPFUSE_SIGNAL_ASM"))
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):   # not tensors / unhashable: full validation says why
+        key, plan = None, None
+    if plan is None:
+        plan = _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilogue, use_tma)
+        if key is not None:
+            _PLANS[key] = plan
+    m, n, k = plan.m, plan.n, plan.k
     device = a.device
     if out is None and epilogue is None:
         out = torch.empty(m, n, dtype=a.dtype, device=device)
-
-    chunk_sources = [("chunk_m", chunk_m), ("wait.chunk_m", wait.chunk_m if wait else None),
-                     ("epilogue.chunk_m", epilogue.chunk_m if epilogue else None)]
-    given = [(nm, v) for nm, v in chunk_sources if v is not None]
-    if len({v for _, v in given}) > 1:
-        raise ValueError(f"matmul: chunk sizes disagree: {given}; the tile order and both hooks share one chunk_m")
-    chunk_m = given[0][1] if given else None
-    if tile_order != "grouped" and chunk_m is None:
-        raise ValueError(f"matmul: tile_order={tile_order!r} needs chunk_m (rows per chunk)")
-    num_chunks = _check_chunks(m, chunk_m, given[0][0]) if chunk_m is not None else 1
-    if not isinstance(start_chunk, int) or not 0 <= start_chunk < max(num_chunks, 1):
-        raise ValueError(f"matmul: start_chunk={start_chunk!r}; need 0 <= start_chunk < num_chunks={num_chunks}")
-
     if m == 0 or n == 0:
         return out if epilogue is None else None
     if k == 0 and epilogue is None and wait is None:
         return out.zero_()
+    if k == 0:
+        raise ValueError("matmul: K=0 with hooks; nothing to compute, publish the chunks on the host instead")
 
+    num_chunks = plan.num_chunks
     if wait is not None:
         _check_generation(wait.generation, "wait.generation")
         s = wait.signal
@@ -449,25 +545,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
                 raise ValueError(f"matmul: epilogue.{nm} is {t.dtype} with {t.numel()} elements on {t.device}; "
                                  f"need {dt} with >= num_chunks={num_chunks} elements on {device}")
 
-    cfg = config or _lookup(m, n, k, a.dtype, b_kmajor, device) or default_config(m, n, k, a.dtype)
-    if not isinstance(cfg, GemmConfig):
-        raise TypeError(f"matmul: config must be a GemmConfig, got {type(cfg).__name__}")
-
-    triton, tl, km = _triton()
-    if use_tma is None:
-        use_tma, why = _tma_ok(device, a, b, None if epilogue else out, b_kmajor)
-        if not use_tma and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
-            _warn_once(f"tpfuse.gemm_core: plain-pointer path instead of TMA ({why})")
-    elif use_tma:
-        ok, why = _tma_ok(device, a, b, None if epilogue else out, b_kmajor)
-        if not ok:
-            raise ValueError(f"matmul: use_tma=True but {why}; pass use_tma=None to fall back")
-
+    cfg = plan.cfg
     bm, bn, bk = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
-    if use_tma:
+    if plan.use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
-        if b_kmajor:
+        if plan.b_kmajor:
             b_arg = TensorDescriptor(b, [n, k], [b.stride(1), 1], [bn, bk])
         else:
             b_arg = TensorDescriptor(b, [k, n], [b.stride(0), 1], [bk, bn])
@@ -476,33 +559,21 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
     else:
         a_arg, b_arg, c_arg = a, b, (out if epilogue is None else None)
 
-    num_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    grid = (min(num_tiles, cfg.num_programs or _num_programs(device)),)
-    use_asm = (device.type == "cuda" and not _interpreting()
-               and os.environ.get("TPFUSE_SIGNAL_ASM", "1") != "0")
-
-    dummy_i32 = epilogue.counters if epilogue is not None else (wait.signal if wait is not None else None)
     err = None
     if wait is not None:
         err = wait.error if wait.error is not None else new_error_word(device)
-    c_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[a.dtype]
-    km.gemm_kernel[grid](
+    args = [
         a_arg, b_arg, c_arg, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0,
-        chunk_m or 1, num_chunks, start_chunk,
-        wait.signal if wait else dummy_i32, wait.generation if wait else 0,
-        (wait.timeout_ns if use_asm else wait.max_spins) if wait else 0,
-        err if wait else dummy_i32,
+        plan.chunk_m, num_chunks, plan.start_chunk,
+        wait.signal if wait else None, wait.generation if wait else 0,
+        (wait.timeout_ns if plan.use_asm else wait.max_spins) if wait else 0, err,
         epilogue.dest_ptrs if epilogue else None, epilogue.dest_stride if epilogue else 0,
         epilogue.signal_ptrs if epilogue else None, epilogue.counters if epilogue else None,
         epilogue.generation if epilogue else 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.GROUP_M, EPI_SUBTILE=cfg.EPI_SUBTILE,
-        TILE_ORDER=0 if tile_order == "grouped" else 1, USE_TMA=bool(use_tma), B_KMAJOR=b_kmajor,
-        C_DTYPE=c_dtype, WAIT=wait is not None, EPILOGUE=epilogue is not None, USE_ASM=use_asm,
-        FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize, DOT_FP32=_interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    ]
+    _launch(plan, key, args, device)
     if wait is not None and check:
-        check_error_word(err, rank=wait.rank, timeout_ns=wait.timeout_ns if use_asm else None)
+        check_error_word(err, rank=wait.rank, timeout_ns=wait.timeout_ns if plan.use_asm else None)
     return out if epilogue is None else None

@@ -124,6 +124,20 @@ def test_epilogue_routes_and_publishes_several_generations():
             assert torch.isnan(d[chunk_m:]).all()
 
 
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_repeated_calls_reuse_the_compiled_kernel(fast, monkeypatch):
+    # the second and later calls take the direct launch path (TPFUSE_FAST_LAUNCH=1)
+    monkeypatch.setenv("TPFUSE_FAST_LAUNCH", fast)
+    out = torch.full((1000, 640), float("nan"), device="cuda", dtype=torch.bfloat16)
+    for seed in range(3):
+        a, b, ref = _operands(1000, 512, 640, torch.bfloat16, "weight_t", seed=seed)
+        out.fill_(float("nan"))
+        gc.matmul(a, b, out=out, config=BIG)
+        _assert_close(out, ref, torch.bfloat16)
+        a2, b2, ref2 = a[:999], b, ref[:999]      # another shape in between
+        _assert_close(gc.matmul(a2, b2, config=SMALL), ref2, torch.bfloat16)
+
+
 def test_tune_writes_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TPFUSE_CACHE_DIR", str(tmp_path))
     a, b, _ = _operands(512, 512, 512, torch.bfloat16, "weight_t")

@@ -104,7 +104,12 @@ def _epilogue_store(acc, c, off_m, off_n, c_lo, c_hi, M, N,
         _store_rows(c_ptr, offs_m, offs_n, vals, 0, M, N, stride_cm, stride_cn)
 
 
-@triton.jit
+# Per-call values (generations, timeouts, chunk geometry) and the hook buffers are not
+# specialized on, so a new generation or a new signal pad never compiles a new kernel.
+@triton.jit(do_not_specialize=["chunk_m", "num_chunks", "start_chunk", "wait_gen", "wait_timeout",
+                               "stride_dm", "epi_gen"],
+            do_not_specialize_on_alignment=["wait_signal", "err_ptr", "dest_ptrs", "signal_ptrs",
+                                            "counters"])
 def gemm_kernel(
     a, b, c,                                   # tensor descriptors (USE_TMA) or pointers
     M, N, K,
