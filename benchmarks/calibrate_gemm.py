@@ -6,7 +6,7 @@
                                                 # refit from saved grid timings, no GPU needed
 
 (a) Times ``torch.matmul`` (bf16, random data, rotating input sets larger than L2,
-``triton.testing.do_bench`` median) on a calibration grid of shapes and fits the seven GEMM
+``triton.testing.do_bench`` median) on a calibration grid of shapes and fits the nine GEMM
 fields of ``tpfuse.model.hardware.HardwareProfile`` (Nelder-Mead on squared log error).
 (b) Times the per-rank shapes of the workload matrix (W = 2, 4, 8; fc1 and fc2; full M and the
 M/W chunk; decode) -- these are *not* used in the fit -- and compares them with the prediction
@@ -49,6 +49,8 @@ FIT_FIELDS: tuple[tuple[str, float, float], ...] = (
     ("hbm_eff", 0.3, 1.0),
     ("gemm_blend_p", 1.0, 12.0),
     ("gemm_launch_us", 0.0, 20.0),
+    ("gemm_throttle", 0.0, 0.3),
+    ("gemm_throttle_ms", 0.01, 20.0),
 )
 
 # Calibration grid: M from decode to training sizes; (N, K) pairs that span the Llama-like range
@@ -107,14 +109,16 @@ def profile_from_params(base: hardware.HardwareProfile, x: np.ndarray) -> hardwa
     return dataclasses.replace(
         base, gemm_eff_max=v["gemm_eff_max"], gemm_k_half=v["gemm_k_half"],
         gemm_tile_rel=(1.0, v["tile_rel_1"], v["tile_rel_2"]), hbm_eff=v["hbm_eff"],
-        gemm_blend_p=v["gemm_blend_p"], gemm_launch_us=v["gemm_launch_us"])
+        gemm_blend_p=v["gemm_blend_p"], gemm_launch_us=v["gemm_launch_us"],
+        gemm_throttle=v["gemm_throttle"], gemm_throttle_ms=v["gemm_throttle_ms"])
 
 
 def overrides_from_params(x: np.ndarray) -> dict:
     v = dict(zip([f[0] for f in FIT_FIELDS], (round(float(t), 5) for t in x)))
     return {"gemm_eff_max": v["gemm_eff_max"], "gemm_k_half": v["gemm_k_half"],
             "gemm_tile_rel": [1.0, v["tile_rel_1"], v["tile_rel_2"]], "hbm_eff": v["hbm_eff"],
-            "gemm_blend_p": v["gemm_blend_p"], "gemm_launch_us": v["gemm_launch_us"]}
+            "gemm_blend_p": v["gemm_blend_p"], "gemm_launch_us": v["gemm_launch_us"],
+            "gemm_throttle": v["gemm_throttle"], "gemm_throttle_ms": v["gemm_throttle_ms"]}
 
 
 def _loss(x, base, shapes, measured_log, dtype_name):
@@ -167,9 +171,9 @@ def fit(base: hardware.HardwareProfile, grid: list[dict], dtype_name: str) -> tu
     shapes = [(r["m"], r["n"], r["k"]) for r in grid]
     measured_log = np.log([r["measured_ms"] for r in grid])
     f = lambda x: _loss(x, base, shapes, measured_log, dtype_name)  # noqa: E731
-    starts = [np.array([0.8, 128, 0.85, 0.65, 0.8, 3.0, 6.0]),
-              np.array([0.75, 512, 0.7, 0.5, 0.7, 2.0, 10.0]),
-              np.array([0.9, 32, 0.95, 0.8, 0.9, 6.0, 3.0])]
+    starts = [np.array([0.8, 128, 0.85, 0.65, 0.8, 3.0, 6.0, 0.1, 1.0]),
+              np.array([0.75, 512, 0.7, 0.5, 0.7, 2.0, 10.0, 0.0, 0.3]),
+              np.array([0.9, 32, 0.95, 0.8, 0.9, 6.0, 3.0, 0.15, 3.0])]
     best_x, best_f = None, math.inf
     for x0 in starts:
         x, fx = nelder_mead(f, x0, step=np.abs(x0) * 0.2 + 0.05)

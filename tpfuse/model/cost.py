@@ -3,9 +3,11 @@
 GEMM: a roofline on ``FLOPs / F_eff(shape)`` and ``bytes / (HBM * hbm_eff)``, blended by a p-norm
 (so a shape near the ridge is slower than either bound alone), plus a launch overhead::
 
-    F_eff = peak * gemm_eff_max * rel(tile) * k' / (k' + gemm_k_half) * util(tile, split)
+    F_eff = peak * gemm_eff_max * throttle(t0) * rel(tile) * k' / (k' + gemm_k_half) * util(tile, split)
     util  = m * n * split / (waves * num_sms * tile_m * tile_n),  waves = ceil(tiles * split / num_sms)
 
+``throttle(t0) = 1 - gemm_throttle * t0 / (t0 + gemm_throttle_ms)`` (``t0``: the GEMM's
+time at the burst rate) multiplies F_eff: long GEMMs run at power-limited clocks.
 ``util`` is wave quantization plus the padding of a partial tile; the library (cuBLAS or our
 persistent kernel) is assumed to pick the best of a few tile shapes and split-K factors, the
 smaller tiles paying ``rel``; ``k' = k / split`` makes small K lose efficiency (prologue and
@@ -76,6 +78,11 @@ def _gemm_time_ms(m, n, k, dtype, hw, sms, hbm_share, launch) -> float:
     elt = DTYPE_BYTES[dtype]
     flops = 2.0 * m * n * k
     peak = hw.tflops(dtype) * 1e12 * hw.gemm_eff_max
+    if hw.gemm_throttle > 0:
+        # Sustained tensor-core load lowers clocks (power limit): a kernel of t0 ms runs at
+        # 1 - throttle * t0 / (t0 + tau) of its short-burst rate.  Monotone: more work, never faster.
+        t0 = flops / (hw.tflops(dtype) * 1e12 * hw.gemm_eff_max) * 1e3
+        peak *= 1.0 - hw.gemm_throttle * t0 / (t0 + hw.gemm_throttle_ms)
     t_mem = elt * (m * k + k * n + m * n) / (hw.hbm_gbps * 1e9 * hw.hbm_eff * hbm_share)
     p = hw.gemm_blend_p
     best = math.inf

@@ -39,8 +39,9 @@ class HardwareProfile:
     GEMM efficiency curve (see ``cost.gemm_time``): a chunk runs at
     ``peak * gemm_eff_max * k / (k + gemm_k_half) * tile_util`` where ``tile_util`` is the best
     wave utilisation over the tile shapes a library picks from (smaller tiles pay
-    ``gemm_tile_rel``), blended with the HBM roofline ``bytes / (hbm * hbm_eff)`` by a p-norm of
-    order ``gemm_blend_p``, plus ``gemm_launch_us``.  Those seven numbers are what
+    ``gemm_tile_rel``) and by ``1 - gemm_throttle * t0 / (t0 + gemm_throttle_ms)`` for long
+    kernels (power-limited clocks), blended with the HBM roofline ``bytes / (hbm * hbm_eff)`` by
+    a p-norm of order ``gemm_blend_p``, plus ``gemm_launch_us``.  Those nine numbers are what
     ``benchmarks/calibrate_gemm.py`` fits.
     """
 
@@ -75,6 +76,8 @@ class HardwareProfile:
     hbm_eff: float = 0.80
     gemm_blend_p: float = 3.0
     gemm_launch_us: float = 6.0
+    gemm_throttle: float = 0.0  # rate lost to power-limited clocks by a long GEMM (fraction)
+    gemm_throttle_ms: float = 1.0  # GEMM length (ms at burst rate) at which half of it is lost
     calibrated: str = ""  # "" = datasheet/lead numbers only; else what calibration was applied
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
