@@ -453,7 +453,7 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
         if not ok:
             raise ValueError(f"matmul: use_tma=True but {why}; pass use_tma=None to fall back")
     num_tiles = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
-    grid = (min(num_tiles, cfg.num_programs or _num_programs(device)),)
+    grid = (min(num_tiles, cfg.num_programs or _num_programs(device)), 1, 1)
     use_asm = (device.type == "cuda" and not _interpreting()
                and os.environ.get("TPFUSE_SIGNAL_ASM", "1") != "0")
     c_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[a.dtype]
@@ -478,12 +478,19 @@ def _launch(plan: _Plan, plan_key, args: list, device) -> None:
         return
     spec = (plan_key, tuple(x.data_ptr() % 16 == 0 for x in args[:3] if isinstance(x, torch.Tensor)),
             tuple(-2**31 <= x < 2**31 for x in args[12:] if isinstance(x, int)))
-    compiled = _COMPILED.get(spec)
+    fast = os.environ.get("TPFUSE_FAST_LAUNCH", "1") != "0"
+    compiled = _COMPILED.get(spec) if fast else None
     if compiled is not None:
-        compiled[plan.grid](*full, stream=torch._C._cuda_getCurrentRawStream(device.index))
-        return
+        try:
+            compiled[plan.grid](*full, stream=torch._C._cuda_getCurrentRawStream(device.index))
+            return
+        except Exception as e:  # a Triton internals change: say so once, then use the JIT path
+            _warn_once(f"tpfuse.gemm_core: direct kernel launch failed ({type(e).__name__}: {e}); "
+                       "using Triton's JIT launch (slower on the host); set TPFUSE_FAST_LAUNCH=0 to silence")
+            os.environ["TPFUSE_FAST_LAUNCH"] = "0"
+            _COMPILED.clear()
     compiled = km.gemm_kernel[plan.grid](*full, num_warps=plan.num_warps, num_stages=plan.num_stages)
-    if os.environ.get("TPFUSE_FAST_LAUNCH", "1") != "0":
+    if fast:
         _COMPILED[spec] = compiled
 
 
