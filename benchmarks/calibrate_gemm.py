@@ -58,6 +58,11 @@ FIT_FIELDS: tuple[tuple[str, float, float], ...] = (
 GRID_M = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 GRID_NK = ((1024, 4096), (3072, 3072), (6144, 8192), (12288, 2048), (2048, 12288),
            (20480, 5120), (5120, 20480), (768, 1536))
+# Small M against wide, deep weights (decode-like, where cuBLAS's kernel choice matters most);
+# again not the workload shapes.
+GRID_M_SMALL = (32, 96, 128, 192, 256, 384)
+GRID_NK_WIDE = ((24576, 8192), (40960, 8192), (32768, 12288), (49152, 4096), (16384, 24576),
+                (10240, 16384))
 DRY_RUN_GRID = [(m, n, k) for m in (16, 64, 128) for (n, k) in ((128, 256), (256, 128))]
 
 
@@ -249,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
             "timing": "triton.testing.do_bench median, warmup 10 ms, rep 40 ms, rotating inputs >= 3x L2"
             if use_cuda else "CPU perf_counter median of 5",
         }
-        shapes = DRY_RUN_GRID if args.dry_run else [(m, n, k) for m in GRID_M for (n, k) in GRID_NK]
+        shapes = DRY_RUN_GRID if args.dry_run else (
+            [(m, n, k) for m in GRID_M for (n, k) in GRID_NK]
+            + [(m, n, k) for m in GRID_M_SMALL for (n, k) in GRID_NK_WIDE])
         grid = []
         for i, (m, n, k) in enumerate(shapes):
             ms = measure(m, n, k, dtype)
@@ -262,8 +269,13 @@ def main(argv: list[str] | None = None) -> int:
             if (m, n, k) not in cache:
                 cache[(m, n, k)] = measure(m, n, k, dtype)
             work.append((name, m, n, k, cache[(m, n, k)]))
-        print(f"measured {len(grid)} grid + {len(cache)} workload shapes in {time.time() - t_start:.0f} s",
-              flush=True)
+        repeat = [(m, n, k) for (m, n, k) in list(cache)[:: max(1, len(cache) // 8)]]
+        meta["repeat"] = [{"m": m, "n": n, "k": k, "first_ms": cache[(m, n, k)],
+                           "again_ms": measure(m, n, k, dtype)} for (m, n, k) in repeat]
+        meta["repeat_max_abs_rel_diff"] = max(abs(r["again_ms"] / r["first_ms"] - 1) for r in meta["repeat"])
+        print(f"measured {len(grid)} grid + {len(cache)} workload shapes in {time.time() - t_start:.0f} s; "
+              f"re-timing {len(repeat)} of them differed by up to "
+              f"{100 * meta['repeat_max_abs_rel_diff']:.1f}%", flush=True)
 
     x, loss = fit(base, grid, dtype_name)
     meta["fit"] = {"loss": loss, "fields": [f[0] for f in FIT_FIELDS], "grid_shapes": len(grid),

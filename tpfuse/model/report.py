@@ -1,0 +1,41 @@
+"""Markdown tables of the model's predictions for the workload matrix (used to write docs/model.md).
+
+    python -m tpfuse.model.report h200 gb200      # prints the tables
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["predicted_table_markdown"]
+
+
+def predicted_table_markdown(hardware: str, world_sizes: tuple[int, ...] | None = None) -> str:
+    """One row per workload cell: chosen strategy, chunks, predicted ms, unfused ms, speedup."""
+    from tpfuse.bench.workloads import workload_matrix
+    from tpfuse.model.hardware import get_profile
+    from tpfuse.plan import plan, tp_sizes
+
+    hw = get_profile(hardware)
+    sizes = world_sizes or tp_sizes(hw)
+    cal = f"calibrated GEMM curve ({hw.calibrated.split(' (')[-1].rstrip(')')})" if hw.calibrated \
+        else "uncalibrated: datasheet numbers and leads"
+    lines = [
+        f"PREDICTED on `{hw.name}` ({hw.description}; {cal}), bf16, TP {', '.join(map(str, sizes))}.",
+        "",
+        "| cell | op | m | n | k | strategy | chunks | pred ms | unfused ms | GEMM alone ms | comm alone ms | speedup |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in workload_matrix(world_sizes=sizes):
+        p = plan(c.op, m=c.m, n=c.n, k=c.k, world_size=c.world_size, dtype=c.dtype, hardware=hw)
+        lines.append(
+            f"| {c.name} | {c.op} | {c.m} | {c.n} | {c.k} | {p.strategy} | {p.num_chunks} | "
+            f"{p.predicted_ms[p.strategy]:.3f} | {p.predicted_ms['unfused']:.3f} | "
+            f"{p.breakdown['gemm_ms']:.3f} | {p.breakdown['comm_ms']:.3f} | {p.speedup:.2f}x |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or ["h200"]:
+        print(predicted_table_markdown(name))
+        print()
