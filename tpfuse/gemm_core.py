@@ -122,6 +122,12 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat1
                              (128, 4, 1, True)]:
         out.append(GemmConfig(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, num_warps=8, num_stages=s,
                               EPI_SUBTILE=sub, flatten=flat))
+    out.append(GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3))
+    out.append(GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=4, num_warps=8, num_stages=3,
+                          flatten=True))
+    if m <= 1024:
+        out.append(GemmConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=4, num_stages=4))
+        out.append(GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5))
     out.append(GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3))
     out.append(GemmConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3))
     out.append(GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3,
@@ -170,6 +176,7 @@ class EpilogueSpec:
     chunk_m: int
     dest_stride: int
     keepalive: tuple = ()
+    align_elems: int = 0   # elements per 16 bytes if every base and the row stride are 16-byte aligned, else 0
 
     @classmethod
     def from_tensors(cls, dests: Sequence[torch.Tensor], signals: torch.Tensor | Sequence[torch.Tensor],
@@ -201,8 +208,10 @@ class EpilogueSpec:
         signal_ptrs = torch.tensor(sig_addrs, dtype=torch.int64, device=device)
         if counters is None:
             counters = torch.zeros(len(dests), dtype=torch.int32, device=device)
+        e = dests[0].element_size()
+        aligned = all(d.data_ptr() % 16 == 0 for d in dests) and (stride * e) % 16 == 0
         return cls(dest_ptrs, signal_ptrs, counters, generation, chunk_m, stride,
-                   keepalive=tuple(dests) + sig_keep)
+                   keepalive=tuple(dests) + sig_keep, align_elems=16 // e if aligned else 0)
 
 
 def new_error_word(device) -> torch.Tensor:
@@ -460,7 +469,7 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
     constexprs = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.GROUP_M, cfg.EPI_SUBTILE,
                   0 if tile_order == "grouped" else 1, bool(use_tma), b_kmajor, c_dtype,
                   wait is not None, epilogue is not None, use_asm, cfg.flatten, cfg.warp_specialize,
-                  _interpreting())
+                  _interpreting(), epilogue.align_elems if epilogue is not None else 0)
     return _Plan(m, n, k, b_kmajor, bool(use_tma), cfg, grid, chunk_m or 1, num_chunks, start_chunk,
                  use_asm, constexprs, cfg.num_warps, cfg.num_stages)
 
@@ -514,7 +523,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
         key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
                None if out is None else (out.shape, out.stride(), out.dtype, out.device),
                config, tile_order, chunk_m, start_chunk, wait is not None and wait.chunk_m,
-               epilogue is not None and epilogue.chunk_m, use_tma,
+               epilogue is not None and (epilogue.chunk_m, epilogue.align_elems), use_tma,
                os.environ.get("TRITON_INTERPRET"), os.environ.get("TPFUSE_SIGNAL_ASM"))
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):   # not tensors / unhashable: full validation says why

@@ -85,23 +85,48 @@ def _store_rows(base, rows, offs_n, vals, row_lo, row_hi, N, stride_m, stride_n)
 
 
 @triton.jit
-def _epilogue_store(acc, c, off_m, off_n, c_lo, c_hi, M, N,
-                    c_ptr, stride_cm, stride_cn, dest_ptrs, stride_dm, chunk_m,
-                    C_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SUB_N: tl.constexpr,
-                    SUB_IDX: tl.constexpr, USE_TMA: tl.constexpr, EPILOGUE: tl.constexpr):
+def _epilogue_store(acc, c, off_m, off_n, M, N,
+                    c_ptr, stride_cm, stride_cn, dest_ptrs, stride_dm, chunk_m, num_chunks,
+                    C_DTYPE: tl.constexpr, SUB_N: tl.constexpr, SUB_IDX: tl.constexpr,
+                    USE_TMA: tl.constexpr, EPILOGUE: tl.constexpr, DEST_ALIGNED: tl.constexpr):
     """Store one column subtile (SUB_IDX-th slice of SUB_N columns)."""
     vals = acc.to(C_DTYPE)
     offs_m = off_m + tl.arange(0, acc.shape[0])
     offs_n = off_n + SUB_IDX * SUB_N + tl.arange(0, SUB_N)
     if EPILOGUE:
-        for cc in range(c_lo, c_hi + 1):
-            dest = tl.load(dest_ptrs + cc).to(tl.pointer_type(C_DTYPE))
-            _store_rows(dest, offs_m, offs_n, vals, cc * chunk_m,
-                        tl.minimum((cc + 1) * chunk_m, M), N, stride_dm, 1)
+        # One store for the whole subtile even when it straddles chunks: each row gathers its
+        # chunk's destination base address.
+        row_chunk = tl.minimum(offs_m // chunk_m, num_chunks - 1)
+        base = tl.load(dest_ptrs + row_chunk)
+        row_off = (offs_m - row_chunk * chunk_m).to(tl.int64) * stride_dm
+        if DEST_ALIGNED > 0:   # host checked: 16-byte aligned bases, row stride in 16 B units
+            base = tl.multiple_of(base, 16)
+            row_off = tl.multiple_of(row_off, DEST_ALIGNED)
+        ptrs = base.to(tl.pointer_type(C_DTYPE))[:, None] + row_off[:, None] + offs_n[None, :]
+        tl.store(ptrs, vals, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
     elif USE_TMA:
         c.store([off_m, off_n + SUB_IDX * SUB_N], vals)
     else:
         _store_rows(c_ptr, offs_m, offs_n, vals, 0, M, N, stride_cm, stride_cn)
+
+
+@triton.jit
+def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
+                       BLOCK_M: tl.constexpr):
+    """Count one stored tile in every chunk it touches; the chunk's last tile publishes it."""
+    # Every thread's stores of the tile happen before the release chain below.
+    tl.debug_barrier()
+    for cc in range(c_lo, c_hi + 1):
+        row_end = tl.minimum((cc + 1) * chunk_m, M)
+        tiles_in_chunk = ((row_end - 1) // BLOCK_M - (cc * chunk_m) // BLOCK_M + 1) * num_pid_n
+        done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="sys")
+        if done == tiles_in_chunk - 1:
+            # Last tile of chunk cc: this program has acquired every other tile's release,
+            # so its release publishes the whole chunk.
+            tl.atomic_xchg(counters + cc, 0, sem="relaxed", scope="gpu")
+            if status == 0:
+                sig = tl.load(signal_ptrs + cc).to(tl.pointer_type(tl.int32))
+                publish(sig, epi_gen)
 
 
 # Per-call values (generations, timeouts, chunk geometry) and the hook buffers are not
@@ -125,6 +150,7 @@ def gemm_kernel(
     B_KMAJOR: tl.constexpr, C_DTYPE: tl.constexpr,
     WAIT: tl.constexpr, EPILOGUE: tl.constexpr, USE_ASM: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_FP32: tl.constexpr,
+    DEST_ALIGNED: tl.constexpr,
 ):
     start_pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -135,6 +161,9 @@ def gemm_kernel(
     offs_k0 = tl.arange(0, BLOCK_K)
     SUB_N: tl.constexpr = BLOCK_N // EPI_SUBTILE
     status = tl.zeros((), tl.int32)  # 0 until a wait of this program fails
+    verified = tl.zeros((), tl.int64)  # WAIT: bit c set once signal[c] >= wait_gen was seen
+    pend_lo = tl.zeros((), tl.int32)   # EPILOGUE: chunks of the previous tile, counted late
+    pend_hi = tl.full((), -1, tl.int32)
 
     for tile_id in tl.range(start_pid, num_tiles, num_progs, flatten=FLATTEN,
                             warp_specialize=WARP_SPECIALIZE):
@@ -149,12 +178,17 @@ def gemm_kernel(
             c_lo = 0
             c_hi = 0
         if WAIT:
+            # Signals only grow within a call, so a chunk seen ready stays ready: each program
+            # polls a chunk once (bit c of `verified`, chunks >= 62 are polled every time).
             for cc in range(c_lo, c_hi + 1):
-                if status == 0:
+                bit = tl.where(cc < 62, tl.full((), 1, tl.int64) << tl.minimum(cc, 61).to(tl.int64), 0)
+                if ((verified & bit) == 0) & (status == 0):
                     st, seen = wait_geq(wait_signal + cc, wait_gen, wait_timeout, err_ptr, USE_ASM)
                     if st == 1:
                         record_timeout(err_ptr, tile_id, cc, wait_gen, seen)
                     status = st
+                    if st == 0:
+                        verified = verified | bit
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
@@ -184,31 +218,27 @@ def gemm_kernel(
                     b_blk = b_blk.to(tl.float32)
                 acc = tl.dot(a_blk, b_blk, acc)
 
+        if EPILOGUE:
+            # Count the previous tile now: its stores have drained during this tile's main
+            # loop, so the release below costs no wait (publication is one tile later).
+            _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                               epi_gen, status, BLOCK_M)
+            pend_lo = c_lo
+            pend_hi = c_hi
         if EPI_SUBTILE == 1:
-            _epilogue_store(acc, c, off_m, off_n, c_lo, c_hi, M, N, c, stride_cm, stride_cn,
-                            dest_ptrs, stride_dm, chunk_m, C_DTYPE, BLOCK_N, SUB_N, 0,
-                            USE_TMA, EPILOGUE)
+            _epilogue_store(acc, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
+                            dest_ptrs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
+                            USE_TMA, EPILOGUE, DEST_ALIGNED)
         else:
             acc3 = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             acc_lo, acc_hi = tl.split(acc3)
-            _epilogue_store(acc_lo, c, off_m, off_n, c_lo, c_hi, M, N, c, stride_cm, stride_cn,
-                            dest_ptrs, stride_dm, chunk_m, C_DTYPE, BLOCK_N, SUB_N, 0,
-                            USE_TMA, EPILOGUE)
-            _epilogue_store(acc_hi, c, off_m, off_n, c_lo, c_hi, M, N, c, stride_cm, stride_cn,
-                            dest_ptrs, stride_dm, chunk_m, C_DTYPE, BLOCK_N, SUB_N, 1,
-                            USE_TMA, EPILOGUE)
+            _epilogue_store(acc_lo, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
+                            dest_ptrs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
+                            USE_TMA, EPILOGUE, DEST_ALIGNED)
+            _epilogue_store(acc_hi, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
+                            dest_ptrs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 1,
+                            USE_TMA, EPILOGUE, DEST_ALIGNED)
 
-        if EPILOGUE:
-            # Every thread's stores of this tile happen before the release chain below.
-            tl.debug_barrier()
-            for cc in range(c_lo, c_hi + 1):
-                row_end = tl.minimum((cc + 1) * chunk_m, M)
-                tiles_in_chunk = ((row_end - 1) // BLOCK_M - (cc * chunk_m) // BLOCK_M + 1) * num_pid_n
-                done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="sys")
-                if done == tiles_in_chunk - 1:
-                    # Last tile of chunk cc: this program has acquired every other tile's
-                    # release, so its release publishes the whole chunk.
-                    tl.atomic_xchg(counters + cc, 0, sem="relaxed", scope="gpu")
-                    if status == 0:
-                        sig = tl.load(signal_ptrs + cc).to(tl.pointer_type(tl.int32))
-                        publish(sig, epi_gen)
+    if EPILOGUE:
+        _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                           epi_gen, status, BLOCK_M)
