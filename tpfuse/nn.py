@@ -252,9 +252,11 @@ class _ParallelLinear(nn.Module):
         if torch.compiler.is_compiling():
             x2d = self._flatten(x, local_in)
             a_t = a(x2d)
-            # operator.index specializes symbolic sizes (with a guard): the graph is valid for
-            # the sizes its strategy was chosen for, and recompiles for others.
-            m, k, n = (operator.index(size) for size in (a_t.shape[0], a_t.shape[1], b.shape[1]))
+            m = k = n = 1  # a named strategy does not depend on sizes: shapes may stay dynamic
+            if self.strategy == "auto":
+                # operator.index specializes symbolic sizes (with a guard): the graph is valid
+                # for the sizes its strategy was chosen for, and recompiles for others.
+                m, k, n = (operator.index(size) for size in (a_t.shape[0], a_t.shape[1], b.shape[1]))
             return x2d, _strategy_for_shapes(op, self.strategy, m, k, n, b.dtype, b.device, ctx.group_name)
         if not _checks.agreement_enabled(ctx):
             x2d = self._flatten(x, local_in)

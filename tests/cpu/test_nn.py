@@ -398,3 +398,40 @@ def test_torch_compile_fullgraph_inductor(rank_pool):
     for errs in rank_pool(2).run(compiled_mlp_matches_eager, "inductor", [(True, True, "ring")], timeout=240):
         assert all(e < 1e-5 for e in errs), errs  # inductor may fuse gelu and reorder its arithmetic
     assert time.monotonic() - start < 120
+
+
+def compiled_graph_count(rank, world_size, strategy):
+    """Graphs Dynamo builds for two token counts under dynamic=True, and the max error vs eager."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    p = _problem(world_size, (), seed=12)
+    fc1 = ColumnParallelLinear.from_full(p["w1"], p["b1"], strategy=strategy)
+    fc2 = RowParallelLinear.from_full(p["w2"], p["b2"], strategy=strategy)
+
+    def mlp(x):
+        return fc2(F.gelu(fc1(x)))
+
+    compiled = torch.compile(mlp, fullgraph=True, dynamic=True, backend=counting_backend)
+    err = 0.0
+    for tokens in (3, 5):
+        x = torch.randn(tokens, HIDDEN, dtype=torch.float64, requires_grad=True)
+        y = compiled(x)
+        y.sum().backward()
+        x_eager = x.detach().clone().requires_grad_()
+        y_eager = mlp(x_eager)
+        y_eager.sum().backward()
+        err = max(err, _rel_err(y, y_eager.detach()), _rel_err(x.grad, x_eager.grad))
+    return len(graphs), err
+
+
+def test_torch_compile_dynamic_shapes(rank_pool):
+    """A named strategy keeps token counts dynamic (one graph); "auto" specializes per size."""
+    for count, err in rank_pool(2).run(compiled_graph_count, "ring", timeout=240):
+        assert count == 1 and err < 1e-12, (count, err)
+    for count, err in rank_pool(2).run(compiled_graph_count, "auto", timeout=240):
+        assert count == 2 and err < 1e-12, (count, err)
