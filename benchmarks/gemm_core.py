@@ -166,6 +166,7 @@ def run_shape(s: Shape, dtype, args, log):
     variants = {
         "ours": dict(),
         "round_order": dict(tile_order="round", start_chunk=1, chunk_m=chunk_m),
+        "owner_order": dict(tile_order="owner", start_chunk=1, chunk_m=chunk_m),
         "wait": dict(tile_order="round", start_chunk=1, wait=wait, check=False),
         "epilogue": dict(tile_order="owner", start_chunk=1, epilogue=epi),
     }
@@ -207,11 +208,18 @@ def run_shape(s: Shape, dtype, args, log):
         row["ours_graph_tflops"] = flops / graph["ours"] / 1e9
         row["cublas_graph_tflops"] = flops / graph["cublas"] / 1e9
         row["graph_ratio"] = graph["cublas"] / graph["ours"]
-    for k in ("round_order", "wait", "epilogue"):
+    # *_overhead: against hooks off in the grouped order (what a fused call costs over the plain
+    # GEMM); *_hook_overhead: against the same tile order without the hook (the hook alone)
+    for k, order in (("round_order", None), ("owner_order", None), ("wait", "round_order"),
+                     ("epilogue", "owner_order")):
         if k in fns:
             row[f"{k}_overhead"] = row[f"{k}_ms"] / row["ours_ms"] - 1.0
             if graph:
                 row[f"{k}_graph_overhead"] = graph[k] / graph["ours"] - 1.0
+            if order in fns:
+                row[f"{k}_hook_overhead"] = row[f"{k}_ms"] / row[f"{order}_ms"] - 1.0
+                if graph:
+                    row[f"{k}_hook_graph_overhead"] = graph[k] / graph[order] - 1.0
     del sets
     torch.cuda.empty_cache()
     return row
@@ -241,8 +249,8 @@ def main(argv=None):
             "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype,
             "world_size": WORLD_SIZE, "command": "python " + " ".join(sys.argv),
             "timing": "triton.testing.do_bench median (L2 flushed before each call), inputs rotated; "
-                      "eager: min over --rounds interleaved rounds of (cublas, ours, round_order, wait, "
-                      "epilogue); graph: one CUDA-graph replay per call; cublas = torch.matmul(a, w.t()); "
+                      "eager: min over --rounds interleaved rounds of (cublas, ours, round_order, owner_order, "
+                      "wait, epilogue); graph: one CUDA-graph replay per call; cublas = torch.matmul(a, w.t()); "
                       "ours = best tuned config; hooks reuse that config with signals pre-set"}
     todo = shapes(args.quick)
     if args.only:
@@ -278,7 +286,8 @@ def summarize(rows):
         out["graph_geomean_ratio"] = math.exp(sum(map(math.log, g)) / len(g))
         out["graph_min_ratio"] = min(g)
         out["graph_min_ratio_shape"] = min(rows, key=lambda r: r["graph_ratio"])["name"]
-    for key in ("wait", "epilogue", "wait_graph", "epilogue_graph"):
+    for key in ("wait", "epilogue", "wait_graph", "epilogue_graph", "wait_hook", "epilogue_hook",
+                "wait_hook_graph", "epilogue_hook_graph", "round_order_graph", "owner_order_graph"):
         vals = [r[f"{key}_overhead"] for r in big if f"{key}_overhead" in r]
         if vals:
             out[f"{key}_overhead_train_prefill_max"] = max(vals)
@@ -290,13 +299,15 @@ def print_table(rows, summary):
     print()
     nan = float("nan")
     print(f"{'shape':24s} {'M':>6s} {'N':>6s} {'K':>6s} {'ours':>7s} {'cuBLAS':>7s} {'ratio':>6s} {'wait%':>6s} "
-          f"{'epi%':>6s} | {'graph:ours':>10s} {'cuBLAS':>7s} {'ratio':>6s} {'wait%':>6s} {'epi%':>6s}")
+          f"{'epi%':>6s} | {'graph:ours':>10s} {'cuBLAS':>7s} {'ratio':>6s} {'wait%':>6s} {'epi%':>6s} "
+          f"{'hookW%':>6s} {'hookE%':>6s}")
     for r in rows:
         print(f"{r['name']:24s} {r['m']:6d} {r['n']:6d} {r['k']:6d} {r['ours_tflops']:7.1f} {r['cublas_tflops']:7.1f} "
               f"{r['ratio']:6.3f} {100 * r.get('wait_overhead', nan):6.1f} {100 * r.get('epilogue_overhead', nan):6.1f} | "
               f"{r.get('ours_graph_tflops', nan):10.1f} {r.get('cublas_graph_tflops', nan):7.1f} "
               f"{r.get('graph_ratio', nan):6.3f} {100 * r.get('wait_graph_overhead', nan):6.1f} "
-              f"{100 * r.get('epilogue_graph_overhead', nan):6.1f}")
+              f"{100 * r.get('epilogue_graph_overhead', nan):6.1f} {100 * r.get('wait_hook_graph_overhead', nan):6.1f} "
+              f"{100 * r.get('epilogue_hook_graph_overhead', nan):6.1f}")
     print(json.dumps(summary))
 
 

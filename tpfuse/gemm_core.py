@@ -160,23 +160,28 @@ class WaitSpec:
 
 @dataclass(frozen=True)
 class EpilogueSpec:
-    """Producer hook: rows of chunk ``c`` go to ``dest_ptrs[c]`` (row ``r`` of ``a @ b`` lands in
-    row ``r - c*chunk_m`` of that ``[>= chunk rows, N]`` buffer, row stride ``dest_stride``
-    elements, unit column stride); once every tile touching chunk ``c`` is stored, the kernel
-    publishes ``*signal_ptrs[c] = generation`` (release, system scope).
+    """Producer hook: rows of chunk ``c`` go to that chunk's destination (row ``r`` of ``a @ b``
+    lands in row ``r - c*chunk_m`` of a ``[>= chunk rows, N]`` buffer with row stride
+    ``dest_stride`` elements and unit column stride); once every tile touching chunk ``c`` is
+    stored, the kernel publishes ``*signal_ptrs[c] = generation`` (release, system scope).
 
-    ``dest_ptrs``/``signal_ptrs``: int64 ``[num_chunks]`` device addresses (peer buffers and
-    peer signal words in the fused strategies). ``counters``: int32 ``[num_chunks]`` zeros,
-    left at zero by every completed launch. Build one with :meth:`from_tensors`.
+    ``base``: any tensor of the output dtype on a's device; destinations are addressed from it.
+    ``dest_offsets``: int64 ``[num_chunks]`` element offsets of each destination from
+    ``base.data_ptr()`` (peer buffers in the fused strategies). ``signal_ptrs``: int64
+    ``[num_chunks]`` addresses of int32 signal words. ``counters``: int32 ``[num_chunks]`` zeros,
+    left at zero by every completed launch. ``align_elems``: elements per 16 bytes when every
+    destination and the row stride are 16-byte aligned (vector stores), else 0.
+    Build one with :meth:`from_tensors`.
     """
-    dest_ptrs: torch.Tensor
+    base: torch.Tensor
+    dest_offsets: torch.Tensor
     signal_ptrs: torch.Tensor
     counters: torch.Tensor
     generation: int
     chunk_m: int
     dest_stride: int
+    align_elems: int = 0
     keepalive: tuple = ()
-    align_elems: int = 0   # elements per 16 bytes if every base and the row stride are 16-byte aligned, else 0
 
     @classmethod
     def from_tensors(cls, dests: Sequence[torch.Tensor], signals: torch.Tensor | Sequence[torch.Tensor],
@@ -189,9 +194,9 @@ class EpilogueSpec:
             raise ValueError("EpilogueSpec.from_tensors: dests is empty; pass one tensor per chunk")
         stride = dests[0].stride(0)
         for i, d in enumerate(dests):
-            if d.dim() != 2 or d.stride(1) != 1 or d.stride(0) != stride:
-                raise ValueError(f"EpilogueSpec.from_tensors: dests[{i}] has shape {tuple(d.shape)} "
-                                 f"strides {d.stride()}; all must be 2-D with strides ({stride}, 1)")
+            if d.dim() != 2 or d.stride(1) != 1 or d.stride(0) != stride or d.dtype != dests[0].dtype:
+                raise ValueError(f"EpilogueSpec.from_tensors: dests[{i}] is {d.dtype} {tuple(d.shape)} with strides "
+                                 f"{d.stride()}; all must be 2-D {dests[0].dtype} with strides ({stride}, 1)")
         device = dests[0].device
         if isinstance(signals, torch.Tensor):
             if signals.dtype != torch.int32 or signals.numel() < len(dests):
@@ -204,14 +209,16 @@ class EpilogueSpec:
                 raise ValueError(f"EpilogueSpec.from_tensors: {len(signals)} signals for {len(dests)} dests")
             sig_addrs = [s.data_ptr() for s in signals]
             sig_keep = tuple(signals)
-        dest_ptrs = torch.tensor([d.data_ptr() for d in dests], dtype=torch.int64, device=device)
-        signal_ptrs = torch.tensor(sig_addrs, dtype=torch.int64, device=device)
+        e = dests[0].element_size()
+        origin = dests[0].data_ptr()
+        offsets = [(d.data_ptr() - origin) // e for d in dests]
+        aligned = all(d.data_ptr() % 16 == 0 for d in dests) and (stride * e) % 16 == 0
         if counters is None:
             counters = torch.zeros(len(dests), dtype=torch.int32, device=device)
-        e = dests[0].element_size()
-        aligned = all(d.data_ptr() % 16 == 0 for d in dests) and (stride * e) % 16 == 0
-        return cls(dest_ptrs, signal_ptrs, counters, generation, chunk_m, stride,
-                   keepalive=tuple(dests) + sig_keep, align_elems=16 // e if aligned else 0)
+        return cls(dests[0], torch.tensor(offsets, dtype=torch.int64, device=device),
+                   torch.tensor(sig_addrs, dtype=torch.int64, device=device), counters,
+                   generation, chunk_m, stride, align_elems=16 // e if aligned else 0,
+                   keepalive=tuple(dests) + sig_keep)
 
 
 def new_error_word(device) -> torch.Tensor:
@@ -467,7 +474,7 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
                and os.environ.get("TPFUSE_SIGNAL_ASM", "1") != "0")
     c_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[a.dtype]
     constexprs = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.GROUP_M, cfg.EPI_SUBTILE,
-                  0 if tile_order == "grouped" else 1, bool(use_tma), b_kmajor, c_dtype,
+                  TILE_ORDERS.index(tile_order), bool(use_tma), b_kmajor, c_dtype,
                   wait is not None, epilogue is not None, use_asm, cfg.flatten, cfg.warp_specialize,
                   _interpreting(), epilogue.align_elems if epilogue is not None else 0)
     return _Plan(m, n, k, b_kmajor, bool(use_tma), cfg, grid, chunk_m or 1, num_chunks, start_chunk,
@@ -554,7 +561,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
             raise ValueError(f"matmul: wait.error must be int32 with {ERROR_WORDS} words; use new_error_word()")
     if epilogue is not None:
         _check_generation(epilogue.generation, "epilogue.generation")
-        for nm, t, dt in (("dest_ptrs", epilogue.dest_ptrs, torch.int64),
+        if epilogue.base.dtype != a.dtype or epilogue.base.device != device:
+            raise ValueError(f"matmul: epilogue.base is {epilogue.base.dtype} on {epilogue.base.device}; "
+                             f"need {a.dtype} on {device} (the destinations' dtype)")
+        for nm, t, dt in (("dest_offsets", epilogue.dest_offsets, torch.int64),
                           ("signal_ptrs", epilogue.signal_ptrs, torch.int64),
                           ("counters", epilogue.counters, torch.int32)):
             if t.dtype != dt or t.numel() < num_chunks or t.device != device:
@@ -573,7 +583,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
         c_arg = (TensorDescriptor(out, [m, n], [out.stride(0), 1], [bm, bn // cfg.EPI_SUBTILE])
                  if epilogue is None else None)
     else:
-        a_arg, b_arg, c_arg = a, b, (out if epilogue is None else None)
+        a_arg, b_arg, c_arg = a, b, out
+    if epilogue is not None:
+        c_arg = epilogue.base   # typed origin of the destinations' offsets
 
     err = None
     if wait is not None:
@@ -585,7 +597,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
         plan.chunk_m, num_chunks, plan.start_chunk,
         wait.signal if wait else None, wait.generation if wait else 0,
         (wait.timeout_ns if plan.use_asm else wait.max_spins) if wait else 0, err,
-        epilogue.dest_ptrs if epilogue else None, epilogue.dest_stride if epilogue else 0,
+        epilogue.dest_offsets if epilogue else None, epilogue.dest_stride if epilogue else 0,
         epilogue.signal_ptrs if epilogue else None, epilogue.counters if epilogue else None,
         epilogue.generation if epilogue else 0,
     ]

@@ -109,7 +109,7 @@ def _tile_sequence(m, n, chunk_m, start, order, block_m=16, block_n=16, group_m=
     npm, npn = -(-m // block_m), -(-n // block_n)
     out = torch.full((npm * npn, 2), -1, dtype=torch.int32)
     probe[(1,)](out, m, npm, npn, chunk_m, -(-m // chunk_m), start,
-                BLOCK_M=block_m, GROUP_M=group_m, TILE_ORDER=0 if order == "grouped" else 1)
+                BLOCK_M=block_m, GROUP_M=group_m, TILE_ORDER=gc.TILE_ORDERS.index(order))
     return [tuple(r) for r in out.tolist()]
 
 
@@ -148,6 +148,16 @@ def test_chunk_rotated_order_finishes_chunks_in_order(m, chunk_m, start):
         positions = [p for p, (pm, _) in enumerate(seq) if c in chunks_of(pm)
                      and not any(order[i] in chunks_of(pm) for i in range(j))]
         assert positions == list(range(positions[0], positions[-1] + 1)) if positions else True
+
+
+@pytest.mark.parametrize("m,chunk_m,start", [(130, 33, 2), (128, 16, 5)])
+def test_round_order_is_grouped_order_rotated_to_the_start_chunk(m, chunk_m, start):
+    grouped = _tile_sequence(m, 48, chunk_m, 0, "grouped")
+    seq = _tile_sequence(m, 48, chunk_m, start, "round")
+    npm = -(-m // 16)
+    t0 = start * chunk_m // 16
+    assert seq == [((pm + t0) % npm, pn) for pm, pn in grouped]
+    assert seq[0][0] * 16 <= start * chunk_m < seq[0][0] * 16 + 16
 
 
 def test_wait_hook_with_signals_preset():

@@ -7,25 +7,29 @@ fp32 accumulation; fp32 inputs go through tf32.
 The grid is at most one program per SM; program ``p`` runs tiles ``p, p + P, p + 2P, ...`` of
 the tile order (``P`` = number of programs), so tiles early in the order run first.
 
-Tile orders (``TILE_ORDER`` constexpr):
+Tile orders (``TILE_ORDER`` constexpr); rows are cut in communication chunks of ``chunk_m``:
 
 * ``0`` grouped: the usual GROUP_M swizzle over the whole ``M x N`` tile grid (L2 reuse).
-* ``1`` chunk-rotated: rows are cut in communication chunks of ``chunk_m`` rows. The order
-  starts at the M-tile holding the first row of chunk ``start_chunk`` and goes round
-  (``start_chunk``, ``start_chunk + 1``, ..., wrapping); each chunk's tiles form one segment,
-  GROUP_M-swizzled inside the segment, so a chunk's tiles all run before the next chunk's.
-  A tile that straddles two chunks runs with the earlier one in this order. The host names this
-  order ``"round"`` (AG: start at the local chunk) and ``"owner"`` (RS: start at the next rank).
+* ``1`` round (AG): the grouped order over M-tile rows rotated to start at the M-tile holding
+  the first row of chunk ``start_chunk`` (the local shard), then on round in row order. A group
+  of GROUP_M rows may span two chunks, so L2 reuse stays that of ``grouped``.
+* ``2`` owner (RS): chunk by chunk, ``start_chunk`` first (the next rank), then round; each
+  chunk's tiles form one segment, GROUP_M-swizzled inside it, so chunks finish in that order
+  and the first destination gets its rows as early as possible. A tile straddling two chunks
+  runs with the one earlier in the order. With small chunks (few M-tiles) L2 reuse of B drops.
 
 Hooks (constexpr, compiled away when off):
 
 * ``WAIT``: before loading the A rows of a tile, wait until ``wait_signal[c] >= wait_gen`` for
   every chunk ``c`` the tile's rows touch (acquire, system scope, bounded; see signals.py).
-* ``EPILOGUE``: store the finished tile to the destination of each chunk it touches
-  (``dest_ptrs[c]``: int64 address of a ``[chunk_m, N]`` buffer with row stride
-  ``stride_dm``) instead of ``c``, then count the tile in ``counters[c]`` (acq_rel, sys); the
-  program that stores the chunk's last tile publishes ``*signal_ptrs[c] = epi_gen`` (release,
-  sys) and resets the counter to zero for the next call.
+  Signals only grow during a call, so each program polls a chunk once.
+* ``EPILOGUE``: store the finished tile to the destination of each row's chunk instead of ``c``:
+  row ``r`` of chunk ``q`` goes to ``c + dest_offs[q] + (r - q*chunk_m)*stride_dm`` (element
+  offsets from a common origin ``c``, so peer buffers work), then count the tile in
+  ``counters[q]`` (acq_rel, sys); the program that counts the chunk's last tile publishes
+  ``*signal_ptrs[q] = epi_gen`` (release, sys) and resets the counter to zero for the next call.
+  A tile is counted after the next tile's main loop, when its stores have drained, so the
+  release costs no stall; the publication comes one tile later.
 
 Three granularities stay separate: CTA tile (BLOCK_M/N/K), epilogue subtile (EPI_SUBTILE
 column slices of the tile per store), communication chunk (chunk_m rows, num_chunks).
@@ -54,6 +58,11 @@ def _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_ch
     """Tile id in tile-order space -> (pid_m, pid_n)."""
     if TILE_ORDER == 0:
         pid_m, pid_n = _grouped(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    elif TILE_ORDER == 1:
+        # round: the grouped order over M-tile rows rotated to start at start_chunk's first row
+        t0 = (start_chunk * chunk_m) // BLOCK_M
+        pos_m, pid_n = _grouped(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m = (pos_m + t0) % num_pid_m
     else:
         # Rotated M-tile positions p = (pid_m - t0) mod num_pid_m. Segment j (chunk
         # (start_chunk + j) % num_chunks) covers positions [R(j), R(j+1)): from the tile after
@@ -86,7 +95,7 @@ def _store_rows(base, rows, offs_n, vals, row_lo, row_hi, N, stride_m, stride_n)
 
 @triton.jit
 def _epilogue_store(acc, c, off_m, off_n, M, N,
-                    c_ptr, stride_cm, stride_cn, dest_ptrs, stride_dm, chunk_m, num_chunks,
+                    c_ptr, stride_cm, stride_cn, dest_offs, stride_dm, chunk_m, num_chunks,
                     C_DTYPE: tl.constexpr, SUB_N: tl.constexpr, SUB_IDX: tl.constexpr,
                     USE_TMA: tl.constexpr, EPILOGUE: tl.constexpr, DEST_ALIGNED: tl.constexpr):
     """Store one column subtile (SUB_IDX-th slice of SUB_N columns)."""
@@ -94,15 +103,13 @@ def _epilogue_store(acc, c, off_m, off_n, M, N,
     offs_m = off_m + tl.arange(0, acc.shape[0])
     offs_n = off_n + SUB_IDX * SUB_N + tl.arange(0, SUB_N)
     if EPILOGUE:
-        # One store for the whole subtile even when it straddles chunks: each row gathers its
-        # chunk's destination base address.
+        # One store for the whole subtile even when it straddles chunks: row r goes to
+        # c_ptr (the destinations' common origin) + dest_offs[chunk(r)] + its row in the chunk.
         row_chunk = tl.minimum(offs_m // chunk_m, num_chunks - 1)
-        base = tl.load(dest_ptrs + row_chunk)
-        row_off = (offs_m - row_chunk * chunk_m).to(tl.int64) * stride_dm
-        if DEST_ALIGNED > 0:   # host checked: 16-byte aligned bases, row stride in 16 B units
-            base = tl.multiple_of(base, 16)
+        row_off = tl.load(dest_offs + row_chunk) + (offs_m - row_chunk * chunk_m).to(tl.int64) * stride_dm
+        if DEST_ALIGNED > 0:   # host checked: every offset and the row stride are 16-byte multiples
             row_off = tl.multiple_of(row_off, DEST_ALIGNED)
-        ptrs = base.to(tl.pointer_type(C_DTYPE))[:, None] + row_off[:, None] + offs_n[None, :]
+        ptrs = c_ptr + row_off[:, None] + offs_n[None, :]
         tl.store(ptrs, vals, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
     elif USE_TMA:
         c.store([off_m, off_n + SUB_IDX * SUB_N], vals)
@@ -133,7 +140,7 @@ def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
 # specialized on, so a new generation or a new signal pad never compiles a new kernel.
 @triton.jit(do_not_specialize=["chunk_m", "num_chunks", "start_chunk", "wait_gen", "wait_timeout",
                                "stride_dm", "epi_gen"],
-            do_not_specialize_on_alignment=["wait_signal", "err_ptr", "dest_ptrs", "signal_ptrs",
+            do_not_specialize_on_alignment=["wait_signal", "err_ptr", "dest_offs", "signal_ptrs",
                                             "counters"])
 def gemm_kernel(
     a, b, c,                                   # tensor descriptors (USE_TMA) or pointers
@@ -144,7 +151,7 @@ def gemm_kernel(
     # wait hook
     wait_signal, wait_gen, wait_timeout, err_ptr,
     # epilogue hook
-    dest_ptrs, stride_dm, signal_ptrs, counters, epi_gen,
+    dest_offs, stride_dm, signal_ptrs, counters, epi_gen,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SUBTILE: tl.constexpr, TILE_ORDER: tl.constexpr, USE_TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, C_DTYPE: tl.constexpr,
@@ -227,16 +234,16 @@ def gemm_kernel(
             pend_hi = c_hi
         if EPI_SUBTILE == 1:
             _epilogue_store(acc, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                            dest_ptrs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
+                            dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
                             USE_TMA, EPILOGUE, DEST_ALIGNED)
         else:
             acc3 = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             acc_lo, acc_hi = tl.split(acc3)
             _epilogue_store(acc_lo, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                            dest_ptrs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
+                            dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
                             USE_TMA, EPILOGUE, DEST_ALIGNED)
             _epilogue_store(acc_hi, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                            dest_ptrs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 1,
+                            dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 1,
                             USE_TMA, EPILOGUE, DEST_ALIGNED)
 
     if EPILOGUE:
