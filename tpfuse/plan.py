@@ -44,6 +44,7 @@ __all__ = [
     "tuning_cache_path",
     "canonical_dtype",
     "chunk_candidates",
+    "comm_sms_candidates",
     "tp_sizes",
     "add_plan_arguments",
     "run_plan_cli",
@@ -92,8 +93,9 @@ class Plan:
     ``predicted_ms``: strategy -> ms (its best chunk count); ``chunks``: strategy -> that count.
     ``breakdown``: ``gemm_ms`` (the whole local GEMM alone) and ``comm_ms`` (the collective alone;
     both strategy-independent, ``comm_ms`` 0 at world_size 1), ``fill_ms``/``drain_ms``/
-    ``exposed_comm_ms`` of the chosen strategy.  ``measured``: strategies whose time came from
-    the tuning cache instead of the model.
+    ``exposed_comm_ms`` of the chosen strategy.  ``comm_sms``: SMs the fused kernel gives to
+    communication (0 for other strategies).  ``measured``: strategies whose time came from the
+    tuning cache instead of the model.
     """
 
     op: str
@@ -172,18 +174,30 @@ def chunk_candidates(op: str, strategy: str, m: int, world_size: int) -> tuple[i
     return tuple(w * s for s in (1, 2, 4, 8) if s == 1 or shard // s >= 16)
 
 
-def _simulate(op, strategy, m, n, k, w, dtype, hw, num_chunks) -> SimResult:
+def comm_sms_candidates(strategy: str, hw: HardwareProfile) -> tuple[int, ...]:
+    """SMs the fused kernel may give to communication: fewer slow the link, more slow the GEMM."""
+    if strategy != "fused":
+        return (0,)
+    top = default_comm_sms(hw)
+    return tuple(sorted({max(1, top // 4), max(1, top // 2), top}))
+
+
+def _simulate(op, strategy, m, n, k, w, dtype, hw, num_chunks, comm_sms=0) -> SimResult:
     return simulate(op, strategy, m=m, n=n, k=k, world_size=w, dtype=dtype, hw=hw,
-                    num_chunks=num_chunks)
+                    num_chunks=num_chunks, comm_sms=comm_sms or None)
 
 
 @functools.lru_cache(maxsize=4096)
-def _best_per_strategy(op, m, n, k, w, dtype, hw: HardwareProfile, strategy) -> tuple[float, int, SimResult]:
+def _best_per_strategy(op, m, n, k, w, dtype, hw: HardwareProfile, strategy,
+                       ) -> tuple[float, int, int, SimResult]:
+    """(ms, num_chunks, comm_sms, result) of the strategy's best configuration; ties go to the
+    configuration tried first (fewer chunks, fewer communication SMs)."""
     best = None
-    for nc in chunk_candidates(op, strategy, m, w):
-        res = _simulate(op, strategy, m, n, k, w, dtype, hw, nc)
-        if best is None or res.makespan_ms < best[0] - 1e-12:  # ties: fewer chunks (tried first)
-            best = (res.makespan_ms, nc, res)
+    for sms in comm_sms_candidates(strategy, hw):
+        for nc in chunk_candidates(op, strategy, m, w):
+            res = _simulate(op, strategy, m, n, k, w, dtype, hw, nc, sms)
+            if best is None or res.makespan_ms < best[0] - 1e-12:
+                best = (res.makespan_ms, nc, sms, res)
     return best
 
 
@@ -209,9 +223,9 @@ def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str
                measured: Mapping[str, float]) -> Plan:
     gemm_ms = cost.gemm_time_ms(m, n, k, dtype, hw) if m > 0 else 0.0
     comm_ms = cost.collective_ms(op, m, n, k, w, dtype, hw) if m > 0 else 0.0
-    predicted, chunks, results = {}, {}, {}
+    predicted, chunks, results, sms = {}, {}, {}, {}
     for s in candidates:
-        ms, nc, res = _best_per_strategy(op, m, n, k, w, dtype, hw, s)
+        ms, nc, sms[s], res = _best_per_strategy(op, m, n, k, w, dtype, hw, s)
         predicted[s], chunks[s], results[s] = ms, nc, res
     used = tuple(s for s in candidates if s in measured)
     for s in used:
@@ -226,7 +240,7 @@ def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str
                  "fill_ms": res.fill_ms, "drain_ms": res.drain_ms,
                  "exposed_comm_ms": max(0.0, predicted[chosen] - gemm_ms)}
     return Plan(op=op, strategy=chosen, num_chunks=chunks[chosen], m=m, n=n, k=k, world_size=w,
-                dtype=dtype, hardware=hw.name, comm_sms=default_comm_sms(hw) if chosen == "fused" else 0,
+                dtype=dtype, hardware=hw.name, comm_sms=sms[chosen],
                 predicted_ms=predicted, chunks=chunks, breakdown=breakdown, measured=used,
                 reason=_reason(op, chosen, w, predicted, gemm_ms, comm_ms, used))
 
@@ -451,7 +465,8 @@ def run_plan_cli(args: argparse.Namespace) -> int:
         out = Path(args.timeline)
         for i, (name, p) in enumerate(rows):
             path = out if len(rows) == 1 else out.with_name(f"{out.stem}-{name}{out.suffix or '.png'}")
-            res = _simulate(p.op, p.strategy, p.m, p.n, p.k, p.world_size, p.dtype, hw, p.num_chunks)
+            res = _simulate(p.op, p.strategy, p.m, p.n, p.k, p.world_size, p.dtype, hw, p.num_chunks,
+                            p.comm_sms)
             draw_timeline(res, path, title=f"{name}: {p.strategy}, {p.num_chunks} chunks, "
                           f"{p.predicted_ms[p.strategy]:.3f} ms predicted on {hw.name} "
                           f"(unfused {p.predicted_ms['unfused']:.3f} ms)")

@@ -83,6 +83,7 @@ def _gemm_time_ms(m, n, k, dtype, hw, sms, hbm_share, launch) -> float:
         # 1 - throttle * t0 / (t0 + tau) of its short-burst rate.  Monotone: more work, never faster.
         t0 = flops / (hw.tflops(dtype) * 1e12 * hw.gemm_eff_max) * 1e3
         peak *= 1.0 - hw.gemm_throttle * t0 / (t0 + hw.gemm_throttle_ms)
+    peak *= sms / hw.sm_count  # the SMs this GEMM gets (others may be moving bytes)
     t_mem = elt * (m * k + k * n + m * n) / (hw.hbm_gbps * 1e9 * hw.hbm_eff * hbm_share)
     p = hw.gemm_blend_p
     best = math.inf

@@ -230,13 +230,14 @@ class _Ctx:
         return cost.DTYPE_BYTES[self.dtype]
 
     def gemm(self, rows: int, *, num_sms: int | None = None, hbm_share: float = 1.0) -> float:
-        """A separately launched GEMM on ``rows`` rows; never faster per row than the whole GEMM
-        (the tile-choice model can otherwise reward chunking for wave-quantization luck)."""
+        """A separately launched GEMM on ``rows`` rows: its launch plus never less than its share
+        of the whole GEMM (back-to-back chunks heat the chip like the whole GEMM does, and the
+        tile-choice model could otherwise reward chunking for wave-quantization luck)."""
         t = cost.gemm_time_ms(rows, self.n, self.k, self.dtype, self.hw, num_sms=num_sms,
                               hbm_share=hbm_share)
         whole = cost.gemm_time_ms(self.m, self.n, self.k, self.dtype, self.hw, num_sms=num_sms,
                                   hbm_share=hbm_share, launch=False)
-        return max(t, whole * rows / max(self.m, 1))
+        return max(t, whole * rows / max(self.m, 1) + self.hw.gemm_launch_us * 1e-3)
 
     def persistent(self, rows: int, first: bool) -> float:
         """A chunk of rows inside one persistent kernel on the SMs left by the comm workers.
