@@ -96,14 +96,23 @@ class GemmConfig:
 def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
     """Heuristic config for one GEMM shape (pure; used when the tuning cache has no entry).
 
-    Measured on one NVIDIA H200 (2026-11-29, ``benchmarks/gemm_core.py``): 128x256x64 tiles,
-    8 warps, 3 stages won on the large per-rank Llama shapes; decode (M <= 128) is bound by
-    reading B and wants many programs in flight, i.e. narrow tiles.
+    From the tuning winners on one NVIDIA H200, 2026-11-29, bf16, per-rank Llama-3 shapes at
+    TP 8 (``benchmarks/results/gemm_core_h200_tuning_log.json``): 128x256x64 tiles, 8 warps,
+    3 stages for M >= 2048; 128x128x128 when 128x256 tiles leave most SMs idle (M=512, N=3584:
+    56 tiles for 132 SMs); decode (M <= 128) streams B, and wants narrow tiles when B is small
+    (8B: 64x64x128) and wider ones as B grows (70B: 128x64x128, 405B: 128x128x128).
     """
-    if dtype == torch.float32:
+    if dtype == torch.float32:   # tf32; not tuned
         return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3)
     if m <= 128:
+        if n * k >= 100_000_000:
+            return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
+        if n * k >= 25_000_000:
+            return GemmConfig(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
         return GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    big_tiles = -(-m // 128) * -(-n // 256)
+    if big_tiles < 100:   # H200 has 132 SMs; 8B M=512 (56, 64 tiles) lost with 128x256, 70B (112, 128) won
+        return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
     return GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
