@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -238,8 +239,8 @@ class _ParallelLinear(nn.Module):
             )
         return x.reshape(-1, local_in)
 
-    def _choose_strategy(self, op: str, a: torch.Tensor, b: torch.Tensor, local_in: int, x: torch.Tensor
-                         ) -> tuple[torch.Tensor, str]:
+    def _choose_strategy(self, op: str, a: Callable[[torch.Tensor], torch.Tensor], b: torch.Tensor, local_in: int,
+                         x: torch.Tensor) -> tuple[torch.Tensor, str]:
         """Validate ``x``, then resolve the concrete strategy of the op that ``(a, b)`` stand for.
 
         In eager mode, with the cross-rank agreement check on (gloo by default, or

@@ -435,3 +435,24 @@ def test_torch_compile_dynamic_shapes(rank_pool):
         assert count == 1 and err < 1e-12, (count, err)
     for count, err in rank_pool(2).run(compiled_graph_count, "auto", timeout=240):
         assert count == 2 and err < 1e-12, (count, err)
+
+
+def mlp_on_subgroups(rank, world_size):
+    """Two TP groups of 2 ranks ({0, 1} and {2, 3}), each training on its own data."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    group_rank = rank % 2
+    p = _problem(2, (3,), seed=20 + rank // 2)
+    ref = _unsharded_reference(p, torch.float64)
+    fc1 = ColumnParallelLinear.from_full(p["w1"], p["b1"], group=group, strategy="ring")
+    fc2 = RowParallelLinear.from_full(p["w2"], p["b2"], group=group, strategy="ring")
+    x = _block(p["x"], group_rank, 2).clone().requires_grad_()
+    y = fc2(F.gelu(fc1(x)))
+    y.backward(_block(p["gy"], group_rank, 2))
+    got = {"y": y.detach(), "x": x.grad, "fc1.weight": fc1.weight.grad, "fc1.bias": fc1.bias.grad,
+           "fc2.weight": fc2.weight.grad, "fc2.bias": fc2.bias.grad}
+    return max(_rel_err(got[name], _shard_of_reference(name, ref[name], group_rank, 2, True)) for name in GRADS)
+
+
+def test_subgroups(rank_pool):
+    assert all(err < 1e-12 for err in rank_pool(4).run(mlp_on_subgroups))
