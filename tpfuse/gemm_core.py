@@ -365,6 +365,7 @@ def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmCon
         tmp = p.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
         tmp.replace(p)
+        _PLANS.clear()   # plans made before hold the configs chosen before
     return best, timings
 
 
@@ -437,8 +438,9 @@ class _Plan:
     num_stages: int
 
 
-_PLANS: dict = {}
-_COMPILED: dict = {}
+_PLANS: dict = {}      # call signature -> _Plan
+_COMPILED: dict = {}   # (call signature, alignment/int-width specialization) -> Triton CompiledKernel
+_MAX_PLANS = 4096      # a bound, not a tuned number: plans are small, shapes in a model are few
 
 
 def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilogue, use_tma) -> _Plan:
@@ -547,6 +549,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
     if plan is None:
         plan = _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilogue, use_tma)
         if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
             _PLANS[key] = plan
     m, n, k = plan.m, plan.n, plan.k
     device = a.device
