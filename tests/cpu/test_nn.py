@@ -17,6 +17,9 @@ Outputs of the ops are poisoned with NaN (TPFUSE_POISON=1 in the pools), so NaN/
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -456,3 +459,12 @@ def mlp_on_subgroups(rank, world_size):
 
 def test_subgroups(rank_pool):
     assert all(err < 1e-12 for err in rank_pool(4).run(mlp_on_subgroups))
+
+
+def test_example_trains_and_matches_reference():
+    """examples/tp_mlp_train.py runs on 2 spawned CPU ranks and its check passes."""
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tp_mlp_train.py")
+    done = subprocess.run([sys.executable, script, "--world-size", "2", "--steps", "3"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "step 2: loss" in done.stdout and "match the unsharded reference" in done.stdout, done.stdout
