@@ -368,6 +368,14 @@ def choose(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any,
     """``plan`` restricted to ``candidates`` (what this environment can run; "unfused" is always
     added), with measured times from the tuning cache overriding the model.  Cached: cheap on
     every op call; a ``record_measurement`` or a change of ``TPFUSE_CACHE_DIR`` invalidates it."""
+    fast_key = (op, m, n, k, world_size, dtype, hardware, candidates,
+                os.environ.get("TPFUSE_CACHE_DIR"), os.environ.get("HOME"))
+    try:
+        hit = _FAST.get(fast_key)
+    except TypeError:  # an unhashable argument: let validation explain it
+        hit, fast_key = None, None
+    if hit is not None and hit[0] == _CACHE.generation:
+        return hit[1]
     dtype_name, hw = _validate(op, m, n, k, world_size, dtype, hardware)
     cands = tuple(candidates)
     bad = [c for c in cands if c not in STRATEGIES]
@@ -375,7 +383,17 @@ def choose(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any,
         raise ValueError(f"candidates: unknown strategies {bad}; use names from {STRATEGIES}")
     cands = tuple(s for s in STRATEGIES if s in cands or s == "unfused")
     generation, path = _CACHE.current()
-    return _choose_cached(op, m, n, k, world_size, dtype_name, hw, cands, generation, str(path))
+    result = _choose_cached(op, m, n, k, world_size, dtype_name, hw, cands, generation, str(path))
+    if fast_key is not None:
+        if len(_FAST) > 8192:
+            _FAST.clear()
+        _FAST[fast_key] = (generation, result)
+    return result
+
+
+# (raw choose() arguments, cache location) -> (tuning-cache generation, Plan): skips validation
+# and hashing the profile on the hot path (~1 us instead of ~30 us per op call).
+_FAST: dict[tuple, tuple[int, Plan]] = {}
 
 
 # --- CLI: `tpfuse plan` (tpfuse/cli.py calls these two) ---------------------------------------------

@@ -212,7 +212,7 @@ def test_cli_matrix_and_json(capsys):
     out = capsys.readouterr().out
     for w in (2, 4, 8):
         assert f"8b-decode-fc1-tp{w}" in out and f"8b-decode-fc2-tp{w}" in out
-    assert _run(["--hardware", "gb200", "--model", "70b", "--phase", "prefill", "--json"]) == 0
+    assert _run(["--hardware", "gb200", "--model", "70b", "--phase", "decode", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert sorted({r["world_size"] for r in rows}) == [8, 16, 32, 72]
     assert all(r["strategy"] in STRATEGIES for r in rows)
