@@ -26,6 +26,9 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from tpfuse import ops as _ops  # noqa: F401  (defines the custom ops whose autograd is registered here)
+from tpfuse._dist import resolve_group_name
+
 # torch 2.13 renamed the tensor collectives (*_tensor -> *_single); older releases have only the old names.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
@@ -79,8 +82,6 @@ def all_reduce_sum(x: torch.Tensor, group_name: str, world_size: int) -> torch.T
 
 def group_world_size(group_name: str) -> int:
     """World size of the process group registered under ``group_name``."""
-    from tpfuse._dist import resolve_group_name
-
     return torch.distributed.get_world_size(resolve_group_name(group_name))
 
 
@@ -151,7 +152,5 @@ def _register() -> None:
     torch.library.register_autograd("tpfuse::gemm_rs", _gemm_rs_backward, setup_context=_gemm_rs_setup)
     torch.library.register_autograd("tpfuse::gemm_ar", _gemm_ar_backward, setup_context=_gemm_ar_setup)
 
-
-import tpfuse.ops  # noqa: E402,F401  (defines the custom ops registered below)
 
 _register()
