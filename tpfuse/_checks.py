@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from tpfuse._dist import GroupContext, all_gather_rows
 
-__all__ = ["OPS", "STRATEGY_NAMES", "check_call", "agreement_enabled", "agree"]
+__all__ = ["OPS", "STRATEGY_NAMES", "check_call", "agreement_enabled", "agree", "signature"]
 
 OPS = ("ag_gemm", "gemm_rs", "gemm_ar")
 STRATEGY_NAMES = ("unfused", "ring", "copy_engine", "fused")
@@ -115,7 +115,7 @@ def agreement_enabled(ctx: GroupContext) -> bool:
 _SIG_LEN = 8
 
 
-def _signature(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, extra: int) -> list[int]:
+def signature(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, extra: int) -> list[int]:
     """Fixed-size summary of a call; ranks must agree on every field except the local-only ones.
 
     Fields: op, resolved strategy, dtype, rows of a, K (ag_gemm only: equal everywhere),

@@ -23,7 +23,6 @@ shape passes through unchanged.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable
 
 import torch
@@ -32,8 +31,8 @@ from torch import nn
 
 from tpfuse import _checks
 from tpfuse import autograd as _autograd  # registers the custom ops' autograd formulas
-from tpfuse._dist import GroupContext, group_context, resolve_group_name
-from tpfuse.ops import resolve_strategy
+from tpfuse._dist import GroupContext, group_context
+from tpfuse.ops import resolve_strategy, traced_strategy
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -132,24 +131,6 @@ def _check_divisible(layer: str, name: str, value: int, world_size: int, what: s
             + " (pad the layer), or a group of a size that divides it"
         )
     return value // world_size
-
-
-@torch.compiler.assume_constant_result
-def _strategy_for_shapes(op: str, strategy: str, m: int, k: int, n: int, dtype: torch.dtype,
-                         device: torch.device, group_name: str) -> str:
-    """:func:`tpfuse.ops.resolve_strategy` for ``a`` [m, k] and ``b`` [k, n], for ``torch.compile``.
-
-    The planner behind "auto" reads files and caches, which Dynamo cannot trace; marked as a
-    constant, it runs once at trace time and its answer is baked into the graph (which is
-    specialized on the shapes it was given), so compiled code never resolves a strategy and
-    CUDA graphs capture no host work for it.  The stand-in operands are one-element tensors
-    expanded to the shapes (only shape, dtype and device are read).
-    """
-    def stand_in(shape):
-        return torch.empty((), dtype=dtype, device=device).expand(shape)
-
-    return resolve_strategy(op, strategy, stand_in((m, k)), stand_in((k, n)),
-                            group_context(resolve_group_name(group_name)))
 
 
 class _ParallelLinear(nn.Module):
@@ -252,13 +233,7 @@ class _ParallelLinear(nn.Module):
         ctx = self._ctx
         if torch.compiler.is_compiling():
             x2d = self._flatten(x, local_in)
-            a_t = a(x2d)
-            m = k = n = 1  # a named strategy does not depend on sizes: shapes may stay dynamic
-            if self.strategy == "auto":
-                # operator.index specializes symbolic sizes (with a guard): the graph is valid
-                # for the sizes its strategy was chosen for, and recompiles for others.
-                m, k, n = (operator.index(size) for size in (a_t.shape[0], a_t.shape[1], b.shape[1]))
-            return x2d, _strategy_for_shapes(op, self.strategy, m, k, n, b.dtype, b.device, ctx.group_name)
+            return x2d, traced_strategy(op, self.strategy, a(x2d), b, ctx)
         if not _checks.agreement_enabled(ctx):
             x2d = self._flatten(x, local_in)
             return x2d, resolve_strategy(op, self.strategy, a(x2d), b, ctx)
@@ -269,7 +244,7 @@ class _ParallelLinear(nn.Module):
             a_t = a(x2d)
             _checks.check_call(op, a_t, b, ctx, self.strategy)
             chosen = resolve_strategy(op, self.strategy, a_t, b, ctx)
-            signature = _checks._signature(op, chosen, a_t, b, 0)
+            signature = _checks.signature(op, chosen, a_t, b, 0)
         except (TypeError, ValueError) as exc:
             error = exc
         _checks.agree(ctx, f"{type(self).__name__} ({op})", error, signature)

@@ -14,13 +14,15 @@ K and N are this rank's local sizes.  Each op is also a ``torch.library`` custom
 from __future__ import annotations
 
 
+import operator
+
 import torch
 import torch.distributed as dist
 
 from tpfuse import _checks, strategies
 from tpfuse._dist import GroupContext, group_context, resolve_group_name
 
-__all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "resolve_strategy"]
+__all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "resolve_strategy", "traced_strategy"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,6 +107,36 @@ def _auto_choice(op: str, m: int, n: int, k: int, world_size: int, dtype: torch.
                   candidates=candidates).strategy
 
 
+@torch.compiler.assume_constant_result
+def _strategy_for_shapes(op: str, strategy: str, m: int, k: int, n: int, dtype: torch.dtype,
+                         device: torch.device, group_name: str) -> str:
+    """:func:`resolve_strategy` for ``a`` [m, k] and ``b`` [k, n] from plain values.
+
+    The planner behind "auto" reads files and caches, which Dynamo cannot trace; marked as a
+    constant result, it runs once at trace time and its answer is baked into the graph.  The
+    stand-in operands are one-element tensors expanded to the shapes (only shape, dtype and
+    device are read).
+    """
+    def stand_in(shape: tuple[int, int]) -> torch.Tensor:
+        return torch.empty((), dtype=dtype, device=device).expand(shape)
+
+    return resolve_strategy(op, strategy, stand_in((m, k)), stand_in((k, n)),
+                            group_context(resolve_group_name(group_name)))
+
+
+def traced_strategy(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> str:
+    """The strategy under ``torch.compile``: fixed at trace time.
+
+    A named strategy does not depend on sizes, so shapes stay dynamic.  For "auto",
+    ``operator.index`` specializes the symbolic sizes (with a guard): the graph is valid for the
+    sizes its strategy was chosen for and recompiles for others.
+    """
+    m = k = n = 1
+    if strategy == "auto":
+        m, k, n = (operator.index(size) for size in (a.shape[0], a.shape[1], b.shape[1]))
+    return _strategy_for_shapes(op, strategy, m, k, n, b.dtype, b.device, ctx.group_name)
+
+
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
@@ -118,6 +150,9 @@ def _prepare(op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup
     every rank of the group.
     """
     ctx = group_context(group)
+    if torch.compiler.is_compiling():  # local checks become guards; no cross-rank exchange
+        _checks.check_call(op, a, b, ctx, strategy)
+        return ctx, traced_strategy(op, strategy, a, b, ctx)
     error: Exception | None = None
     chosen = "unfused"
     try:
@@ -126,7 +161,7 @@ def _prepare(op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup
     except (TypeError, ValueError) as exc:
         error = exc
     if _checks.agreement_enabled(ctx):
-        signature = None if error is not None else _checks._signature(op, chosen, a, b, extra)
+        signature = None if error is not None else _checks.signature(op, chosen, a, b, extra)
         _checks.agree(ctx, op, error, signature)
     elif error is not None:
         raise error

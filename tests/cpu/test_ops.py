@@ -274,3 +274,20 @@ def compiled_matches_eager(rank, world_size):
 
 def test_torch_compile_fullgraph(rank_pool):
     assert all(rank_pool(2).run(compiled_matches_eager, timeout=180))
+
+
+def compiled_auto_matches_eager(rank, world_size):
+    """The default strategy="auto" is resolved at trace time (the planner is not traceable)."""
+    torch._dynamo.reset()
+
+    def fc1(x_shard, w1):
+        return tpfuse.ag_gemm(x_shard, w1.t())
+
+    g = torch.Generator().manual_seed(rank)
+    x, w1 = torch.randn(6, 8, generator=g), torch.randn(10, 8, generator=g)
+    compiled = torch.compile(fc1, fullgraph=True, backend="aot_eager")
+    return torch.equal(compiled(x, w1), fc1(x, w1))
+
+
+def test_torch_compile_fullgraph_auto(rank_pool):
+    assert all(rank_pool(2).run(compiled_auto_matches_eager, timeout=180))
