@@ -10,7 +10,8 @@ Importing tpfuse needs no GPU, no Triton GPU backend and no process group.
 
 from tpfuse import autograd as _autograd  # noqa: F401  (registers the custom ops' backward formulas)
 from tpfuse.ops import ag_gemm, gemm_ar, gemm_rs
-from tpfuse.plan import Plan, plan  # noqa: E402  (binds tpfuse.plan to the function; the module stays importable)
+from tpfuse.plan import Plan, plan  # binds tpfuse.plan to the function; the module stays importable
+from tpfuse import nn  # noqa: E402  (tpfuse.nn.ColumnParallelLinear / RowParallelLinear)
 
 __version__ = "0.1.0"
-__all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "plan", "Plan", "__version__"]
+__all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "plan", "Plan", "nn", "__version__"]
