@@ -162,7 +162,10 @@ class Plan:
 
 
 def chunk_candidates(op: str, strategy: str, m: int, world_size: int) -> tuple[int, ...]:
-    """Chunk counts the planner tries for a strategy (ring: W steps; unfused: 1)."""
+    """Chunk counts the planner tries for a strategy (ring: W steps; unfused: 1).
+
+    Finer chunks must keep >= 16 rows: the smallest bf16 MMA tile height (wgmma m64 split over
+    a warpgroup's 4 warps), below which a chunk pads its tile anyway."""
     w = world_size
     if strategy == "unfused" or w == 1:
         return (1,)

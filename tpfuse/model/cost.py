@@ -48,6 +48,8 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4, "fp64": 8}
 # CTA tiles for bf16; the relative efficiency of the smaller two is a fitted profile field.
 TILE_SHAPES: tuple[tuple[int, int], ...] = ((128, 256), (128, 128), (64, 128))
 SPLIT_K: tuple[int, ...] = (1, 2, 4)
+# Split-K below 256 K-elements per split costs more in partial-sum traffic than it gains in waves
+# (a lead: cuBLAS' split-K kernels on H100/H200 use >= 256-deep slices for bf16).
 _MIN_K_PER_SPLIT = 256
 
 Path = Literal["nccl", "p2p", "ce", "sm"]
