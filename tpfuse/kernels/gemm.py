@@ -68,11 +68,11 @@ def _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_ch
         # (start_chunk + j) % num_chunks) covers positions [R(j), R(j+1)): from the tile after
         # the previous chunk's last tile up to the tile holding this chunk's last row.
         t0 = (start_chunk * chunk_m) // BLOCK_M
-        seg_lo = tl.zeros((), tl.int32)
+        seg_lo = tl.full((), 0, tl.int32)
         seg_hi = num_pid_m
         for j in range(1, num_chunks):
             c = (start_chunk + j) % num_chunks
-            r = tl.cdiv(c * chunk_m, BLOCK_M) - t0
+            r = (c * chunk_m + BLOCK_M - 1) // BLOCK_M - t0
             r = tl.where(c < start_chunk, r + num_pid_m, r)
             r = tl.minimum(tl.maximum(r, 0), num_pid_m)
             if r * num_pid_n <= tile_id:
@@ -161,15 +161,18 @@ def gemm_kernel(
 ):
     start_pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # No @triton.jit helpers of triton.language.standard here (tl.cdiv, tl.zeros): the
+    # interpreter cannot call them when triton was imported before TRITON_INTERPRET=1 was set
+    # (tests/conftest.py imports tpfuse, which imports torch._dynamo, which imports triton).
+    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
     num_tiles = num_pid_m * num_pid_n
-    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_tiles = (K + BLOCK_K - 1) // BLOCK_K
     offs_k0 = tl.arange(0, BLOCK_K)
     SUB_N: tl.constexpr = BLOCK_N // EPI_SUBTILE
-    status = tl.zeros((), tl.int32)  # 0 until a wait of this program fails
-    verified = tl.zeros((), tl.int64)  # WAIT: bit c set once signal[c] >= wait_gen was seen
-    pend_lo = tl.zeros((), tl.int32)   # EPILOGUE: chunks of the previous tile, counted late
+    status = tl.full((), 0, tl.int32)  # 0 until a wait of this program fails
+    verified = tl.full((), 0, tl.int64)  # WAIT: bit c set once signal[c] >= wait_gen was seen
+    pend_lo = tl.full((), 0, tl.int32)   # EPILOGUE: chunks of the previous tile, counted late
     pend_hi = tl.full((), -1, tl.int32)
 
     for tile_id in tl.range(start_pid, num_tiles, num_progs, flatten=FLATTEN,
@@ -197,7 +200,7 @@ def gemm_kernel(
                     if st == 0:
                         verified = verified | bit
 
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         if USE_TMA:
             for ki in range(k_tiles):
                 off_k = ki * BLOCK_K
