@@ -91,8 +91,9 @@ class Plan:
     """The planner's decision for one op call shape, with every candidate's prediction.
 
     ``predicted_ms``: strategy -> ms (its best chunk count); ``chunks``: strategy -> that count.
-    ``breakdown``: ``gemm_ms`` (the whole local GEMM alone) and ``comm_ms`` (the collective alone;
-    both strategy-independent, ``comm_ms`` 0 at world_size 1), ``fill_ms``/``drain_ms``/
+    ``breakdown``: ``gemm_ms`` (the whole local GEMM alone) and ``comm_ms`` (the collective alone
+    by its fastest transport -- NCCL, copy engine or communication SMs; both strategy-independent,
+    ``comm_ms`` 0 at world_size 1; no strategy is predicted below ``max(gemm_ms, comm_ms)``), ``fill_ms``/``drain_ms``/
     ``exposed_comm_ms`` of the chosen strategy.  ``comm_sms``: SMs the fused kernel gives to
     communication (0 for other strategies).  ``measured``: strategies whose time came from the
     tuning cache instead of the model.
@@ -204,6 +205,16 @@ def _best_per_strategy(op, m, n, k, w, dtype, hw: HardwareProfile, strategy,
     return best
 
 
+def _comm_alone_ms(op, m, n, k, w, dtype, hw: HardwareProfile) -> float:
+    """The collective alone by its fastest transport: NCCL, copy engine, or the SMs the fused
+    kernel may use (strategy-independent; no overlapped schedule can beat it)."""
+    if w <= 1 or m <= 0:
+        return 0.0
+    return min(cost.collective_ms(op, m, n, k, w, dtype, hw),
+               cost.p2p_collective_ms(op, m, n, k, w, dtype, hw, "ce"),
+               cost.p2p_collective_ms(op, m, n, k, w, dtype, hw, "sm", num_sms=default_comm_sms(hw)))
+
+
 def _reason(op, strategy, w, predicted, gemm_ms, comm_ms, measured) -> str:
     if w == 1:
         return "world_size is 1: there is no communication to overlap, so the plain GEMM (unfused) is used."
@@ -225,7 +236,7 @@ def _reason(op, strategy, w, predicted, gemm_ms, comm_ms, measured) -> str:
 def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str, ...],
                measured: Mapping[str, float]) -> Plan:
     gemm_ms = cost.gemm_time_ms(m, n, k, dtype, hw) if m > 0 else 0.0
-    comm_ms = cost.collective_ms(op, m, n, k, w, dtype, hw) if m > 0 else 0.0
+    comm_ms = _comm_alone_ms(op, m, n, k, w, dtype, hw)
     predicted, chunks, results, sms = {}, {}, {}, {}
     for s in candidates:
         ms, nc, sms[s], res = _best_per_strategy(op, m, n, k, w, dtype, hw, s)

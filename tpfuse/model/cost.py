@@ -39,6 +39,7 @@ __all__ = [
     "reduce_scatter_ms",
     "all_reduce_ms",
     "collective_ms",
+    "p2p_collective_ms",
     "reduce_time_ms",
     "two_stage_pipeline_ms",
 ]
@@ -182,6 +183,33 @@ def collective_ms(op: str, m: int, n: int, k: int, world_size: int, dtype: str,
         return reduce_scatter_ms(m * n * elt, world_size, hw)
     if op == "gemm_ar":
         return all_reduce_ms(m * n * elt, world_size, hw)
+    raise ValueError(f"op: unknown op {op!r}; use 'ag_gemm', 'gemm_rs' or 'gemm_ar'")
+
+
+def p2p_collective_ms(op: str, m: int, n: int, k: int, world_size: int, dtype: str,
+                      hw: HardwareProfile, path: Path, *, num_sms: int | None = None) -> float:
+    """The collective of ``op`` done alone over peer-to-peer ``path`` (symmetric memory), the way
+    the simulator's copy_engine/fused schedules move it: AG pulls the W-1 peer shards; RS pushes
+    W-1 partial shards then the owner reduces; AR the better of one-shot (pull all, reduce) and
+    two-shot (RS + AG).  Reductions run in-kernel for ``sm``, as a separate launch otherwise."""
+    w = world_size
+    if w <= 1 or m <= 0:
+        return 0.0
+    elt = DTYPE_BYTES[dtype]
+    shard = m // w
+    launch = path != "sm"
+    if op == "ag_gemm":
+        return (w - 1) * transfer_time_ms(shard * k * elt, path, hw, num_sms=num_sms)
+    if op == "gemm_rs":
+        return ((w - 1) * transfer_time_ms(shard * n * elt, path, hw, num_sms=num_sms)
+                + reduce_time_ms((w + 1) * shard * n * elt, hw, launch=launch))
+    if op == "gemm_ar":
+        nbytes = m * n * elt
+        one_shot = (transfer_time_ms((w - 1) * nbytes, path, hw, num_sms=num_sms)
+                    + reduce_time_ms((w + 1) * nbytes, hw, launch=launch))
+        two_shot = (2 * transfer_time_ms((w - 1) * nbytes / w, path, hw, num_sms=num_sms)
+                    + reduce_time_ms((w + 1) * nbytes / w, hw, launch=launch))
+        return min(one_shot, two_shot)
     raise ValueError(f"op: unknown op {op!r}; use 'ag_gemm', 'gemm_rs' or 'gemm_ar'")
 
 
