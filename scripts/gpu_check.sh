@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one go (one device-tool call):
-#   GPU tests, the GEMM-core benchmark, the GEMM calibration, and a demo; prints a short table last.
+# Everything that needs the GPU, in one go (one device-tool call): the GPU tests (with 2+ GPUs
+# also the NCCL multi-GPU ones), a demo on every visible GPU, the GEMM-core benchmark, and
+# (CALIBRATE=1) the GEMM calibration; prints a short table last.
 # Usage (repo root, on the GPU machine):  OUT=/some/dir bash scripts/gpu_check.sh [quick]
+#   quick: tests and demo only.   BENCH_LIMIT_S (default 330): wall-clock cap of the benchmark;
+#   it writes its JSON after every shape, so a capped run keeps the shapes it finished.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-$PWD/.out}
@@ -13,16 +16,25 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember pass/fail and 
   local t0=$SECONDS
   "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
-  summary+=("$(printf '%-14s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-90)")")
+  summary+=("$(printf '%-14s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-100)")")
   return 0
 }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
-$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" >> "$OUT/gpu.txt" 2>&1
-step gpu_tests $PY -m pytest -q -p no:cacheprovider tests/gpu -x --timeout 600
-if [ "${1:-}" != "quick" ]; then
-  step gemm_bench $PY benchmarks/gemm_core.py --out "$OUT"
-  step calibrate $PY benchmarks/calibrate_gemm.py --out "$OUT"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+  date -u +%Y-%m-%dT%H:%M:%SZ
+} > "$OUT/gpu.txt" 2>&1
+step gpu_tests $PY -m pytest -q -p no:cacheprovider tests/gpu --timeout 600 -rs --durations=15
+step demo $PY -m tpfuse demo
+if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  # real transfers between GPUs: larger cells, more repeats (still a demo, not the benchmark)
+  step demo_large $PY -m tpfuse demo --scale 2 --repeats 20
 fi
-step demo $PY -m tpfuse demo --world-size 1
+if [ "${1:-}" != "quick" ]; then
+  step gemm_bench timeout "${BENCH_LIMIT_S:-330}" $PY benchmarks/gemm_core.py --out "$OUT" --tune-rep 10 --rep 30 --rounds 3
+  if [ "${CALIBRATE:-0}" = 1 ]; then
+    step calibrate $PY benchmarks/calibrate_gemm.py --out "$OUT"
+  fi
+fi
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

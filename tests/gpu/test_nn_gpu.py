@@ -2,7 +2,8 @@
 of a whole forward + backward, replayed on new data and compared with eager.
 
 W = 1 runs with an NCCL group on one GPU (the layers' whole code path, with no transfers);
-W = 2 runs as two gloo ranks sharing GPU 0 when gloo can move CUDA tensors (skips otherwise).
+W = 2 runs as two gloo ranks sharing GPU 0 when gloo can move CUDA tensors (skips otherwise);
+with several GPUs, W = their number (up to 4) runs on NCCL, one rank per GPU, graphs included.
 """
 
 from __future__ import annotations
@@ -183,3 +184,29 @@ def test_layers_two_gloo_ranks_one_gpu():
     except RankError as exc:
         pytest.skip(f"gloo cannot run the needed collectives on CUDA tensors here: {str(exc).splitlines()[-1]}")
     assert run_ranks(layers_vs_reference, 2, env=env, timeout=300) == [[], []]
+
+
+MULTI_GPU = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")
+
+
+def _gpus():
+    return min(4, torch.cuda.device_count())
+
+
+@MULTI_GPU
+def test_layers_nccl_one_rank_per_gpu():
+    w = _gpus()
+    assert run_ranks(layers_vs_reference, w, backend="nccl", env=ENV, timeout=300) == [[]] * w
+
+
+@MULTI_GPU
+@pytest.mark.parametrize("sequence_parallel, strategy, save_gathered_input", [
+    (True, "unfused", True), (True, "ring", False), (False, "ring", True),
+])
+def test_cuda_graph_capture_nccl_one_rank_per_gpu(sequence_parallel, strategy, save_gathered_input):
+    """Capture with real transfers (NCCL collectives / P2P inside the graph) on W GPUs."""
+    results = run_ranks(cuda_graph_matches_eager, _gpus(), sequence_parallel, strategy, save_gathered_input,
+                        backend="nccl", env=ENV, timeout=300)
+    for rank, (err, changed) in enumerate(results):
+        assert changed, f"rank {rank}: replay did not change the output: the graph replays stale results"
+        assert err < 1e-6, f"rank {rank}: CUDA-graph replay differs from eager by {err:.2e}"

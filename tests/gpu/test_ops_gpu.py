@@ -1,8 +1,9 @@
-"""The ops on CUDA: W = 1 with NCCL (one GPU), and W = 2 gloo ranks sharing one GPU.
+"""The ops on CUDA: W = 1 with NCCL (one GPU), W = 2 gloo ranks sharing one GPU, and with
+several GPUs W = their number (up to 4) on NCCL, one rank per GPU.
 
-NCCL refuses two ranks on one GPU, so the multi-rank CUDA path of ``ring`` (side stream,
-record_stream, stream waits) is checked with a gloo group carrying CUDA tensors where gloo
-supports that; the test skips with the reason otherwise.  These are correctness checks only.
+NCCL refuses two ranks on one GPU, so on one GPU the multi-rank CUDA path of ``ring`` (side
+stream, record_stream, stream waits) is checked with a gloo group carrying CUDA tensors where
+gloo supports that; the test skips with the reason otherwise.  These are correctness checks only.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def ops_on_one_gpu(rank, world_size, shapes):
 def test_w1_nccl():
     results = run_ranks(ops_on_one_gpu, 1, [(37, 53, 29), (4091, 1000, 771)], backend="nccl", env=ENV, timeout=300)
     assert results == [[]]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")
+def test_nccl_one_rank_per_gpu():
+    """W = number of GPUs (up to 4), NCCL, one rank per GPU: the real multi-GPU path of every strategy."""
+    w = min(4, torch.cuda.device_count())
+    results = run_ranks(ops_on_one_gpu, w, [(37, 53, 29), (1031, 512, 389)], backend="nccl", env=ENV, timeout=300)
+    assert results == [[]] * w
 
 
 def gloo_cuda_p2p_works(rank, world_size):
