@@ -90,18 +90,23 @@ def group_world_size(group_name: str) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+# The activation operand (a_full, a) is saved only when the weight needs a gradient: with a
+# frozen weight (inference, adapters) backward needs b alone, and the activation is freed.
+
+
 def _ag_gemm_setup(ctx, inputs, output):
     _, b, group_name, strategy = inputs
     _, a_full = output
-    ctx.save_for_backward(a_full, b)
+    ctx.save_for_backward(a_full if ctx.needs_input_grad[1] else None, b)
     ctx.group_name, ctx.strategy = group_name, strategy
+    ctx.rows = a_full.shape[0]
 
 
 def _ag_gemm_backward(ctx, grad_c, grad_a_full):
     a_full, b = ctx.saved_tensors
     grad_a_shard = grad_b = None
     if grad_c is None:  # only a_full was used
-        grad_c = a_full.new_zeros((a_full.shape[0], b.shape[1]))
+        grad_c = b.new_zeros((ctx.rows, b.shape[1]))
     if ctx.needs_input_grad[0]:
         grad_a_shard = torch.ops.tpfuse.gemm_rs(grad_c, b.t(), ctx.group_name, ctx.strategy)
         if grad_a_full is not None:
@@ -119,7 +124,7 @@ def _ag_gemm_backward(ctx, grad_c, grad_a_full):
 
 def _gemm_rs_setup(ctx, inputs, output):
     a, b, group_name, strategy = inputs
-    ctx.save_for_backward(a, b)
+    ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b)
     ctx.group_name, ctx.strategy = group_name, strategy
 
 
@@ -137,7 +142,7 @@ def _gemm_rs_backward(ctx, grad_c_shard):
 
 def _gemm_ar_setup(ctx, inputs, output):
     a, b, _, _ = inputs
-    ctx.save_for_backward(a, b)
+    ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b)
 
 
 def _gemm_ar_backward(ctx, grad_c):

@@ -53,7 +53,7 @@ class _AgGemmRegather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_shard, weight, group_name: str, strategy: str, world_size: int):
         c, _ = torch.ops.tpfuse.ag_gemm(x_shard, weight.t(), group_name, strategy)
-        ctx.save_for_backward(x_shard, weight)
+        ctx.save_for_backward(x_shard if ctx.needs_input_grad[1] else None, weight)  # x: wgrad only
         ctx.group_name, ctx.strategy, ctx.world_size = group_name, strategy, world_size
         return c
 
@@ -75,7 +75,7 @@ class _LinearDgradAllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, group_name: str, strategy: str):
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)  # x: wgrad only
         ctx.group_name, ctx.strategy = group_name, strategy
         return torch.matmul(x, weight.t())
 

@@ -17,6 +17,7 @@ Outputs of the ops are poisoned with NaN (TPFUSE_POISON=1 in the pools), so NaN/
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -279,6 +280,59 @@ def test_ops_autograd(rank_pool, strategy):
     for errs, contiguous in rank_pool(2).run(ops_autograd, strategy):
         assert contiguous, "the grad of weight through weight.t() should be a contiguous [N, K] matrix"
         assert all(e < 1e-12 for e in errs.values()), errs
+
+
+def frozen_weights(rank, world_size, save_gathered_input):
+    """MLP with frozen weights (requires_grad False): the input gradient is still right, and
+    no saved tensor is as large as a gathered/full activation (only weights and small shards)."""
+    torch.manual_seed(3)
+    rows = 64  # per rank: every token activation is larger than a weight shard ([FFN/W, HIDDEN])
+    tokens = rows * world_size
+    x_full = torch.randn(tokens, HIDDEN, dtype=torch.float64)
+    gy_full = torch.randn(tokens, HIDDEN, dtype=torch.float64)
+    results = {}
+    for sp in (True, False):
+        fc1 = ColumnParallelLinear(HIDDEN, FFN, sequence_parallel=sp, strategy="ring", dtype=torch.float64,
+                                   save_gathered_input=save_gathered_input)
+        fc2 = RowParallelLinear(FFN, HIDDEN, sequence_parallel=sp, strategy="ring", dtype=torch.float64)
+        for mod in (fc1, fc2):
+            mod.requires_grad_(False)
+        w1, w2 = _gather_cols(fc1.weight, world_size), _gather_rows(fc2.weight, world_size)
+        x = (x_full[rank * rows:(rank + 1) * rows] if sp else x_full).clone().requires_grad_()
+        gy = gy_full[rank * rows:(rank + 1) * rows] if sp else gy_full
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(tuple(t.shape)), t)[1], lambda t: t):
+            out = fc2(fc1(x))
+        out.backward(gy)
+        # reference: linear layers without activation, so dx = gy @ W2 @ W1 summed over everything
+        want = (gy_full @ w2 @ w1)
+        want = want[rank * rows:(rank + 1) * rows] if sp else want
+        biggest = max((math.prod(s) for s in saved), default=0)
+        results[sp] = (_rel_err(x.grad, want), biggest, fc1.weight.grad is None and fc2.weight.grad is None)
+    return results
+
+
+def _gather_cols(w_local, world_size):  # [out/W, in] shards -> full [out, in]
+    parts = [torch.empty_like(w_local) for _ in range(world_size)]
+    dist.all_gather(parts, w_local.detach().contiguous())
+    return torch.cat(parts, 0)
+
+
+def _gather_rows(w_local, world_size):  # [out, in/W] shards -> full [out, in]
+    parts = [torch.empty_like(w_local) for _ in range(world_size)]
+    dist.all_gather(parts, w_local.detach().contiguous())
+    return torch.cat(parts, 1)
+
+
+@pytest.mark.parametrize("save_gathered_input", [True, False])
+def test_frozen_weights_save_no_activations(rank_pool, save_gathered_input):
+    w = 2
+    for per_rank in rank_pool(w).run(frozen_weights, save_gathered_input):
+        for sp, (err, biggest, no_wgrad) in per_rank.items():
+            assert err < 1e-12, (sp, err)
+            assert no_wgrad
+            # the largest saved tensor is a weight shard ([FFN/W, HIDDEN]), never a token activation
+            assert biggest <= FFN // w * HIDDEN, (sp, biggest)
 
 
 # --------------------------------------------------------------------------------------------
