@@ -141,9 +141,10 @@ def run_shape(s: Shape, dtype, args, log):
     ref = torch.matmul(a0, b0)
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
     timings = []
-    cands = gc.candidate_configs(s.m, s.n, s.k, dtype)
+    num_sms = torch.cuda.get_device_properties(a0.device).multi_processor_count
+    cands = gc.candidate_configs(s.m, s.n, s.k, dtype, num_sms=num_sms)
     if args.no_tune:
-        cands = [gc.default_config(s.m, s.n, s.k, dtype)]
+        cands = [gc.default_config(s.m, s.n, s.k, dtype, num_sms=num_sms)]
     for cfg in cands:
         try:
             gc.matmul(a0, b0, out=c0, config=cfg)        # compiles; the next call launches directly
@@ -268,7 +269,8 @@ def main(argv=None):
               f"wait {row.get('wait_overhead', float('nan')):+.3f} epi {row.get('epilogue_overhead', float('nan')):+.3f} "
               f"{row['config']['BLOCK_M']}x{row['config']['BLOCK_N']}x{row['config']['BLOCK_K']} "
               f"w{row['config']['num_warps']}s{row['config']['num_stages']}"
-              f"{' sub2' if row['config']['EPI_SUBTILE'] == 2 else ''}{' flat' if row['config']['flatten'] else ''}",
+              f"{' sub2' if row['config']['EPI_SUBTILE'] == 2 else ''}{' flat' if row['config']['flatten'] else ''}"
+              f"{' splitk%d' % row['config']['split_k'] if row['config'].get('split_k', 1) > 1 else ''}",
               flush=True)
         summary = summarize(rows)
         (out_dir / args.name).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))

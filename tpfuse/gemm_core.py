@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -51,6 +50,9 @@ _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
 # Shared memory per block on sm_90 with the opt-in limit (CUDA guide, H100/H200: 227 KiB).
 _SM90_SMEM_BYTES = 232448
+# Streaming multiprocessors of the NVIDIA H200 SXM (the GPU the heuristics were measured on);
+# the pure heuristics take it as an argument, matmul() passes the real device's count.
+_H200_NUM_SMS = 132
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,7 +62,9 @@ _SM90_SMEM_BYTES = 232448
 class GemmConfig:
     """One kernel configuration. Tile = BLOCK_M x BLOCK_N x BLOCK_K; the epilogue stores the
     tile in ``EPI_SUBTILE`` column slices (1 or 2); ``num_programs`` caps the persistent grid
-    (None: one program per SM)."""
+    (None: one program per SM). ``split_k`` > 1 cuts K into that many slices of whole
+    BLOCK_K steps, each its own work item; the last slice of a tile to finish adds the others'
+    fp32 partials (docs/gemm_core.md, "Split-K")."""
     BLOCK_M: int = 128
     BLOCK_N: int = 256
     BLOCK_K: int = 64
@@ -71,6 +75,7 @@ class GemmConfig:
     flatten: bool = False
     warp_specialize: bool = False
     num_programs: Optional[int] = None
+    split_k: int = 1
 
     def __post_init__(self):
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
@@ -83,6 +88,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.GROUP_M={self.GROUP_M}: must be >= 1")
         if self.num_programs is not None and self.num_programs < 1:
             raise ValueError(f"GemmConfig.num_programs={self.num_programs}: must be >= 1 or None")
+        if not isinstance(self.split_k, int) or self.split_k < 1:
+            raise ValueError(f"GemmConfig.split_k={self.split_k!r}: must be an int >= 1 (1 = no split-K)")
 
     def smem_bytes(self, elem_size: int) -> int:
         """Shared memory estimate: pipelined A and B stages plus one TMA-store subtile."""
@@ -92,8 +99,19 @@ class GemmConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "GemmConfig":
+        """Inverse of :meth:`to_dict`; fields missing from ``d`` (entries written before they
+        existed, e.g. ``split_k``) take their defaults."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"GemmConfig.from_dict: unknown fields {sorted(unknown)}")
+        return cls(**d)
 
-def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
+
+def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
+                   num_sms: int = _H200_NUM_SMS) -> GemmConfig:
     """Heuristic config for one GEMM shape (pure; used when the tuning cache has no entry).
 
     From the tuning winners on one NVIDIA H200, 2026-11-29, bf16, per-rank Llama-3 shapes at
@@ -101,7 +119,22 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) 
     3 stages for M >= 2048; 128x128x128 when 128x256 tiles leave most SMs idle (M=512, N=3584:
     56 tiles for 132 SMs); decode (M <= 128) streams B, and wants narrow tiles when B is small
     (8B: 64x64x128) and wider ones as B grows (70B: 128x64x128, 405B: 128x128x128).
+
+    Split-K (not measured yet, so kept to shapes none of the measured ones hits): when the
+    chosen tiles would keep at most a quarter of ``num_sms`` busy, ``split_k`` is the largest of
+    2, 4, 8 that keeps ``tiles * split_k <= num_sms`` and at least 4 BLOCK_K steps per slice.
     """
+    cfg = _default_tiles(m, n, k, dtype)
+    tiles = -(-m // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
+    k_steps = -(-k // cfg.BLOCK_K)
+    if tiles <= num_sms // 4 and cfg.BLOCK_M * cfg.BLOCK_N <= 128 * 128:
+        fits = [s for s in (2, 4, 8) if tiles * s <= num_sms and k_steps // s >= 4]
+        if fits:
+            cfg = dataclasses.replace(cfg, split_k=fits[-1])
+    return cfg
+
+
+def _default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     if dtype == torch.float32:   # tf32; not tuned
         return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3)
     if m <= 128:
@@ -117,8 +150,10 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) 
 
 
 def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
-                      smem_limit: int = _SM90_SMEM_BYTES) -> list[GemmConfig]:
-    """Small tuning space for one shape, pruned by shared memory."""
+                      smem_limit: int = _SM90_SMEM_BYTES,
+                      num_sms: int = _H200_NUM_SMS) -> list[GemmConfig]:
+    """Small tuning space for one shape, pruned by shared memory; split-K variants only for
+    shapes whose output tiles leave SMs idle (:func:`_split_k_candidates`)."""
     elem = torch.empty((), dtype=dtype).element_size()
     out = []
     if m <= 256:   # decode: bound by reading B; narrow tiles put more programs in flight
@@ -141,7 +176,51 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat1
     out.append(GemmConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3))
     out.append(GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3,
                           warp_specialize=True))
+    out += _split_k_candidates(m, n, k, num_sms)
     return [c for c in out if c.smem_bytes(elem) <= smem_limit]
+
+
+# Tiles that split-K candidates are made of: the 128x256 prefill winner (epilogue in two
+# subtiles, so the reduction holds half a tile of partials at a time) and two decode winners.
+# All keep <= 128 fp32 accumulator registers per thread, so adding partials does not spill.
+_SPLIT_K_BASES = (
+    GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, EPI_SUBTILE=2),
+    GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+)
+
+
+def _split_k_candidates(m: int, n: int, k: int, num_sms: int) -> list[GemmConfig]:
+    """Split-K variants (at most ~6) for shapes with idle SMs. Per base tile:
+
+    * few tiles (``tiles <= num_sms / 2``): the largest ``split_k`` of 2, 4, 8 with
+      ``tiles * split_k <= num_sms`` (one full wave), and twice that if it stays within two waves;
+    * a ragged second wave (128x256 only; ``num_sms < tiles < 2 * num_sms`` with the grid less
+      than 85 % busy over the waves): the ``split_k`` of 2, 3, 4 that fills the waves best, if
+      it fills them >= 90 % (e.g. 208 tiles on 132 SMs: 79 % busy; split 3: 95 %).
+
+    Every slice keeps >= 4 BLOCK_K steps (>= 16 for the ragged-wave case, where K must be long
+    enough to pay for writing and re-reading the partials)."""
+    out = []
+    for base in _SPLIT_K_BASES:
+        tiles = -(-m // base.BLOCK_M) * -(-n // base.BLOCK_N)
+        k_steps = -(-k // base.BLOCK_K)
+        splits = []
+        if tiles <= num_sms // 2:
+            fits = [s for s in (2, 4, 8) if tiles * s <= num_sms and k_steps // s >= 4]
+            if fits:
+                splits.append(fits[-1])
+                s2 = 2 * fits[-1]
+                if s2 <= 8 and tiles * s2 <= 2 * num_sms and k_steps // s2 >= 4:
+                    splits.append(s2)
+        elif base.BLOCK_N == 256 and num_sms < tiles < 2 * num_sms:
+            def busy(items):
+                return items / (-(-items // num_sms) * num_sms)
+            best = max((2, 3, 4), key=lambda s: busy(tiles * s))
+            if busy(tiles) < 0.85 and busy(tiles * best) >= 0.9 and k_steps // best >= 16:
+                splits.append(best)
+        out += [dataclasses.replace(base, split_k=s) for s in splits]
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,26 +409,36 @@ def _lookup(m, n, k, dtype, b_kmajor, device) -> Optional[GemmConfig]:
         return None
     gpu = _device_info(device.index if device.index is not None else torch.cuda.current_device())["name"]
     entry = _load_cache().get(_cache_key(m, n, k, dtype, b_kmajor, gpu))
-    return GemmConfig(**entry["config"]) if entry else None
+    if not entry:
+        return None
+    try:
+        return GemmConfig.from_dict(entry["config"])
+    except (TypeError, ValueError, KeyError) as e:   # written by another tpfuse version
+        _warn_once(f"tpfuse.gemm_core: ignoring tuning-cache entry for {m}x{n}x{k} in {_cache_path()} ({e}); "
+                   "re-run tune() to replace it")
+        return None
 
 
 def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmConfig]] = None,
          rep_ms: int = 20, save: bool = True) -> tuple[GemmConfig, list[tuple[GemmConfig, float]]]:
     """Time every candidate config on ``a @ b`` (median, ``triton.testing.do_bench``), store the
-    fastest in the JSON cache and return ``(best, [(config, ms), ...])``. Configs that fail to
-    compile are skipped."""
+    fastest in the JSON cache and return ``(best, [(config, ms), ...])``. A config that fails to
+    compile or launch (out of shared memory or registers, a Triton limitation) is skipped with
+    a warning; only an error that leaves the CUDA context unusable (an illegal address) ends
+    the search, since nothing can run on that device afterwards."""
     triton, _, _ = _triton()
     m, k = a.shape
     n = b.shape[1]
-    configs = list(configs) if configs is not None else candidate_configs(m, n, k, a.dtype)
+    configs = (list(configs) if configs is not None
+               else candidate_configs(m, n, k, a.dtype, num_sms=_num_programs(a.device)))
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     timings = []
     for cfg in configs:
         try:
             ms = triton.testing.do_bench(lambda: matmul(a, b, out=out, config=cfg),
                                          warmup=5, rep=rep_ms, return_mode="median")
-        except Exception as e:  # compile failure (e.g. out of shared memory): skip, say why
-            _warn_once(f"tpfuse.gemm_core.tune: config {cfg} failed: {type(e).__name__}: {e}"[:400])
+        except Exception as e:  # compile or launch failure (e.g. out of shared memory): skip, say why
+            _warn_once(f"tpfuse.gemm_core.tune: skipping config {cfg}: {type(e).__name__}: {e}"[:600])
             continue
         timings.append((cfg, ms))
     if not timings:
@@ -436,9 +525,11 @@ class _Plan:
     constexprs: tuple   # values of the kernel's constexpr parameters, in signature order
     num_warps: int
     num_stages: int
+    num_tiles: int = 0  # output tiles (split-K: workspace and counters are sized by it)
 
 
 _PLANS: dict = {}      # call signature -> _Plan
+_SPLIT_K_BUFFERS: dict = {}   # (device, raw stream) -> (fp32 workspace, int32 tile counters)
 _COMPILED: dict = {}   # (call signature, alignment/int-width specialization) -> Triton CompiledKernel
 _MAX_PLANS = 4096      # a bound, not a tuned number: plans are small, shapes in a model are few
 
@@ -462,7 +553,7 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
     if not isinstance(start_chunk, int) or not 0 <= start_chunk < max(num_chunks, 1):
         raise ValueError(f"matmul: start_chunk={start_chunk!r}; need 0 <= start_chunk < num_chunks={num_chunks}")
     cfg = config or (_lookup(m, n, k, a.dtype, b_kmajor, device) if m and n and k else None) \
-        or default_config(m, n, k, a.dtype)
+        or default_config(m, n, k, a.dtype, num_sms=_num_programs(device))
     if not isinstance(cfg, GemmConfig):
         raise TypeError(f"matmul: config must be a GemmConfig, got {type(cfg).__name__}")
     if m == 0 or n == 0 or k == 0:   # nothing to launch; matmul() handles these
@@ -479,17 +570,43 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
         ok, why = _tma_ok(device, a, b, c_out, b_kmajor)
         if not ok:
             raise ValueError(f"matmul: use_tma=True but {why}; pass use_tma=None to fall back")
+    k_steps = triton.cdiv(k, cfg.BLOCK_K)
+    if cfg.split_k > k_steps:
+        raise ValueError(f"matmul: config.split_k={cfg.split_k} but K={k} has only {k_steps} steps of "
+                         f"BLOCK_K={cfg.BLOCK_K} and every K-slice needs at least one; use split_k <= {k_steps} "
+                         "or a smaller BLOCK_K")
     num_tiles = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
-    grid = (min(num_tiles, cfg.num_programs or _num_programs(device)), 1, 1)
+    grid = (min(num_tiles * cfg.split_k, cfg.num_programs or _num_programs(device)), 1, 1)
     use_asm = (device.type == "cuda" and not _interpreting()
                and os.environ.get("TPFUSE_SIGNAL_ASM", "1") != "0")
     c_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[a.dtype]
     constexprs = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.GROUP_M, cfg.EPI_SUBTILE,
                   TILE_ORDERS.index(tile_order), bool(use_tma), b_kmajor, c_dtype,
                   wait is not None, epilogue is not None, use_asm, cfg.flatten, cfg.warp_specialize,
-                  _interpreting(), epilogue.align_elems if epilogue is not None else 0)
+                  _interpreting(), epilogue.align_elems if epilogue is not None else 0, cfg.split_k)
     return _Plan(m, n, k, b_kmajor, bool(use_tma), cfg, grid, chunk_m or 1, num_chunks, start_chunk,
-                 use_asm, constexprs, cfg.num_warps, cfg.num_stages)
+                 use_asm, constexprs, cfg.num_warps, cfg.num_stages, num_tiles)
+
+
+def _split_k_buffers(plan: _Plan, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 workspace ``[num_tiles, split_k, BLOCK_M, BLOCK_N]`` and int32 ``[num_tiles]`` tile
+    counters for a split-K launch on the current stream, cached and grown as needed.
+
+    One pair per (device, stream): launches on one stream run one after the other and can
+    share it; launches on two streams may overlap, so they must not. The counters are
+    allocated zeroed and every completed launch leaves them at zero (the last slice of each
+    tile resets its counter), so no memset runs between calls. Under CUDA graph capture a
+    new pair is allocated from the graph's pool on the capture stream, its zeroing captured."""
+    cfg = plan.cfg
+    ws_numel = plan.num_tiles * cfg.split_k * cfg.BLOCK_M * cfg.BLOCK_N
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
+    ws, counters = _SPLIT_K_BUFFERS.get(key, (None, None))
+    if ws is None or ws.numel() < ws_numel:
+        ws = torch.empty(ws_numel, dtype=torch.float32, device=device)
+    if counters is None or counters.numel() < plan.num_tiles:
+        counters = torch.zeros(plan.num_tiles, dtype=torch.int32, device=device)
+    _SPLIT_K_BUFFERS[key] = (ws, counters)
+    return ws, counters
 
 
 def _launch(plan: _Plan, plan_key, args: list, device) -> None:
@@ -613,6 +730,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
         epilogue.dest_offsets if epilogue else None, epilogue.dest_stride if epilogue else 0,
         epilogue.signal_ptrs if epilogue else None, epilogue.counters if epilogue else None,
         epilogue.generation if epilogue else 0,
+        *(_split_k_buffers(plan, device) if cfg.split_k > 1 else (None, None)),
     ]
     _launch(plan, key, args, device)
     if wait is not None and check:

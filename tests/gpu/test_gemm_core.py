@@ -3,6 +3,7 @@
 Run in its own pytest process (tests/cpu/test_gemm_core_interp.py switches Triton to the
 interpreter while it runs). Outputs are poisoned with NaN and compared with a float64 reference.
 """
+import dataclasses
 import os
 
 import pytest
@@ -148,3 +149,92 @@ def test_tune_writes_cache(tmp_path, monkeypatch):
     best, timings = gc.tune(a, b, configs=[SMALL, gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)], rep_ms=5)
     assert len(timings) == 2 and (tmp_path / "gemm_core.json").exists()
     assert gc._lookup(512, 512, 512, torch.bfloat16, True, a.device) == best
+
+
+# ---- split-K -------------------------------------------------------------------------------
+SK_128 = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
+SK_256 = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, EPI_SUBTILE=2)
+
+
+def _tile_counters_are_zero():
+    torch.cuda.synchronize()
+    return all(int(c.abs().sum()) == 0 for _, c in gc._SPLIT_K_BUFFERS.values())
+
+
+# (509, 3000, 1000): 16-byte aligned rows -> TMA on Hopper; K = 3000 is 23.4 steps of 128.
+# (128, 4091, 771): misaligned rows -> plain-pointer path.
+@pytest.mark.parametrize("split_k,base,shape,b_layout,dtype", [
+    (2, SK_128, (509, 3000, 1000), "weight_t", torch.bfloat16),
+    (3, SK_256, (509, 3000, 1000), "row_major", torch.bfloat16),
+    (4, SK_128, (128, 4091, 771), "row_major", torch.bfloat16),
+    (8, SK_256, (509, 3000, 1000), "weight_t", torch.float16),
+    (3, SK_128, (128, 4091, 771), "weight_t", torch.float16),
+], ids=["k2-128-tma-wt", "k3-256-tma-row", "k4-128-ptr-row", "k8-256-tma-wt-fp16", "k3-128-ptr-wt-fp16"])
+def test_split_k_matches_reference(split_k, base, shape, b_layout, dtype):
+    m, k, n = shape
+    cfg = dataclasses.replace(base, split_k=split_k)
+    for seed in (5, 6):   # several calls in a row: tile counters must be back at zero
+        a, b, ref = _operands(m, k, n, dtype, b_layout, seed=seed)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        gc.matmul(a, b, out=out, config=cfg)
+        _assert_close(out, ref, dtype)
+        assert _tile_counters_are_zero()
+    again = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    gc.matmul(a, b, out=again, config=cfg)
+    torch.cuda.synchronize()
+    assert torch.equal(again, out), "split-K result changed between identical calls"
+
+
+def test_split_k_is_bitwise_stable_when_slices_race():
+    # 32 tiles x 8 slices = 256 work items on all SMs: slices of a tile finish in a different
+    # order on every run; the sum is in slice order, so every run gives the same bits.
+    a, b, ref = _operands(256, 8192, 2048, torch.bfloat16, "weight_t", seed=7)
+    cfg = dataclasses.replace(SK_128, split_k=8)
+    first = gc.matmul(a, b, config=cfg)
+    _assert_close(first, ref, torch.bfloat16)
+    out = torch.empty_like(first)
+    for _ in range(50):
+        out.fill_(float("nan"))
+        gc.matmul(a, b, out=out, config=cfg)
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+    assert _tile_counters_are_zero()
+
+
+def test_split_k_with_epilogue_hook_several_generations():
+    m, k, n, chunk_m = 4 * 131, 2048, 1536, 131
+    dests = [torch.full((chunk_m + 5, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+             for _ in range(4)]
+    signals = torch.zeros(4, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(4, dtype=torch.int32, device="cuda")
+    cfg = dataclasses.replace(SK_256, split_k=3)
+    for generation in (1, 2, 3):
+        a, b, ref = _operands(m, k, n, torch.bfloat16, "weight_t", seed=10 + generation)
+        for d in dests:
+            d.fill_(float("nan"))
+        spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m, counters=counters)
+        gc.matmul(a, b, config=cfg, tile_order="owner", start_chunk=1, epilogue=spec)
+        torch.cuda.synchronize()
+        assert signals.tolist() == [generation] * 4
+        assert counters.tolist() == [0] * 4 and _tile_counters_are_zero()
+        for c, d in enumerate(dests):
+            _assert_close(d[:chunk_m], ref[c * chunk_m:(c + 1) * chunk_m], torch.bfloat16)
+            assert torch.isnan(d[chunk_m:]).all()
+
+
+def test_split_k_with_wait_hook_signals_preset():
+    a, b, ref = _operands(4 * 131, 2048, 1536, torch.bfloat16, "weight_t", seed=14)
+    signal = torch.tensor([4, 9, 4, 5], dtype=torch.int32, device="cuda")
+    out = torch.full((4 * 131, 1536), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gc.matmul(a, b, out=out, config=dataclasses.replace(SK_128, split_k=4), tile_order="round",
+              start_chunk=2, wait=gc.WaitSpec(signal, 4, 131, timeout_ns=2_000_000_000))
+    _assert_close(out, ref, torch.bfloat16)
+
+
+def test_tune_skips_a_config_that_does_not_compile(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPFUSE_CACHE_DIR", str(tmp_path))
+    a, b, _ = _operands(256, 1024, 512, torch.bfloat16, "weight_t", seed=15)
+    too_big = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_stages=8)   # 768 KiB of smem
+    with pytest.warns(UserWarning, match="skipping config"):
+        best, timings = gc.tune(a, b, configs=[too_big, SMALL], rep_ms=5)
+    assert best == SMALL and [c for c, _ in timings] == [SMALL]

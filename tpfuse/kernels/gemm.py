@@ -31,6 +31,17 @@ Hooks (constexpr, compiled away when off):
   A tile is counted after the next tile's main loop, when its stores have drained, so the
   release costs no stall; the publication comes one tile later.
 
+Split-K (``SPLIT_K`` constexpr > 1; 1 compiles the plain path): the work items are
+(tile, k-slice) pairs, slice-major (item ``w`` = slice ``w // num_tiles`` of tile
+``w % num_tiles``), so the slices of one tile sit ``num_tiles`` items apart and run on different
+programs at the same time. Slice ``s`` accumulates k-tiles ``[s*k_tiles//SPLIT_K,
+(s+1)*k_tiles//SPLIT_K)`` in fp32 and stores that partial to its slot of the workspace
+``ws[tile_id, s]`` (``[num_tiles, SPLIT_K, BLOCK_M, BLOCK_N]`` fp32), then counts itself in
+``tile_counters[tile_id]`` (acq_rel, gpu scope, after a CTA barrier). The slice that counts last
+has acquired every other slice's partial: it sums the slots in slice order 0..SPLIT_K-1 (its
+own from registers), so the result does not depend on which slice came last, stores the tile
+through the usual epilogue (hooks included) and resets the counter to zero for the next call.
+
 Three granularities stay separate: CTA tile (BLOCK_M/N/K), epilogue subtile (EPI_SUBTILE
 column slices of the tile per store), communication chunk (chunk_m rows, num_chunks).
 """
@@ -118,6 +129,21 @@ def _epilogue_store(acc, c, off_m, off_n, M, N,
 
 
 @triton.jit
+def _sum_partials(ws_tile, SUB_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SUB_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Sum of the SPLIT_K partials of column subtile SUB_IDX, read back in slice order (this
+    slice's own too): the sum is the same whichever slice runs this, and the accumulator's
+    registers are free while it runs."""
+    offs = (tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
+            + (SUB_IDX * SUB_N + tl.arange(0, SUB_N))[None, :])
+    total = tl.load(ws_tile + offs, cache_modifier=".cg")
+    for j in tl.range(1, SPLIT_K, num_stages=1):
+        # .cg reads at L2, where the other slices' stores went: never a stale L1 line
+        total += tl.load(ws_tile + j * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
 def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
                        BLOCK_M: tl.constexpr):
     """Count one stored tile in every chunk it touches; the chunk's last tile publishes it."""
@@ -141,7 +167,7 @@ def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
 @triton.jit(do_not_specialize=["chunk_m", "num_chunks", "start_chunk", "wait_gen", "wait_timeout",
                                "stride_dm", "epi_gen"],
             do_not_specialize_on_alignment=["wait_signal", "err_ptr", "dest_offs", "signal_ptrs",
-                                            "counters"])
+                                            "counters", "tile_counters"])
 def gemm_kernel(
     a, b, c,                                   # tensor descriptors (USE_TMA) or pointers
     M, N, K,
@@ -152,12 +178,14 @@ def gemm_kernel(
     wait_signal, wait_gen, wait_timeout, err_ptr,
     # epilogue hook
     dest_offs, stride_dm, signal_ptrs, counters, epi_gen,
+    # split-K: fp32 partials [num_tiles, SPLIT_K, BLOCK_M, BLOCK_N] and int32 [num_tiles] zeros
+    ws, tile_counters,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SUBTILE: tl.constexpr, TILE_ORDER: tl.constexpr, USE_TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, C_DTYPE: tl.constexpr,
     WAIT: tl.constexpr, EPILOGUE: tl.constexpr, USE_ASM: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_FP32: tl.constexpr,
-    DEST_ALIGNED: tl.constexpr,
+    DEST_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     start_pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -175,8 +203,22 @@ def gemm_kernel(
     pend_lo = tl.full((), 0, tl.int32)   # EPILOGUE: chunks of the previous tile, counted late
     pend_hi = tl.full((), -1, tl.int32)
 
-    for tile_id in tl.range(start_pid, num_tiles, num_progs, flatten=FLATTEN,
+    if SPLIT_K == 1:
+        num_work = num_tiles
+    else:
+        num_work = num_tiles * SPLIT_K
+    for work_id in tl.range(start_pid, num_work, num_progs, flatten=FLATTEN,
                             warp_specialize=WARP_SPECIALIZE):
+        if SPLIT_K == 1:
+            tile_id = work_id
+            k_lo = 0
+            k_hi = k_tiles
+        else:
+            # slice-major: the slices of a tile are num_tiles items apart, on different programs
+            split = work_id // num_tiles
+            tile_id = work_id - split * num_tiles
+            k_lo = (split * k_tiles) // SPLIT_K
+            k_hi = ((split + 1) * k_tiles) // SPLIT_K
         pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks,
                                     start_chunk, BLOCK_M, GROUP_M, TILE_ORDER)
         off_m = pid_m * BLOCK_M
@@ -202,7 +244,7 @@ def gemm_kernel(
 
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         if USE_TMA:
-            for ki in range(k_tiles):
+            for ki in range(k_lo, k_hi):
                 off_k = ki * BLOCK_K
                 a_blk = a.load([off_m, off_k])
                 if B_KMAJOR:
@@ -215,7 +257,7 @@ def gemm_kernel(
             offs_bn = off_n + tl.arange(0, BLOCK_N)
             offs_am = tl.where(offs_am < M, offs_am, 0)   # clamp instead of masking rows
             offs_bn = tl.where(offs_bn < N, offs_bn, 0)
-            for ki in range(k_tiles):
+            for ki in range(k_lo, k_hi):
                 offs_k = ki * BLOCK_K + offs_k0
                 a_blk = tl.load(a + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak,
                                 mask=(offs_k < K)[None, :], other=0.0)
@@ -228,27 +270,65 @@ def gemm_kernel(
                     b_blk = b_blk.to(tl.float32)
                 acc = tl.dot(a_blk, b_blk, acc)
 
-        if EPILOGUE:
-            # Count the previous tile now: its stores have drained during this tile's main
-            # loop, so the release below costs no wait (publication is one tile later).
-            _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                               epi_gen, status, BLOCK_M)
-            pend_lo = c_lo
-            pend_hi = c_hi
-        if EPI_SUBTILE == 1:
-            _epilogue_store(acc, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                            dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
-                            USE_TMA, EPILOGUE, DEST_ALIGNED)
+        if SPLIT_K == 1:
+            if EPILOGUE:
+                # Count the previous tile now: its stores have drained during this tile's main
+                # loop, so the release below costs no wait (publication is one tile later).
+                _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                                   epi_gen, status, BLOCK_M)
+                pend_lo = c_lo
+                pend_hi = c_hi
+            if EPI_SUBTILE == 1:
+                _epilogue_store(acc, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
+                                dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
+                                USE_TMA, EPILOGUE, DEST_ALIGNED)
+            else:
+                acc3 = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+                acc_lo, acc_hi = tl.split(acc3)
+                _epilogue_store(acc_lo, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
+                                dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
+                                USE_TMA, EPILOGUE, DEST_ALIGNED)
+                _epilogue_store(acc_hi, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
+                                dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 1,
+                                USE_TMA, EPILOGUE, DEST_ALIGNED)
         else:
-            acc3 = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-            acc_lo, acc_hi = tl.split(acc3)
-            _epilogue_store(acc_lo, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                            dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
-                            USE_TMA, EPILOGUE, DEST_ALIGNED)
-            _epilogue_store(acc_hi, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                            dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 1,
-                            USE_TMA, EPILOGUE, DEST_ALIGNED)
-
+            if EPILOGUE:   # the previous stored tile, as above
+                _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                                   epi_gen, status, BLOCK_M)
+            # Partial to this slice's slot; every thread's stores happen before the release.
+            ws_tile = ws + tile_id.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
+            offs_ws = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            tl.store(ws_tile + split * (BLOCK_M * BLOCK_N) + offs_ws, acc)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(tile_counters + tile_id, 1, sem="acq_rel", scope="gpu")
+            is_last = arrived == SPLIT_K - 1
+            if EPILOGUE:
+                pend_lo = c_lo
+                pend_hi = tl.where(is_last, c_hi, c_lo - 1)   # empty unless this item stores
+            if is_last:
+                # Every other slice's release is acquired, so their partials are visible; this
+                # CTA's own were ordered by the barrier. Nobody touches this counter again in
+                # this launch; the next launch finds it at 0.
+                tl.atomic_xchg(tile_counters + tile_id, 0, sem="relaxed", scope="gpu")
+                if WAIT:
+                    # A slice whose wait failed (maybe on another program) fed garbage into
+                    # this tile: do as a failed waiter does and never publish its chunks.
+                    if tl.load(err_ptr, volatile=True) != 0:
+                        status = tl.full((), 2, tl.int32)
+                if EPI_SUBTILE == 1:
+                    total = _sum_partials(ws_tile, 0, BLOCK_M, BLOCK_N, SUB_N, SPLIT_K)
+                    _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
+                                    dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
+                                    USE_TMA, EPILOGUE, DEST_ALIGNED)
+                else:
+                    total = _sum_partials(ws_tile, 0, BLOCK_M, BLOCK_N, SUB_N, SPLIT_K)
+                    _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
+                                    dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
+                                    USE_TMA, EPILOGUE, DEST_ALIGNED)
+                    total = _sum_partials(ws_tile, 1, BLOCK_M, BLOCK_N, SUB_N, SPLIT_K)
+                    _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
+                                    dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 1,
+                                    USE_TMA, EPILOGUE, DEST_ALIGNED)
     if EPILOGUE:
         _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
                            epi_gen, status, BLOCK_M)
