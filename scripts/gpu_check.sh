@@ -3,7 +3,8 @@
 # also the NCCL multi-GPU ones), a demo on every visible GPU, the GEMM-core benchmark, and
 # (CALIBRATE=1) the GEMM calibration; prints a short table last.
 # Usage (repo root, on the GPU machine):  OUT=/some/dir bash scripts/gpu_check.sh [quick]
-#   quick: tests and demo only.   TESTS: pytest paths (default tests/gpu).   BENCH_LIMIT_S (default 330): wall-clock cap of the benchmark;
+#   quick: tests and demo only.  SKIP_DEMO=1: no demo.  *_LIMIT_S: wall-clock caps of the steps.
+#     TESTS: pytest paths (default tests/gpu).   BENCH_LIMIT_S (default 330): wall-clock cap of the benchmark;
 #   it writes its JSON after every shape, so a capped run keeps the shapes it finished.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -24,13 +25,19 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember pass/fail and 
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
   date -u +%Y-%m-%dT%H:%M:%SZ
 } > "$OUT/gpu.txt" 2>&1
-step gpu_tests $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu} --timeout 600 -rs --durations=15
-step demo $PY -m tpfuse demo
-if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-  # real transfers between GPUs: larger cells, more repeats (still a demo, not the benchmark)
-  step demo_large $PY -m tpfuse demo --scale 2 --repeats 20
+GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())')
+step gpu_tests timeout "${TESTS_LIMIT_S:-400}" $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu} --timeout 300 -rs --durations=15
+if [ "${SKIP_DEMO:-0}" != 1 ]; then
+  step demo $PY -m tpfuse demo
+  if [ "$GPUS" -ge 2 ]; then
+    # real transfers between GPUs: larger cells, more repeats (still a demo, not the benchmark)
+    step demo_large $PY -m tpfuse demo --scale 2 --repeats 20
+  fi
 fi
 if [ "${1:-}" != "quick" ]; then
+  if [ "$GPUS" -ge 2 ]; then  # every strategy on the workload matrix at W = GPUs
+    step bench timeout "${STRAT_LIMIT_S:-200}" $PY -m tpfuse bench --world-size "$GPUS" --out "$OUT"
+  fi
   step gemm_bench timeout "${BENCH_LIMIT_S:-330}" $PY benchmarks/gemm_core.py --out "$OUT" --tune-rep 10 --rep 30 --rounds 3
   if [ "${CALIBRATE:-0}" = 1 ]; then
     step calibrate $PY benchmarks/calibrate_gemm.py --out "$OUT"

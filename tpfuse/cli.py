@@ -29,7 +29,8 @@ def _print_table(rows: list[list[str]], title: str) -> None:
 class _Progress:
     """A one-line progress indicator on stderr (rich when available)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "demo") -> None:
+        self._name = name
         self._bar = None
         try:
             from rich.progress import Progress
@@ -45,8 +46,8 @@ class _Progress:
             return
         if self._task is None:
             self._bar.start()
-            self._task = self._bar.add_task("demo", total=total)
-        self._bar.update(self._task, completed=done, description=f"demo: {label}")
+            self._task = self._bar.add_task(self._name, total=total)
+        self._bar.update(self._task, completed=done, description=f"{self._name}: {label}")
         if done == total:
             self._bar.stop()
 
@@ -59,7 +60,7 @@ def _demo(args: argparse.Namespace) -> int:
     rows = run_demo(config, progress=_Progress())
     where = "CUDA/NCCL" if rows and config.device != "cpu" and _cuda() else "CPU/gloo (timings are CPU timings)"
     _print_table(format_table(rows), f"tpfuse demo: Llama-3 {config.model} cells scaled 1/{config.scale}, "
-                                     f"W={config.world_size}, {where}")
+                                     f"W={rows[0].world_size if rows else config.world_size}, {where}")
     bad = [r for r in rows if not (r.max_rel_err < 1e-2)]
     if bad:
         print(f"FAILED: {len(bad)} row(s) off the float64 reference", file=sys.stderr)
@@ -98,6 +99,24 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from tpfuse.bench.run import BenchConfig, format_rows, run_bench, write_result
+
+    for name in ("world_size", "iters", "scale"):
+        if getattr(args, name) < 1:
+            print(f"--{name.replace('_', '-')}: {getattr(args, name)} must be >= 1", file=sys.stderr)
+            return 2
+    config = BenchConfig(world_size=args.world_size, models=tuple(args.models), phases=tuple(args.phases),
+                         iters=args.iters, scale=args.scale, hardware=args.hardware, device=args.device)
+    result = run_bench(config, progress=_Progress("bench"))
+    path = write_result(result, args.out)
+    meta = result["meta"]
+    _print_table(format_rows(result), f"tpfuse bench: {meta['device']}, W={meta['world_size']} "
+                                      f"({meta['backend']}), median ms of {config.iters} calls (slowest rank)")
+    print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpfuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="predict and explain the strategy choice for a shape or the workload matrix")
     add_plan_arguments(plan)
     plan.set_defaults(func=run_plan_cli)
+
+    bench = sub.add_parser("bench", help="time every runnable strategy on the workload matrix (JSON + table)")
+    bench.add_argument("--world-size", type=int, default=8, help="GPUs to use (CPU: ranks to spawn); default 8")
+    bench.add_argument("--models", nargs="+", choices=["8b", "70b", "405b"], default=["8b", "70b"])
+    bench.add_argument("--phases", nargs="+", choices=["training", "prefill", "decode"],
+                       default=["training", "prefill", "decode"])
+    bench.add_argument("--iters", type=int, default=20, help="timed calls per variant (median reported)")
+    bench.add_argument("--scale", type=int, default=1, help="divide M, N and K by this (CPU runs)")
+    bench.add_argument("--hardware", default="h200", help="planner profile for the predicted column")
+    bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    bench.add_argument("--out", default="benchmarks/results", help="JSON file or directory")
+    bench.set_defaults(func=_bench)
 
     check = sub.add_parser("check", help="report versions, devices and runnable strategies")
     check.set_defaults(func=_check)

@@ -43,6 +43,7 @@ class DemoRow:
     ms: float  # median over repeats of the slowest rank
     max_rel_err: float
     resolved: str = ""  # what "auto" picked
+    world_size: int = 0  # ranks it ran on (with GPUs: min(--world-size, GPUs))
     extra: dict = field(default_factory=dict)
 
 
@@ -137,7 +138,7 @@ def run_demo(config: DemoConfig, progress=None) -> list[DemoRow]:
             rows.append(DemoRow(
                 name=f"{w.model}-{w.phase}-{w.gemm}", op=w.op, strategy=strategy, m=w.m, n=w.n, k=w.k,
                 ms=max(r["ms"] for r in per_rank), max_rel_err=max(r["err"] for r in per_rank),
-                resolved=per_rank[0]["resolved"],
+                resolved=per_rank[0]["resolved"], world_size=world_size,
             ))
     if progress is not None:
         progress(len(jobs), len(jobs), "done")
