@@ -65,13 +65,26 @@ def group_context(group: dist.ProcessGroup | None) -> GroupContext:
         raise TypeError(
             f"group: expected a torch.distributed.ProcessGroup or None (= WORLD), got {type(group).__name__}"
         )
-    return GroupContext(
+    # A group's name, rank, size and backend never change: resolve them once per group object
+    # (this sits on every op call).  The cache holds the group itself, so an id is never reused
+    # by a new group while its entry lives; a destroyed and re-created WORLD is a new object.
+    hit = _CONTEXTS.get(id(group))
+    if hit is not None and hit.group is group:
+        return hit
+    ctx = GroupContext(
         group=group,
         group_name=group.group_name,
         rank=dist.get_rank(group),
         world_size=dist.get_world_size(group),
         backend=str(dist.get_backend(group)),
     )
+    if len(_CONTEXTS) >= 1024:
+        _CONTEXTS.clear()
+    _CONTEXTS[id(group)] = ctx
+    return ctx
+
+
+_CONTEXTS: dict[int, GroupContext] = {}
 
 
 def resolve_group_name(group_name: str) -> dist.ProcessGroup:
@@ -94,25 +107,33 @@ def new_output(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.devi
     return out
 
 
+_CRUMB_BYTES = 200  # a breadcrumb is one line, padded to this size
+
+
 @functools.lru_cache(maxsize=1)
-def _breadcrumb_path() -> str | None:
+def _breadcrumb_fd() -> int | None:
     folder = os.environ.get("TPFUSE_BREADCRUMBS")
     if not folder:
         return None
     rank = os.environ.get("RANK", "x")
-    return os.path.join(folder, f"rank{rank}.txt")
+    try:
+        return os.open(os.path.join(folder, f"rank{rank}.txt"), os.O_WRONLY | os.O_CREAT, 0o644)
+    except OSError:
+        return None
 
 
 def breadcrumb(message: str) -> None:
     """Record the last thing this rank did, for the spawn harness's hang reports.
 
-    A no-op unless ``TPFUSE_BREADCRUMBS`` names a folder (set by :mod:`tpfuse.spawn`).
+    A no-op unless ``TPFUSE_BREADCRUMBS`` names a folder (set by :mod:`tpfuse.spawn`).  One
+    ``pwrite`` into a file kept open (padded to a fixed size, so no truncation): it sits on
+    every op's path, so it must cost about a microsecond, not an open/close.
     """
-    path = _breadcrumb_path()
-    if path is None:
+    fd = _breadcrumb_fd()
+    if fd is None:
         return
-    with open(path, "w") as f:
-        f.write(message)
+    data = message.encode("utf-8", "replace")[:_CRUMB_BYTES - 1] + b"\n"
+    os.pwrite(fd, data.ljust(_CRUMB_BYTES, b" "), 0)
 
 
 def all_gather_rows(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:

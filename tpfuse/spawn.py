@@ -144,7 +144,7 @@ class RankPool:
     def _last_step(self, rank: int) -> str:
         try:
             with open(os.path.join(self._crumbs, f"rank{rank}.txt")) as f:
-                return repr(f.read())
+                return repr(f.read().strip())
         except OSError:
             return "nothing recorded"
 
