@@ -47,18 +47,21 @@ class BenchConfig:
     extra: dict = field(default_factory=dict)
 
 
-def _timed(fn: Callable[[int], object], iters: int, warmup: int, device: torch.device) -> list[float]:
-    """Per-call ms on this rank; ``fn(i)`` runs call ``i`` (i picks the input copy)."""
+def _timed(fn: Callable[[int], object], iters: int, warmup: int, device: torch.device) -> tuple[list[float], list[float]]:
+    """Per-call ms on this rank, and the host ms each call took to return (launch cost);
+    ``fn(i)`` runs call ``i`` (i picks the input copy)."""
     for i in range(warmup):
         fn(i)
-    out = []
+    out, host = [], []
     for i in range(iters):
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             fn(i)
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             end.synchronize()
             out.append(start.elapsed_time(end))
@@ -66,7 +69,8 @@ def _timed(fn: Callable[[int], object], iters: int, warmup: int, device: torch.d
             t0 = time.perf_counter()
             fn(i)
             out.append((time.perf_counter() - t0) * 1e3)
-    return out
+            host.append(out[-1])
+    return out, host
 
 
 def _copies(w: Workload, rank: int, world_size: int, device, dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -92,10 +96,12 @@ def bench_job(rank: int, world_size: int, w: Workload, config: BenchConfig, use_
     sets = _copies(w, rank, world_size, device, dtype)
     ctx = group_context(None)
     times: dict[str, list[float]] = {}
+    host: dict[str, list[float]] = {}
     resolved = resolve_strategy(w.op, "auto", sets[0][0], sets[0][1], ctx)
     op = getattr(tpfuse, w.op)
     for s in config.strategies:
-        times[s] = _timed(lambda i, s=s: op(*sets[i % len(sets)], strategy=s), config.iters, config.warmup, device)
+        times[s], host[s] = _timed(lambda i, s=s: op(*sets[i % len(sets)], strategy=s), config.iters,
+                                   config.warmup, device)
     # the parts alone: the local GEMM on full-M rows, and the collective (NCCL/gloo) alone
     if w.op == "ag_gemm":
         full = [torch.empty(w.m, w.k, device=device, dtype=dtype) for _ in sets]
@@ -109,9 +115,12 @@ def bench_job(rank: int, world_size: int, w: Workload, config: BenchConfig, use_
             comm = lambda i: reduce_scatter_rows(shards[i % len(sets)], outs[i % len(sets)], None)  # noqa: E731
         else:
             comm = lambda i: dist.all_reduce(outs[i % len(sets)])  # noqa: E731
-    times["gemm_alone"] = _timed(gemm, config.iters, config.warmup, device)
-    times["comm_alone"] = _timed(comm, config.iters, config.warmup, device) if world_size > 1 else [0.0] * config.iters
-    return {"times": times, "resolved": resolved}
+    times["gemm_alone"], host["gemm_alone"] = _timed(gemm, config.iters, config.warmup, device)
+    if world_size > 1:
+        times["comm_alone"], host["comm_alone"] = _timed(comm, config.iters, config.warmup, device)
+    else:
+        times["comm_alone"] = host["comm_alone"] = [0.0] * config.iters
+    return {"times": times, "host": host, "resolved": resolved}
 
 
 def _cells(config: BenchConfig, world_size: int) -> list[Workload]:
@@ -149,10 +158,12 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
             per_rank = pool.run(bench_job, w, config, use_cuda, timeout=600)
             ms = {key: statistics.median(max(r["times"][key][j] for r in per_rank) for j in range(config.iters))
                   for key in per_rank[0]["times"]}
+            host_ms = {key: statistics.median(max(r["host"][key][j] for r in per_rank) for j in range(config.iters))
+                       for key in per_rank[0]["host"]}
             p = tpfuse.plan(w.op, m=w.m, n=w.n, k=w.k, world_size=world_size, dtype=w.dtype, hardware=config.hardware)
             base = ms.get("unfused")
             row = {"name": w.name, "op": w.op, "m": w.m, "n": w.n, "k": w.k, "world_size": world_size,
-                   "auto_resolved": per_rank[0]["resolved"], "ms": ms,
+                   "auto_resolved": per_rank[0]["resolved"], "ms": ms, "host_ms": host_ms,
                    "speedup_vs_unfused": {s: base / ms[s] for s in config.strategies if base and ms[s] > 0},
                    "predicted_ms": {s: p.predicted_ms[s] for s in config.strategies if s in p.predicted_ms},
                    "predicted_gemm_ms": p.breakdown["gemm_ms"], "predicted_comm_ms": p.breakdown["comm_ms"],
@@ -170,7 +181,7 @@ def format_rows(result: dict) -> list[list[str]]:
     """Header + one line per cell: measured ms per strategy, parts alone, prediction."""
     strategies = result["meta"]["config"]["strategies"]
     head = ["cell", "op", *[f"{s} ms" for s in strategies], "GEMM alone", "comm alone", "best/unfused",
-            "overlap eff", "auto ->", "pred unfused/ring"]
+            "overlap eff", "auto ->", "pred unfused/ring", "host ms unfused/ring"]
     table = [head]
     for r in result["rows"]:
         ms = r["ms"]
@@ -179,7 +190,8 @@ def format_rows(result: dict) -> list[list[str]]:
         table.append([r["name"], r["op"], *[f"{ms[s]:.3f}" for s in strategies], f"{ms['gemm_alone']:.3f}",
                       f"{ms['comm_alone']:.3f}", f"{ms['unfused'] / best:.2f}x" if "unfused" in ms else "-",
                       f"{r['overlap_efficiency']:.2f}", r["auto_resolved"],
-                      f"{pred.get('unfused', float('nan')):.3f}/{pred.get('ring', float('nan')):.3f}"])
+                      f"{pred.get('unfused', float('nan')):.3f}/{pred.get('ring', float('nan')):.3f}",
+                      "/".join(f"{r['host_ms'][s]:.3f}" for s in ("unfused", "ring") if s in r.get("host_ms", {}))])
     return table
 
 
