@@ -97,8 +97,10 @@ class Plan:
 
     ``predicted_ms``: strategy -> ms (its best chunk count); ``chunks``: strategy -> that count.
     ``breakdown``: ``gemm_ms`` (the whole local GEMM alone) and ``comm_ms`` (the collective alone
-    by its fastest transport -- NCCL, copy engine or communication SMs; both strategy-independent,
-    ``comm_ms`` 0 at world_size 1; no strategy is predicted below ``max(gemm_ms, comm_ms)``), ``fill_ms``/``drain_ms``/
+    on the op's dtype by its fastest transport -- NCCL, copy engine or communication SMs; not what
+    tpfuse's unfused pays, which reduces bf16/fp16 partials in fp32 plus two cast passes; both
+    strategy-independent, ``comm_ms`` 0 at world_size 1; no strategy is predicted below
+    ``max(gemm_ms, comm_ms)``), ``fill_ms``/``drain_ms``/
     ``exposed_comm_ms`` of the chosen strategy.  ``comm_sms``: SMs the fused kernel gives to
     communication (0 for other strategies).  ``measured``: strategies whose time came from the
     tuning cache instead of the model.
@@ -211,8 +213,10 @@ def _best_per_strategy(op, m, n, k, w, dtype, hw: HardwareProfile, strategy,
 
 
 def _comm_alone_ms(op, m, n, k, w, dtype, hw: HardwareProfile) -> float:
-    """The collective alone by its fastest transport: NCCL, copy engine, or the SMs the fused
-    kernel may use (strategy-independent; no overlapped schedule can beat it)."""
+    """The collective alone on ``dtype`` data by its fastest transport: NCCL (measured at this W
+    where the profile has it), copy engine, or the SMs the fused kernel may use.  Strategy-
+    independent and a floor for all of them: unfused and ring move fp32 partials for bf16/fp16
+    reductions (more bytes, plus casts), copy_engine/fused move the op's dtype."""
     if w <= 1 or m <= 0:
         return 0.0
     return min(cost.collective_ms(op, m, n, k, w, dtype, hw),

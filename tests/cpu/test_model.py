@@ -8,13 +8,19 @@ import json
 import pytest
 
 from tpfuse.model import cost
-from tpfuse.model.hardware import (PROFILES, apply_calibration, detect, get_profile, load_calibration,
-                                   profile_for_device_name)
+from tpfuse.model.hardware import (PROFILES, NcclFit, apply_calibration, detect, get_profile,
+                                   load_calibration, profile_for_device_name)
+from tpfuse.model.nccl_fit import CommRow, comm_rows_from_bench, fit_nccl
 from tpfuse.model.simulate import STRATEGIES, draw_timeline, simulate
 
 H200 = get_profile("h200")
 # no launch overhead and no NCCL SM contention: every chunk of a uniform split costs the same
 UNIFORM = dataclasses.replace(H200, gemm_launch_us=0.0, nccl_sms=0)
+
+
+def _label_duration(res, prefix):
+    (d,) = {t.duration for t in res.tasks if t.rank == 0 and t.label.startswith(prefix)}
+    return d
 
 
 def _durations(res, engine, kind=None):
@@ -87,6 +93,90 @@ def test_transfer_cost_alpha_beta():
     assert cost.transfer_time_ms(0, "ce", H200) == 0.0
 
 
+LEADS = dataclasses.replace(UNIFORM, nccl_measured=())
+MEASURED = dataclasses.replace(LEADS, nccl_measured=(NcclFit(world_size=2, bus_gbps=200.0, alpha_us=100.0),))
+
+
+def test_nccl_table_used_at_its_world_size_only():
+    total = 64e6
+    lead = [cost.all_gather_ms(total, w, LEADS) for w in (2, 4)]
+    # W=2: the measured entry, time = alpha + bytes per rank / bus (AR sends twice the bytes)
+    assert cost.all_gather_ms(total, 2, MEASURED) == pytest.approx(0.1 + total / 2 / 200e9 * 1e3)
+    assert cost.reduce_scatter_ms(total, 2, MEASURED) == pytest.approx(0.1 + total / 2 / 200e9 * 1e3)
+    assert cost.all_reduce_ms(total, 2, MEASURED) == pytest.approx(0.1 + total / 200e9 * 1e3)
+    # a ring step from Python is one NCCL call: the measured alpha and bus at that W
+    assert cost.transfer_time_ms(1e6, "p2p", MEASURED, world_size=2) == pytest.approx(0.1 + 1e6 / 200e9 * 1e3)
+    # elsewhere the leads, exactly as a profile without the table
+    assert cost.all_gather_ms(total, 4, MEASURED) == lead[1]
+    assert cost.transfer_time_ms(1e6, "p2p", MEASURED, world_size=4) == cost.transfer_time_ms(1e6, "p2p", LEADS)
+    assert lead[0] == pytest.approx(total / 2 / (LEADS.link_nccl_gbps * 1e9) * 1e3 + LEADS.alpha_nccl_us * 1e-3)
+
+
+def test_profile_without_table_predicts_as_before():
+    """The packaged h200 with its W=2 table: every W=4/8 prediction equals the same profile without it."""
+    bare = dataclasses.replace(H200, nccl_measured=())
+    assert H200.nccl_fit(2) is not None and bare.nccl_fit(2) is None
+    for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
+        for strategy in STRATEGIES:
+            for w in (4, 8):
+                a = simulate(op, strategy, m=4096, n=3584, k=4096, world_size=w, dtype="bf16", hw=H200)
+                b = simulate(op, strategy, m=4096, n=3584, k=4096, world_size=w, dtype="bf16", hw=bare)
+                assert a.makespan_ms == b.makespan_ms, (op, strategy, w)
+
+
+def test_nccl_fit_recovers_alpha_and_bus():
+    rows = [CommRow(f"r{i}", kind, 4, cost.nccl_bytes_per_rank(kind, total, 4),
+                    0.035 + cost.nccl_bytes_per_rank(kind, total, 4) / 310e9 * 1e3)
+            for i, (kind, total) in enumerate([("all_gather", 2e6), ("reduce_scatter", 64e6),
+                                               ("all_reduce", 8e6), ("all_gather", 256e6)])]
+    rows.append(CommRow("w8", "all_gather", 8, 1e6, 0.05))
+    rows.append(CommRow("w8b", "all_gather", 8, 3e6, 0.07))
+    fits = fit_nccl(rows)
+    assert fits[4].fit.bus_gbps == pytest.approx(310.0) and fits[4].fit.alpha_us == pytest.approx(35.0)
+    assert max(abs(e) for e in fits[4].rel_errors()) < 1e-9
+    assert fits[8].fit.bus_gbps == pytest.approx(100.0) and fits[8].fit.alpha_us == pytest.approx(40.0)
+    with pytest.raises(ValueError, match="world_size 2 has 1 row"):
+        fit_nccl([CommRow("one", "all_gather", 2, 1e6, 0.1)])
+
+
+def test_nccl_fit_reads_bench_rows_and_round_trips_through_calibration(tmp_path):
+    bench = {"meta": {}, "rows": [
+        {"name": "ag", "op": "ag_gemm", "m": 4096, "n": 8, "k": 4096, "world_size": 2, "ms": {"comm_alone": 0.2}},
+        {"name": "rs", "op": "gemm_rs", "m": 16384, "n": 4096, "k": 8, "world_size": 2, "ms": {"comm_alone": 0.5}},
+        {"name": "w1", "op": "ag_gemm", "m": 64, "n": 8, "k": 8, "world_size": 1, "ms": {"comm_alone": 0.0}},
+    ]}
+    rows = comm_rows_from_bench(bench)
+    assert [(r.kind, r.bytes_per_rank) for r in rows] == [("all_gather", 4096 * 4096), ("reduce_scatter", 16384 * 4096)]
+    (res,) = fit_nccl(rows).values()
+    cal = {"meta": {"gpu": "test"}, "sources": {"nccl_measured": "synthetic"},
+           "overrides": {"nccl_measured": {"2": {"bus_gbps": res.fit.bus_gbps, "alpha_us": res.fit.alpha_us}}}}
+    prof = apply_calibration(get_profile("h200", calibration=False), cal)
+    assert prof.nccl_fit(2) == res.fit and prof.source("nccl_measured") == "calibrated: synthetic"
+    assert cost.all_gather_ms(4096 * 4096 * 2, 2, prof) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="nccl_measured"):
+        apply_calibration(prof, {"overrides": {"nccl_measured": {"2": {"bus_gbps": -1, "alpha_us": 3}}}})
+    # old calibration files (GEMM curve only) still load, without a table
+    old = get_profile("h200", calibration="benchmarks/results/calibration_h200.json")
+    assert old.nccl_measured == () and old.gemm_eff_max == H200.gemm_eff_max
+
+
+@pytest.mark.parametrize("op", ["gemm_rs", "gemm_ar"])
+def test_unfused_reduces_fp32_partials(op):
+    """tpfuse's unfused gemm_rs/gemm_ar upcast the bf16 partial, reduce it in fp32 and downcast:
+    slower than a bf16 NCCL reduction of the same partial; fp32 inputs need no casts."""
+    m, n, k, w = 16384, 4096, 7168, 2
+    up, comm, down = cost.unfused_collective_parts(op, m, n, k, w, "bf16", H200)
+    assert up > 0 and down > 0
+    assert comm == cost.collective_ms(op, m, n, k, w, "fp32", H200) > cost.collective_ms(op, m, n, k, w, "bf16", H200)
+    gemm = cost.gemm_time_ms(m, n, k, "bf16", H200)
+    res = simulate(op, "unfused", m=m, n=n, k=k, world_size=w, dtype="bf16", hw=H200)
+    assert res.makespan_ms == pytest.approx(gemm + up + comm + down)
+    assert res.makespan_ms > gemm + cost.collective_ms(op, m, n, k, w, "bf16", H200)
+    assert cost.unfused_collective_parts(op, m, n, k, w, "fp32", H200)[::2] == (0.0, 0.0)
+    assert cost.unfused_collective_parts("ag_gemm", m, n, k, w, "bf16", H200) == (
+        0.0, cost.collective_ms("ag_gemm", m, n, k, w, "bf16", H200), 0.0)
+
+
 # --- simulator vs closed forms ------------------------------------------------------------------
 @pytest.mark.parametrize("num_chunks", [1, 4, 8])
 @pytest.mark.parametrize("shape", [(4096, 8192, 3584), (512, 16384, 13312)])
@@ -107,9 +197,14 @@ def test_ring_matches_closed_form(shape, w):
     # local shard first: no fill, then W-1 steps of max(GEMM, transfer), then the last GEMM
     assert ag.makespan_ms == pytest.approx(t_g + (w - 1) * max(t_g, t_c))
     rs = simulate("gemm_rs", "ring", m=m, n=n, k=k, world_size=w, dtype="bf16", hw=UNIFORM)
-    (t_g,), (t_c,), (t_add,) = (set(_durations(rs, "gemm", "gemm")), set(_durations(rs, "comm")),
-                                set(_durations(rs, "gemm", "reduce")))
-    assert rs.makespan_ms == pytest.approx(t_g + (w - 1) * max(t_g, t_c) + t_add)
+    (t_g,), (t_c,) = set(_durations(rs, "gemm", "gemm")), set(_durations(rs, "comm"))
+    (t_up,), (t_add,), (t_down,) = ({_label_duration(rs, name)} for name in ("upcast", "add", "downcast"))
+    # GEMM + upcast of the first partial, then W-1 steps of (transfer or next GEMM + upcast,
+    # whichever is longer) + the add, then the downcast of the own shard
+    assert rs.makespan_ms == pytest.approx(t_g + t_up + (w - 1) * (max(t_g + t_up, t_c) + t_add) + t_down)
+    # fp32 partials on the wire: each transfer moves 4 bytes per element of a shard
+    shard_bytes = (m // w) * n * cost.DTYPE_BYTES["fp32"]
+    assert t_c == pytest.approx(cost.transfer_time_ms(shard_bytes, "p2p", UNIFORM, world_size=w))
 
 
 @pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs", "gemm_ar"])

@@ -132,7 +132,10 @@ def test_more_bandwidth_or_flops_never_slower(field):
     if field == "link":
         better = dataclasses.replace(base, link_nccl_gbps=2 * base.link_nccl_gbps, link_ce_gbps=2 * base.link_ce_gbps,
                                      link_sm_max_gbps=2 * base.link_sm_max_gbps,
-                                     link_sm_gbps_per_sm=2 * base.link_sm_gbps_per_sm)
+                                     link_sm_gbps_per_sm=2 * base.link_sm_gbps_per_sm,
+                                     nccl_measured=tuple(dataclasses.replace(f, bus_gbps=2 * f.bus_gbps)
+                                                         for f in base.nccl_measured))
+        assert base.nccl_fit(2) is not None  # the measured W=2 table is exercised too
     else:
         better = dataclasses.replace(base, tflops_bf16=2 * base.tflops_bf16)
     for cell in workload_matrix(world_sizes=(2, 8), models=("8b", "70b")):
@@ -233,11 +236,13 @@ def test_cli_partial_cell_is_an_error(capsys):
 
 
 def test_model_only_win_needs_a_margin():
-    """8b training fc1 at W=2 on h200: ring is predicted a hair faster than unfused (measured 7%
-    slower on 2x H200); on the model alone unfused is kept, and the reason says why.  Measured
-    times for both from the tuning cache decide as they are."""
+    """70b prefill fc1 at W=2 on h200 (W=2 NCCL calibrated): ring is predicted 3.5% faster than
+    unfused (measured 17% slower on 2x H200); on the model alone unfused is kept, and the reason
+    says why.  Measured times for both from the tuning cache decide as they are.  (This test used
+    8b training fc1 until the NCCL calibration made its unfused prediction 8% slower: ring is now
+    predicted 7% faster there and chosen, although it measured 7% slower -- BENCHMARKS.md.)"""
     from tpfuse.plan import MIN_MODEL_GAIN
-    args = dict(m=16384, n=14336, k=4096, world_size=2, dtype="bf16", hardware="h200")
+    args = dict(m=4096, n=28672, k=8192, world_size=2, dtype="bf16", hardware="h200")
     cands = ("unfused", "ring")
     p = choose("ag_gemm", **args, candidates=cands)
     assert p.predicted_ms["ring"] > p.predicted_ms["unfused"] * (1 - MIN_MODEL_GAIN)

@@ -14,7 +14,15 @@ smaller tiles paying ``rel``; ``k' = k / split`` makes small K lose efficiency (
 epilogue of a tile are not amortised).
 
 Transfer: ``alpha + bytes / B_eff`` where ``B_eff`` depends on who moves the bytes: NCCL (ring,
-its SMs; ``p2p`` = NCCL send/recv issued step by step from Python), the copy engine (no SMs) or ``num_sms`` SMs doing peer stores (``sm_p2p_gbps``).
+its SMs; ``p2p`` = NCCL send/recv issued step by step from Python), the copy engine (no SMs) or
+``num_sms`` SMs doing peer stores (``sm_p2p_gbps``).  Where the profile has a measured NCCL entry
+for the world size (``HardwareProfile.nccl_fit``), NCCL collectives cost ``alpha_W + bytes per
+rank / bus_W`` and a ``p2p`` step (one host-issued NCCL call) costs ``alpha_W + bytes / bus_W``.
+
+Precision: tpfuse's ``unfused`` and ``ring`` reduce bf16/fp16 partials in fp32 (fp64 for fp64;
+``strategies/unfused.py: accumulation_dtype``), so their reductions move 4-byte partials and pay
+an upcast and a downcast pass at HBM speed (``unfused_collective_parts``).  ``collective_ms`` is
+the bare collective on the op's own dtype (what ``tpfuse bench`` times as "comm alone").
 """
 
 from __future__ import annotations
@@ -39,6 +47,10 @@ __all__ = [
     "reduce_scatter_ms",
     "all_reduce_ms",
     "collective_ms",
+    "accumulation_dtype",
+    "cast_time_ms",
+    "nccl_bytes_per_rank",
+    "unfused_collective_parts",
     "p2p_collective_ms",
     "reduce_time_ms",
     "two_stage_pipeline_ms",
@@ -115,10 +127,13 @@ def gemm_tflops(m: int, n: int, k: int, dtype: str, hw: HardwareProfile, **kw) -
     return 2.0 * m * n * k / (gemm_time_ms(m, n, k, dtype, hw, **kw) * 1e-3) / 1e12
 
 
-def link_gbps(path: Path, hw: HardwareProfile, num_sms: int | None = None) -> float:
-    """Achieved per-direction bandwidth of a transport."""
+def link_gbps(path: Path, hw: HardwareProfile, num_sms: int | None = None,
+              world_size: int | None = None) -> float:
+    """Achieved per-direction bandwidth of a transport (NCCL's measured one at ``world_size``
+    where the profile has it)."""
     if path in ("nccl", "p2p"):
-        return hw.link_nccl_gbps
+        fit = hw.nccl_fit(world_size) if world_size is not None else None
+        return fit.bus_gbps if fit is not None else hw.link_nccl_gbps
     if path == "ce":
         return hw.link_ce_gbps
     if path == "sm":
@@ -126,20 +141,29 @@ def link_gbps(path: Path, hw: HardwareProfile, num_sms: int | None = None) -> fl
     raise ValueError(f"path: unknown transport {path!r}; use 'nccl', 'ce' or 'sm'")
 
 
-def alpha_ms(path: Path, hw: HardwareProfile) -> float:
+def alpha_ms(path: Path, hw: HardwareProfile, world_size: int | None = None) -> float:
+    """Fixed cost of one transfer.  A ``p2p`` step is one NCCL call issued from the host, so at a
+    world size with a measured NCCL entry it pays that entry's per-call alpha (which is the
+    host-inclusive cost of one collective call), not the lead per-ring-step ``alpha_nccl_us``."""
+    if path == "p2p" and world_size is not None:
+        fit = hw.nccl_fit(world_size)
+        if fit is not None:
+            return fit.alpha_us * 1e-3
     return {"nccl": hw.alpha_nccl_us, "p2p": hw.alpha_p2p_us, "ce": hw.alpha_ce_us,
             "sm": hw.alpha_sm_us}[path] * 1e-3
 
 
 def transfer_time_ms(num_bytes: float, path: Path, hw: HardwareProfile, *,
-                     num_sms: int | None = None) -> float:
-    """``alpha + bytes / B_eff`` for one chunk moved by ``path`` (0 for an empty chunk)."""
+                     num_sms: int | None = None, world_size: int | None = None) -> float:
+    """``alpha + bytes / B_eff`` for one chunk moved by ``path`` (0 for an empty chunk);
+    ``world_size`` selects the measured NCCL entry (bandwidth for ``nccl``/``p2p``, alpha for
+    ``p2p``) where the profile has one."""
     if num_bytes <= 0:
         return 0.0
-    bw = link_gbps(path, hw, num_sms)
+    bw = link_gbps(path, hw, num_sms, world_size)
     if bw <= 0:
         raise ValueError(f"num_sms: {num_sms} SMs cannot move bytes; give communication at least one SM")
-    return alpha_ms(path, hw) + num_bytes / (bw * 1e9) * 1e3
+    return alpha_ms(path, hw, world_size) + num_bytes / (bw * 1e9) * 1e3
 
 
 def reduce_time_ms(num_bytes_moved: float, hw: HardwareProfile, *, launch: bool = True) -> float:
@@ -151,23 +175,55 @@ def reduce_time_ms(num_bytes_moved: float, hw: HardwareProfile, *, launch: bool 
     return t + (hw.gemm_launch_us * 1e-3 if launch else 0.0)
 
 
+def nccl_bytes_per_rank(kind: str, total_bytes: float, world_size: int) -> float:
+    """Bytes each rank sends in an NCCL ``kind`` collective over ``total_bytes`` (the full gathered
+    output / the full input of a reduction), nccl-tests' bus-bandwidth convention:
+    ``(W-1)/W * total`` for ``all_gather``/``reduce_scatter``, twice that for ``all_reduce``."""
+    if kind not in ("all_gather", "reduce_scatter", "all_reduce"):
+        raise ValueError(f"kind: unknown collective {kind!r}; use all_gather, reduce_scatter or all_reduce")
+    if world_size <= 1:
+        return 0.0
+    per_rank = total_bytes * (world_size - 1) / world_size
+    return 2 * per_rank if kind == "all_reduce" else per_rank
+
+
+def _measured_ms(kind: str, total_bytes: float, world_size: int, hw: HardwareProfile) -> float | None:
+    fit = hw.nccl_fit(world_size)
+    if fit is None:
+        return None
+    return fit.alpha_us * 1e-3 + nccl_bytes_per_rank(kind, total_bytes, world_size) / (fit.bus_gbps * 1e9) * 1e3
+
+
 def all_gather_ms(total_bytes: float, world_size: int, hw: HardwareProfile) -> float:
-    """NCCL ring all-gather producing ``total_bytes`` on every rank."""
+    """NCCL all-gather producing ``total_bytes`` on every rank: measured table at this W, else
+    the lead ring ``(W-1) * (alpha + shard / B)``."""
     if world_size <= 1 or total_bytes <= 0:
         return 0.0
+    measured = _measured_ms("all_gather", total_bytes, world_size, hw)
+    if measured is not None:
+        return measured
     shard = total_bytes / world_size
     return (world_size - 1) * transfer_time_ms(shard, "nccl", hw)
 
 
 def reduce_scatter_ms(total_bytes: float, world_size: int, hw: HardwareProfile) -> float:
     """NCCL ring reduce-scatter of a ``total_bytes`` input (reduction fused in NCCL's kernels)."""
-    return all_gather_ms(total_bytes, world_size, hw)
+    if world_size <= 1 or total_bytes <= 0:
+        return 0.0
+    measured = _measured_ms("reduce_scatter", total_bytes, world_size, hw)
+    if measured is not None:
+        return measured
+    return (world_size - 1) * transfer_time_ms(total_bytes / world_size, "nccl", hw)
 
 
 def all_reduce_ms(total_bytes: float, world_size: int, hw: HardwareProfile) -> float:
-    """NCCL all-reduce: the better of ring (RS + AG) and a one-step algorithm for small messages."""
+    """NCCL all-reduce: measured table at this W, else the better of ring (RS + AG) and a
+    one-step algorithm for small messages."""
     if world_size <= 1 or total_bytes <= 0:
         return 0.0
+    measured = _measured_ms("all_reduce", total_bytes, world_size, hw)
+    if measured is not None:
+        return measured
     ring = 2 * all_gather_ms(total_bytes, world_size, hw)
     one_step = alpha_ms("nccl", hw) * 2 + (world_size - 1) * total_bytes / (hw.link_nccl_gbps * 1e9) * 1e3
     return min(ring, one_step)
@@ -175,7 +231,8 @@ def all_reduce_ms(total_bytes: float, world_size: int, hw: HardwareProfile) -> f
 
 def collective_ms(op: str, m: int, n: int, k: int, world_size: int, dtype: str,
                   hw: HardwareProfile) -> float:
-    """The collective of ``op`` alone (what the unfused baseline pays on top of the GEMM)."""
+    """The NCCL collective of ``op`` alone, on ``dtype`` data (what ``tpfuse bench`` times as
+    "comm alone"; tpfuse's own unfused reduction pays ``unfused_collective_parts`` instead)."""
     elt = DTYPE_BYTES[dtype]
     if op == "ag_gemm":
         return all_gather_ms(m * k * elt, world_size, hw)
@@ -184,6 +241,39 @@ def collective_ms(op: str, m: int, n: int, k: int, world_size: int, dtype: str,
     if op == "gemm_ar":
         return all_reduce_ms(m * n * elt, world_size, hw)
     raise ValueError(f"op: unknown op {op!r}; use 'ag_gemm', 'gemm_rs' or 'gemm_ar'")
+
+
+def accumulation_dtype(dtype: str) -> str:
+    """Dtype in which tpfuse's unfused and ring strategies reduce partials of ``dtype`` products
+    (mirrors ``tpfuse.strategies.unfused.accumulation_dtype``: fp64 stays fp64, all else fp32)."""
+    return "fp64" if dtype == "fp64" else "fp32"
+
+
+def cast_time_ms(num_elements: float, src: str, dst: str, hw: HardwareProfile) -> float:
+    """One ``tensor.to(dst)`` pass over ``num_elements``: read ``src``, write ``dst`` at HBM speed
+    plus a launch; 0 when the dtypes match (``.to`` returns the tensor itself)."""
+    if src == dst or num_elements <= 0:
+        return 0.0
+    return reduce_time_ms(num_elements * (DTYPE_BYTES[src] + DTYPE_BYTES[dst]), hw)
+
+
+def unfused_collective_parts(op: str, m: int, n: int, k: int, world_size: int, dtype: str,
+                             hw: HardwareProfile) -> tuple[float, float, float]:
+    """(upcast, collective, downcast) ms that tpfuse's ``unfused`` strategy pays besides the GEMM.
+
+    ag_gemm: (0, all-gather of ``dtype``, 0).  gemm_rs: upcast of the ``[m, n]`` partial to the
+    accumulation dtype, reduce-scatter of it, downcast of the ``[m/W, n]`` shard.  gemm_ar: upcast,
+    all-reduce of the ``[m, n]`` accumulation-dtype partial, downcast of all of it.
+    """
+    if world_size <= 1 or m <= 0:
+        return 0.0, 0.0, 0.0
+    if op == "ag_gemm":
+        return 0.0, collective_ms(op, m, n, k, world_size, dtype, hw), 0.0
+    acc = accumulation_dtype(dtype)
+    up = cast_time_ms(m * n, dtype, acc, hw)
+    comm = collective_ms(op, m, n, k, world_size, acc, hw)
+    out_rows = m // world_size if op == "gemm_rs" else m
+    return up, comm, cast_time_ms(out_rows * n, acc, dtype, hw)
 
 
 def p2p_collective_ms(op: str, m: int, n: int, k: int, world_size: int, dtype: str,

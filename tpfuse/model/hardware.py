@@ -5,6 +5,10 @@ Every number is a *lead* until a calibration file measured on our own machines o
 any other).  Each profile carries ``sources``: field name -> where the number came from.
 
 Units: TFLOP/s (dense, no sparsity), GB/s (1e9 bytes/s) per GPU and per direction, microseconds.
+
+NCCL collectives may also carry a *measured* table per world size (``nccl_measured``, fitted by
+``benchmarks/calibrate_nccl.py`` from ``tpfuse bench`` rows): at a W in the table the collective
+costs use it, at any other W the lead ``link_nccl_gbps`` / ``alpha_nccl_us``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any, Mapping
 
 __all__ = [
     "HardwareProfile",
+    "NcclFit",
     "PROFILES",
     "get_profile",
     "detect",
@@ -30,6 +35,21 @@ __all__ = [
 ]
 
 _CALIBRATION_DIR = Path(__file__).resolve().parent / "calibration"
+
+
+@dataclass(frozen=True)
+class NcclFit:
+    """NCCL collectives measured at one world size: ``time = alpha + bytes_per_rank / bus``.
+
+    ``bytes_per_rank`` is what each rank sends (nccl-tests' bus-bandwidth convention):
+    ``(W-1)/W * total`` for all-gather / reduce-scatter, twice that for all-reduce.  ``alpha_us``
+    is the whole collective's fixed cost as measured (one call from the host, launch included),
+    not a per-ring-step latency.
+    """
+
+    world_size: int
+    bus_gbps: float
+    alpha_us: float
 
 
 @dataclass(frozen=True)
@@ -78,6 +98,8 @@ class HardwareProfile:
     gemm_launch_us: float = 6.0
     gemm_throttle: float = 0.0  # rate lost to power-limited clocks by a long GEMM (fraction)
     gemm_throttle_ms: float = 1.0  # GEMM length (ms at burst rate) at which half of it is lost
+    # measured NCCL collectives per world size (benchmarks/calibrate_nccl.py); () = leads only
+    nccl_measured: tuple[NcclFit, ...] = ()
     calibrated: str = ""  # "" = datasheet/lead numbers only; else what calibration was applied
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
@@ -96,6 +118,13 @@ class HardwareProfile:
         if num_sms <= 0:
             return 0.0
         return min(self.link_sm_max_gbps, num_sms * self.link_sm_gbps_per_sm)
+
+    def nccl_fit(self, world_size: int) -> NcclFit | None:
+        """The measured NCCL table entry for ``world_size``, or None (then the leads apply)."""
+        for fit in self.nccl_measured:
+            if fit.world_size == world_size:
+                return fit
+        return None
 
     def source(self, field_name: str) -> str:
         """Where a field's number came from ("" if the profile does not say)."""
@@ -242,6 +271,10 @@ def packaged_calibration_path(name: str) -> Path:
 def load_calibration(path: str | os.PathLike) -> dict[str, Any]:
     """Read a calibration JSON: ``{"profile": name, "overrides": {field: value}, ...}``.
 
+    Optional: ``"sources": {field: text}`` says where an override came from (else the file's
+    ``meta`` gpu and date); ``overrides["nccl_measured"]`` is
+    ``{"<world_size>": {"bus_gbps": ..., "alpha_us": ...}}``.
+
     Raises ``ValueError`` naming the file when it is not such a file.
     """
     path = Path(path)
@@ -274,12 +307,34 @@ def apply_calibration(profile: HardwareProfile, calibration: Mapping[str, Any] |
                              f"{sorted(set(_FIELD_TYPES) - _NOT_OVERRIDABLE)}")
     if "gemm_tile_rel" in overrides:
         overrides["gemm_tile_rel"] = tuple(float(x) for x in overrides["gemm_tile_rel"])
+    if "nccl_measured" in overrides:
+        overrides["nccl_measured"] = _nccl_table(overrides["nccl_measured"], label)
     meta = calibration.get("meta", {})
     what = f"{label} ({meta.get('gpu', '?')}, {meta.get('date', '?')})"
     sources = dict(profile.sources)
+    own = calibration.get("sources", {})
     for key in overrides:
-        sources[key] = f"calibrated: {what}"
+        sources[key] = f"calibrated: {own[key]}" if key in own else f"calibrated: {what}"
     return dataclasses.replace(profile, **overrides, calibrated=what, sources=tuple(sorted(sources.items())))
+
+
+def _nccl_table(raw: Any, label: str) -> tuple[NcclFit, ...]:
+    """``{"2": {"bus_gbps": 234.0, "alpha_us": 121.0}, ...}`` -> NcclFit entries sorted by W."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"calibration: {label}: nccl_measured must map world_size -> "
+                         f"{{'bus_gbps', 'alpha_us'}}, got {type(raw).__name__}")
+    table = []
+    for w, entry in raw.items():
+        try:
+            fit = NcclFit(int(w), float(entry["bus_gbps"]), float(entry["alpha_us"]))
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"calibration: {label}: nccl_measured[{w!r}] = {entry!r}; give an int "
+                             "world size mapping to {'bus_gbps': float, 'alpha_us': float}") from None
+        if fit.world_size < 2 or fit.bus_gbps <= 0 or fit.alpha_us < 0:
+            raise ValueError(f"calibration: {label}: nccl_measured[{w!r}] = {entry!r} is not physical "
+                             "(need world_size >= 2, bus_gbps > 0, alpha_us >= 0)")
+        table.append(fit)
+    return tuple(sorted(table, key=lambda f: f.world_size))
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,6 +20,9 @@ def predicted_table_markdown(hardware: str, world_sizes: tuple[int, ...] | None 
     sizes = world_sizes or tp_sizes(hw)
     cal = f"calibrated GEMM curve ({hw.calibrated.split(' (')[-1].rstrip(')')})" if hw.calibrated \
         else "uncalibrated: datasheet numbers and leads"
+    if hw.nccl_measured:
+        cal += "; NCCL measured at W = " + ", ".join(str(f.world_size) for f in hw.nccl_measured) + \
+            " (leads elsewhere)"
     lines = [
         f"PREDICTED on `{hw.name}` ({hw.description}; {cal}), bf16, TP {', '.join(map(str, sizes))}.",
         "",

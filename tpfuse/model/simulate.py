@@ -254,17 +254,18 @@ class _Ctx:
 
     def xfer(self, num_bytes: float, path: str) -> float:
         return cost.transfer_time_ms(num_bytes, path, self.hw,
-                                     num_sms=self.comm_sms if path == "sm" else None)
+                                     num_sms=self.comm_sms if path == "sm" else None, world_size=self.w)
 
 
 def _build_unfused(g: _Graph, c: _Ctx) -> None:
-    """Collective then GEMM (ag) or GEMM then collective (rs, ar); NCCL waits for every rank."""
-    comm = cost.collective_ms(c.op, c.m, c.n, c.k, c.w, c.dtype, c.hw)
+    """tpfuse's unfused strategy: collective then GEMM (ag), or GEMM then upcast of the partial to
+    the accumulation dtype, collective on it, downcast (rs, ar); NCCL waits for every rank."""
     full = cost.gemm_time_ms(c.m, c.n, c.k, c.dtype, c.hw)
     if c.w == 1:
         for r in range(c.w):
             g.add(r, "gemm", "gemm", full, label="GEMM")
         return
+    up, comm, down = cost.unfused_collective_parts(c.op, c.m, c.n, c.k, c.w, c.dtype, c.hw)
     if c.op == "ag_gemm":
         starts = [g.add(r, "comm", "comm", 0.0, label="join") for r in range(c.w)]
         for r in range(c.w):
@@ -273,9 +274,11 @@ def _build_unfused(g: _Graph, c: _Ctx) -> None:
             g.pairs.append((r, t, t + 1))
     else:
         gemms = [g.add(r, "gemm", "gemm", full, label="GEMM") for r in range(c.w)]
+        ups = [g.add(r, "gemm", "reduce", up, deps=(gemms[r],), label="upcast") for r in range(c.w)]
         name = "reduce_scatter" if c.op == "gemm_rs" else "all_reduce"
         for r in range(c.w):
-            t = g.add(r, "comm", "comm", comm, deps=gemms, label=name)
+            t = g.add(r, "comm", "comm", comm, deps=ups, label=name)
+            g.add(r, "gemm", "reduce", down, deps=(t,), label="downcast")
             g.pairs.append((r, gemms[r], t))
 
 
@@ -331,32 +334,46 @@ def _build_ag(g: _Graph, c: _Ctx, strategy: str) -> None:
                 g.pairs.append((r, tid, t))
 
 
+def _ring_reduce_scatter(g: _Graph, c: _Ctx) -> dict[int, int]:
+    """tpfuse's ring reduce-scatter (strategies/ring.py): step s GEMMs the partial of shard
+    r - s - 1, upcasts it to the accumulation dtype, adds what rank r - 1 sent at step s - 1 and
+    sends the sum on (4-byte partials on the wire for bf16); the last step's shard is r's own,
+    downcast at the end.  The next step's GEMM is issued after the add (one compute stream).
+    Returns rank -> the tid of its downcast."""
+    w = c.w
+    shard_rows = _split(c.m, w)
+    acc = cost.accumulation_dtype(c.dtype)
+    acc_elt = cost.DTYPE_BYTES[acc]
+    contended = c.hw.sm_count - c.hw.nccl_sms
+    send: dict[tuple[int, int], int] = {}
+    finals: dict[int, int] = {}
+    for s in range(w):
+        for r in range(w):
+            dst = (r - s - 1) % w
+            rows = shard_rows[dst]
+            sms = contended if s < w - 1 else None
+            gt = g.add(r, "gemm", "gemm", c.gemm(rows, num_sms=sms), label=f"GEMM {dst}", chunk=dst)
+            ready = g.add(r, "gemm", "reduce", cost.cast_time_ms(rows * c.n, c.dtype, acc, c.hw),
+                          deps=(gt,), label=f"upcast {dst}", chunk=dst)
+            if s > 0:
+                ready = g.add(r, "gemm", "reduce",
+                              cost.reduce_time_ms(3 * rows * c.n * acc_elt, c.hw),
+                              deps=(ready, send[((r - 1) % w, s - 1)]), label=f"add {dst}", chunk=dst)
+            if s < w - 1:
+                send[(r, s)] = g.add(r, "comm", "comm", c.xfer(rows * c.n * acc_elt, "p2p"),
+                                     deps=(ready,), label=f"send {dst}", chunk=dst)
+                g.pairs.append((r, gt, send[(r, s)]))
+            else:
+                finals[r] = g.add(r, "gemm", "reduce", cost.cast_time_ms(rows * c.n, acc, c.dtype, c.hw),
+                                  deps=(ready,), label="downcast", chunk=dst)
+    return finals
+
+
 def _build_rs(g: _Graph, c: _Ctx, strategy: str) -> None:
     w = c.w
     shard_rows = _split(c.m, w)
     if strategy == "ring":
-        # step s: compute the partial of shard (r - s - 1), add what rank r - 1 sent at step s - 1,
-        # send it on; the last step's shard is r's own.
-        contended = c.hw.sm_count - c.hw.nccl_sms
-        send = {}
-        gemm_tid = {}
-        for s in range(w):
-            for r in range(w):
-                dst = (r - s - 1) % w
-                sms = contended if s < w - 1 else None
-                gemm_tid[(r, s)] = g.add(r, "gemm", "gemm", c.gemm(shard_rows[dst], num_sms=sms),
-                                         label=f"GEMM {dst}", chunk=dst)
-        for s in range(w - 1):
-            for r in range(w):
-                dst = (r - s - 1) % w
-                prev = send.get(((r - 1) % w, s - 1))
-                send[(r, s)] = g.add(r, "comm", "comm",
-                                     c.xfer(shard_rows[dst] * c.n * c.elt, "p2p"),
-                                     deps=(gemm_tid[(r, s)], prev), label=f"send {dst}", chunk=dst)
-                g.pairs.append((r, gemm_tid[(r, s)], send[(r, s)]))
-        for r in range(w):
-            g.add(r, "gemm", "reduce", cost.reduce_time_ms(3 * shard_rows[r] * c.n * c.elt, c.hw),
-                  deps=(send[((r - 1) % w, w - 2)], gemm_tid[(r, w - 1)]), label="add", chunk=r)
+        _ring_reduce_scatter(g, c)
         return
     # copy_engine / fused: produce partials in owner order (r+1, r+2, ..., own last), push each
     # piece to its owner as soon as it is READY; the owner reduces once every peer's piece is in.
@@ -397,17 +414,17 @@ def _build_rs(g: _Graph, c: _Ctx, strategy: str) -> None:
 def _build_ar(g: _Graph, c: _Ctx, strategy: str) -> None:
     w = c.w
     if strategy == "ring":
-        # ring reduce-scatter (as gemm_rs) then a ring all-gather of the reduced shards (exposed).
-        _build_rs(g, c, "ring")
+        # ring reduce-scatter (as gemm_rs, downcast into the output) then a ring all-gather of
+        # the reduced shards in the op's dtype, step by step (exposed).
+        finals = _ring_reduce_scatter(g, c)
         shard_rows = _split(c.m, w)
-        reduces = {t.rank: t.tid for t in g.tasks if t.kind == "reduce"}
         recv = {}
         for s in range(1, w):
             for r in range(w):
                 src = (r - s) % w
-                prev = recv.get(((r - 1) % w, s - 1), reduces[(r - 1) % w] if s == 1 else None)
+                prev = recv.get(((r - 1) % w, s - 1), finals[(r - 1) % w] if s == 1 else None)
                 recv[(r, s)] = g.add(r, "comm", "comm", c.xfer(shard_rows[src] * c.n * c.elt, "p2p"),
-                                     deps=(prev, reduces[r]), label=f"ag {src}", chunk=src)
+                                     deps=(prev, finals[r]), label=f"ag {src}", chunk=src)
         return
     # copy_engine / fused: cut M into chunks; all-reduce chunk i (best of one-shot pull-and-reduce
     # and two-shot RS+AG, reduction on the comm side) while chunk i+1 is computed.
