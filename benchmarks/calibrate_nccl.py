@@ -10,6 +10,10 @@ squares (``tpfuse.model.nccl_fit``) and prints the fit with every row's residual
 what one collective call costs as the bench times it (CUDA events after a barrier, launch and
 host latency included), not a per-ring-step latency.
 
+It also derives ``ring_step_host_us`` (host time a ring step costs beyond unfused: the median of
+(ring host ms - unfused host ms) / steps over the rows' ``host_ms``); it is a property of the host
+that issued the calls as much as of the GPU.
+
 ``--update CAL.json`` writes the fitted entries into that calibration file (the one
 ``hardware.get_profile`` loads), replacing only the world sizes fitted now and keeping every
 other override (the GEMM curve from ``calibrate_gemm.py``), with ``--source`` as the recorded
@@ -29,7 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tpfuse.model.hardware import load_calibration  # noqa: E402
-from tpfuse.model.nccl_fit import NcclFitResult, comm_rows_from_bench, fit_nccl  # noqa: E402
+from tpfuse.model.nccl_fit import NcclFitResult, comm_rows_from_bench, fit_nccl, ring_step_host_us  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,13 @@ def _report(results: dict[int, NcclFitResult]) -> str:
 
 
 def _update(path: Path, results: dict[int, NcclFitResult], sources: dict[int, str],
-            bench: tuple[Path, ...]) -> None:
+            bench: tuple[Path, ...], host_step: tuple[float, list] | None, host_source: str) -> None:
     cal = load_calibration(path)
+    if host_step is not None:
+        cal["overrides"]["ring_step_host_us"] = round(host_step[0], 1)
+        cal.setdefault("sources", {})["ring_step_host_us"] = (
+            f"{host_source}: median over {len(host_step[1])} cells of (ring - unfused host ms) / ring steps "
+            "(benchmarks/calibrate_nccl.py)")
     table = dict(cal["overrides"].get("nccl_measured", {}))
     info = dict(cal.get("nccl", {}))
     for w, res in results.items():
@@ -104,10 +113,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"calibrate_nccl: {exc}", file=sys.stderr)
         return 2
     print(_report(results))
+    host_step = ring_step_host_us({"rows": [row for d in datas for row in d.get("rows", [])]})
+    if host_step is not None:
+        print(f"ring_step_host_us: {host_step[0]:.1f} (median of {len(host_step[1])} cells: "
+              + ", ".join(f"{n} {v:.0f}" for n, v in host_step[1]) + ")")
     if cfg.update is not None:
         metas = [d.get("meta", {}) for d in datas]
         sources = {w: cfg.source or _default_source(metas, w) for w in results}
-        _update(cfg.update, results, sources, cfg.bench)
+        _update(cfg.update, results, sources, cfg.bench, host_step,
+                cfg.source or _default_source(metas, sorted(results)[0]))
         print(f"updated {cfg.update}: nccl_measured for W = {sorted(results)}")
     return 0
 

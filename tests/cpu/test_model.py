@@ -15,7 +15,7 @@ from tpfuse.model.simulate import STRATEGIES, draw_timeline, simulate
 
 H200 = get_profile("h200")
 # no launch overhead and no NCCL SM contention: every chunk of a uniform split costs the same
-UNIFORM = dataclasses.replace(H200, gemm_launch_us=0.0, nccl_sms=0)
+UNIFORM = dataclasses.replace(H200, gemm_launch_us=0.0, nccl_sms=0, ring_step_host_us=0.0)
 
 
 def _label_duration(res, prefix):
@@ -266,3 +266,29 @@ def test_timeline_png(tmp_path):
     out = tmp_path / "timeline.png"
     draw_timeline(res, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs", "gemm_ar"])
+def test_ring_pays_its_host_steps(op):
+    """A ring step's GEMM cannot start before the host issued it: with host steps longer than
+    the GPU work, the ring runs at the host's pace (W steps, plus W-1 for gemm_ar's all-gather)."""
+    m, n, k, w = 256, 1024, 1024, 4
+    slow = dataclasses.replace(UNIFORM, ring_step_host_us=500.0)
+    fast = simulate(op, "ring", m=m, n=n, k=k, world_size=w, dtype="bf16", hw=UNIFORM).makespan_ms
+    res = simulate(op, "ring", m=m, n=n, k=k, world_size=w, dtype="bf16", hw=slow).makespan_ms
+    steps = w + (w - 1 if op == "gemm_ar" else 0)
+    assert fast < steps * 0.5 <= res
+    assert res < steps * 0.5 + fast
+
+
+def test_ring_step_host_fit_from_bench_host_times():
+    from tpfuse.model.nccl_fit import ring_step_host_us
+    rows = [{"name": "a", "op": "ag_gemm", "world_size": 2, "host_ms": {"unfused": 0.4, "ring": 0.9}},
+            {"name": "b", "op": "gemm_rs", "world_size": 4, "host_ms": {"unfused": 0.5, "ring": 1.7}},
+            {"name": "c", "op": "gemm_ar", "world_size": 2, "host_ms": {"unfused": 0.5, "ring": 1.4}},
+            {"name": "d", "op": "gemm_ar", "world_size": 2, "host_ms": {"unfused": 0.5}}]
+    median, per_row = ring_step_host_us({"rows": rows})
+    # (0.5 / 2 steps, 1.2 / 4 steps, 0.9 / 3 steps) ms -> 250, 300, 300 us; row d has no ring time
+    assert [n for n, _ in per_row] == ["a", "b", "c"]
+    assert median == pytest.approx(300.0)
+    assert ring_step_host_us({"rows": rows[3:]}) is None

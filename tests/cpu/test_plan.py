@@ -236,20 +236,32 @@ def test_cli_partial_cell_is_an_error(capsys):
 
 
 def test_model_only_win_needs_a_margin():
-    """70b prefill fc1 at W=2 on h200 (W=2 NCCL calibrated): ring is predicted 3.5% faster than
-    unfused (measured 17% slower on 2x H200); on the model alone unfused is kept, and the reason
-    says why.  Measured times for both from the tuning cache decide as they are.  (This test used
-    8b training fc1 until the NCCL calibration made its unfused prediction 8% slower: ring is now
-    predicted 7% faster there and chosen, although it measured 7% slower -- BENCHMARKS.md.)"""
+    """When ring is predicted faster than unfused by less than MIN_MODEL_GAIN, unfused is kept on
+    the model alone and the reason says why (on 2x H200, ring predicted level with unfused ran up
+    to 7% slower -- BENCHMARKS.md).  Measured times for both from the tuning cache decide as they
+    are.  The case is searched for (ring's host-step cost swept on the h200 profile), so the test
+    does not hang on today's calibrated numbers."""
     from tpfuse.plan import MIN_MODEL_GAIN
-    args = dict(m=4096, n=28672, k=8192, world_size=2, dtype="bf16", hardware="h200")
     cands = ("unfused", "ring")
-    p = choose("ag_gemm", **args, candidates=cands)
-    assert p.predicted_ms["ring"] > p.predicted_ms["unfused"] * (1 - MIN_MODEL_GAIN)
+    found = None
+    for cell in workload_matrix(world_sizes=(2, 4, 8), phases=("training", "prefill")):
+        for host_us in (0.0, 20.0, 60.0, 120.0, 250.0):
+            hw = dataclasses.replace(get_profile("h200"), ring_step_host_us=host_us)
+            p = choose(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, dtype="bf16",
+                       hardware=hw, candidates=cands)
+            gain = 1 - p.predicted_ms["ring"] / p.predicted_ms["unfused"]
+            if 0 < gain < MIN_MODEL_GAIN:
+                found = (cell, hw, p)
+                break
+        if found:
+            break
+    assert found, "no cell predicts ring a little faster than unfused; widen the sweep"
+    cell, hw, p = found
     assert p.strategy == "unfused" and "margin" in p.explain()
-    record_measurement("ag_gemm", strategy="unfused", ms=3.0, **args)
-    record_measurement("ag_gemm", strategy="ring", ms=2.95, **args)
-    q = choose("ag_gemm", **args, candidates=cands)
+    args = dict(m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, dtype="bf16", hardware=hw)
+    record_measurement(cell.op, strategy="unfused", ms=3.0, **args)
+    record_measurement(cell.op, strategy="ring", ms=2.95, **args)
+    q = choose(cell.op, **args, candidates=cands)
     assert q.strategy == "ring" and set(q.measured) == {"unfused", "ring"}
     # a clear model-only win is still taken
     big = plan("gemm_rs", m=16384, n=4096, k=1792, world_size=8, hardware="h200")

@@ -98,6 +98,9 @@ class HardwareProfile:
     gemm_launch_us: float = 6.0
     gemm_throttle: float = 0.0  # rate lost to power-limited clocks by a long GEMM (fraction)
     gemm_throttle_ms: float = 1.0  # GEMM length (ms at burst rate) at which half of it is lost
+    # host time a ring step costs beyond unfused (Python issue of the P2P exchange, events, the
+    # per-step GEMM and casts); a step's GEMM cannot start before the host has issued it
+    ring_step_host_us: float = 60.0
     # measured NCCL collectives per world size (benchmarks/calibrate_nccl.py); () = leads only
     nccl_measured: tuple[NcclFit, ...] = ()
     calibrated: str = ""  # "" = datasheet/lead numbers only; else what calibration was applied

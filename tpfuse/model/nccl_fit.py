@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping
 from tpfuse.model.cost import DTYPE_BYTES, nccl_bytes_per_rank
 from tpfuse.model.hardware import NcclFit
 
-__all__ = ["CommRow", "NcclFitResult", "comm_rows_from_bench", "fit_nccl"]
+__all__ = ["CommRow", "NcclFitResult", "comm_rows_from_bench", "fit_nccl", "ring_step_host_us"]
 
 # op -> (collective it runs alone, the tensor whose size it moves)
 _COLLECTIVE = {"ag_gemm": "all_gather", "gemm_rs": "reduce_scatter", "gemm_ar": "all_reduce"}
@@ -90,3 +90,25 @@ def fit_nccl(rows: Iterable[CommRow]) -> dict[int, NcclFitResult]:
         fit = NcclFit(world_size=w, bus_gbps=1e-6 / slope, alpha_us=alpha_ms * 1e3)  # 1e3/slope B/s
         results[w] = NcclFitResult(fit, tuple(group))
     return results
+
+
+def ring_step_host_us(data: Mapping[str, Any]) -> tuple[float, list[tuple[str, float]]] | None:
+    """Host time a ``ring`` step costs beyond ``unfused``, from a bench JSON's ``host_ms``.
+
+    Per row: (ring host ms - unfused host ms) / ring steps (W for ag_gemm/gemm_rs, 2W - 1 for
+    gemm_ar: reduce-scatter then all-gather).  Returns (median in us, [(row, us)]), or None when
+    no row has both host times."""
+    per_row = []
+    for row in data.get("rows", []):
+        host = row.get("host_ms", {})
+        w = int(row.get("world_size", 1))
+        if w < 2 or "ring" not in host or "unfused" not in host:
+            continue
+        steps = 2 * w - 1 if row.get("op") == "gemm_ar" else w
+        per_row.append((row.get("name", row.get("op", "?")), (host["ring"] - host["unfused"]) / steps * 1e3))
+    if not per_row:
+        return None
+    vals = sorted(v for _, v in per_row)
+    mid = len(vals) // 2
+    median = vals[mid] if len(vals) % 2 else 0.5 * (vals[mid - 1] + vals[mid])
+    return max(0.0, median), per_row

@@ -252,6 +252,13 @@ class _Ctx:
         share = max(whole * rows / max(self.m, 1), floor)
         return share + (self.hw.gemm_launch_us * 1e-3 if first else 0.0)
 
+    def host_steps(self, g: "_Graph", rank: int, steps: int) -> list[int]:
+        """``steps`` host-issue tasks of a ring on ``rank``, one after the other (engine "host"):
+        step s's GEMM depends on the s-th, so a ring whose steps are shorter than the host's
+        issue time runs at the host's pace."""
+        dur = self.hw.ring_step_host_us * 1e-3
+        return [g.add(rank, "host", "host", dur, label=f"issue {s}") for s in range(steps)]
+
     def xfer(self, num_bytes: float, path: str) -> float:
         return cost.transfer_time_ms(num_bytes, path, self.hw,
                                      num_sms=self.comm_sms if path == "sm" else None, world_size=self.w)
@@ -288,6 +295,7 @@ def _build_ag(g: _Graph, c: _Ctx, strategy: str) -> None:
     if strategy == "ring":
         # step s: compute on shard (r - s) while shard (r - s - 1) travels from rank r - 1.
         contended = c.hw.sm_count - c.hw.nccl_sms
+        host = {r: c.host_steps(g, r, w) for r in range(w)}
         recv = {}  # (rank, step) -> tid
         for s in range(1, w):
             for r in range(w):
@@ -300,7 +308,7 @@ def _build_ag(g: _Graph, c: _Ctx, strategy: str) -> None:
                 src = (r - s) % w
                 dep = recv.get((r, s))
                 sms = contended if s < w - 1 else None
-                t = g.add(r, "gemm", "gemm", c.gemm(shard_rows[src], num_sms=sms), deps=(dep,),
+                t = g.add(r, "gemm", "gemm", c.gemm(shard_rows[src], num_sms=sms), deps=(dep, host[r][s]),
                           label=f"GEMM {src}", chunk=src)
                 if dep is not None:
                     g.pairs.append((r, dep, t))
@@ -347,12 +355,14 @@ def _ring_reduce_scatter(g: _Graph, c: _Ctx) -> dict[int, int]:
     contended = c.hw.sm_count - c.hw.nccl_sms
     send: dict[tuple[int, int], int] = {}
     finals: dict[int, int] = {}
+    host = {r: c.host_steps(g, r, w) for r in range(w)}
     for s in range(w):
         for r in range(w):
             dst = (r - s - 1) % w
             rows = shard_rows[dst]
             sms = contended if s < w - 1 else None
-            gt = g.add(r, "gemm", "gemm", c.gemm(rows, num_sms=sms), label=f"GEMM {dst}", chunk=dst)
+            gt = g.add(r, "gemm", "gemm", c.gemm(rows, num_sms=sms), deps=(host[r][s],),
+                       label=f"GEMM {dst}", chunk=dst)
             ready = g.add(r, "gemm", "reduce", cost.cast_time_ms(rows * c.n, c.dtype, acc, c.hw),
                           deps=(gt,), label=f"upcast {dst}", chunk=dst)
             if s > 0:
@@ -418,13 +428,14 @@ def _build_ar(g: _Graph, c: _Ctx, strategy: str) -> None:
         # the reduced shards in the op's dtype, step by step (exposed).
         finals = _ring_reduce_scatter(g, c)
         shard_rows = _split(c.m, w)
+        host = {r: c.host_steps(g, r, w - 1) for r in range(w)}  # the all-gather's steps
         recv = {}
         for s in range(1, w):
             for r in range(w):
                 src = (r - s) % w
                 prev = recv.get(((r - 1) % w, s - 1), finals[(r - 1) % w] if s == 1 else None)
                 recv[(r, s)] = g.add(r, "comm", "comm", c.xfer(shard_rows[src] * c.n * c.elt, "p2p"),
-                                     deps=(prev, finals[r]), label=f"ag {src}", chunk=src)
+                                     deps=(prev, finals[r], host[r][s - 1]), label=f"ag {src}", chunk=src)
         return
     # copy_engine / fused: cut M into chunks; all-reduce chunk i (best of one-shot pull-and-reduce
     # and two-shot RS+AG, reduction on the comm side) while chunk i+1 is computed.
