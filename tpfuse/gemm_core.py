@@ -420,23 +420,48 @@ def _lookup(m, n, k, dtype, b_kmajor, device) -> Optional[GemmConfig]:
 
 
 def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmConfig]] = None,
-         rep_ms: int = 20, save: bool = True) -> tuple[GemmConfig, list[tuple[GemmConfig, float]]]:
+         rep_ms: int = 20, save: bool = True, graphs: Optional[bool] = None,
+         ) -> tuple[GemmConfig, list[tuple[GemmConfig, float]]]:
     """Time every candidate config on ``a @ b`` (median, ``triton.testing.do_bench``), store the
     fastest in the JSON cache and return ``(best, [(config, ms), ...])``. A config that fails to
     compile or launch (out of shared memory or registers, a Triton limitation) is skipped with
     a warning; only an error that leaves the CUDA context unusable (an illegal address) ends
-    the search, since nothing can run on that device afterwards."""
+    the search, since nothing can run on that device afterwards.
+
+    ``graphs`` (default: on CUDA) times CUDA-graph replays of one call: eager timings of a small
+    GEMM measure the host's launch cost, and would pick a config by launch noise."""
     triton, _, _ = _triton()
     m, k = a.shape
     n = b.shape[1]
     configs = (list(configs) if configs is not None
                else candidate_configs(m, n, k, a.dtype, num_sms=_num_programs(a.device)))
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    if graphs is None:
+        graphs = a.device.type == "cuda" and not _interpreting()
+
+    def timed(cfg: GemmConfig) -> float:
+        def call():
+            matmul(a, b, out=out, config=cfg)
+        if not graphs:
+            return triton.testing.do_bench(call, warmup=5, rep=rep_ms, return_mode="median")
+        side = torch.cuda.Stream(a.device)
+        side.wait_stream(torch.cuda.current_stream(a.device))
+        with torch.cuda.stream(side):   # compile and warm up outside the capture
+            call()
+            call()
+        torch.cuda.current_stream(a.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        try:
+            return triton.testing.do_bench(graph.replay, warmup=5, rep=rep_ms, return_mode="median")
+        finally:
+            del graph
+
     timings = []
     for cfg in configs:
         try:
-            ms = triton.testing.do_bench(lambda: matmul(a, b, out=out, config=cfg),
-                                         warmup=5, rep=rep_ms, return_mode="median")
+            ms = timed(cfg)
         except Exception as e:  # compile or launch failure (e.g. out of shared memory): skip, say why
             _warn_once(f"tpfuse.gemm_core.tune: skipping config {cfg}: {type(e).__name__}: {e}"[:600])
             continue
