@@ -120,7 +120,8 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     56 tiles for 132 SMs); decode (M <= 128) streams B, and wants narrow tiles when B is small
     (8B: 64x64x128) and wider ones as B grows (70B: 128x64x128, 405B: 128x128x128).
 
-    Split-K (not measured yet, so kept to shapes none of the measured ones hits): when the
+    Split-K (kept to shapes none of the measured ones hits: graph-timed tuning on 2026-11-30
+    picked no split-K candidate for any of the 30 shapes, smaller tiles won): when the
     chosen tiles would keep at most a quarter of ``num_sms`` busy, ``split_k`` is the largest of
     2, 4, 8 that keeps ``tiles * split_k <= num_sms`` and at least 4 BLOCK_K steps per slice.
     """
