@@ -109,24 +109,30 @@ def test_wait_timeout_is_bounded(use_asm, monkeypatch):
     assert time.time() - t0 < 30
 
 
-def test_epilogue_routes_and_publishes_several_generations():
-    m, k, n, chunk_m = 8 * 517, 1024, 1536, 517
+def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, after=lambda: True):
+    """Route every chunk of ``a @ b`` to its own destination over three generations: signals
+    published, counters back at zero, each destination exact and untouched past its rows."""
+    num_chunks = m // chunk_m
     dests = [torch.full((chunk_m + 5, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-             for _ in range(8)]
-    signals = torch.zeros(8, dtype=torch.int32, device="cuda")
-    counters = torch.zeros(8, dtype=torch.int32, device="cuda")
+             for _ in range(num_chunks)]
+    signals = torch.zeros(num_chunks, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(num_chunks, dtype=torch.int32, device="cuda")
     for generation in (1, 2, 3):
-        a, b, ref = _operands(m, k, n, torch.bfloat16, "weight_t", seed=generation)
+        a, b, ref = _operands(m, k, n, torch.bfloat16, "weight_t", seed=seed + generation)
         for d in dests:
             d.fill_(float("nan"))
         spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m, counters=counters)
-        gc.matmul(a, b, config=BIG, tile_order="owner", start_chunk=3, epilogue=spec)
+        gc.matmul(a, b, config=config, tile_order="owner", start_chunk=start_chunk, epilogue=spec)
         torch.cuda.synchronize()
-        assert signals.tolist() == [generation] * 8
-        assert counters.tolist() == [0] * 8
+        assert signals.tolist() == [generation] * num_chunks
+        assert counters.tolist() == [0] * num_chunks and after()
         for c, d in enumerate(dests):
             _assert_close(d[:chunk_m], ref[c * chunk_m:(c + 1) * chunk_m], torch.bfloat16)
             assert torch.isnan(d[chunk_m:]).all()
+
+
+def test_epilogue_routes_and_publishes_several_generations():
+    _epilogue_over_generations(8 * 517, 1024, 1536, 517, BIG, start_chunk=3, seed=0)
 
 
 @pytest.mark.parametrize("fast", ["1", "0"])
@@ -202,24 +208,8 @@ def test_split_k_is_bitwise_stable_when_slices_race():
 
 
 def test_split_k_with_epilogue_hook_several_generations():
-    m, k, n, chunk_m = 4 * 131, 2048, 1536, 131
-    dests = [torch.full((chunk_m + 5, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-             for _ in range(4)]
-    signals = torch.zeros(4, dtype=torch.int32, device="cuda")
-    counters = torch.zeros(4, dtype=torch.int32, device="cuda")
-    cfg = dataclasses.replace(SK_256, split_k=3)
-    for generation in (1, 2, 3):
-        a, b, ref = _operands(m, k, n, torch.bfloat16, "weight_t", seed=10 + generation)
-        for d in dests:
-            d.fill_(float("nan"))
-        spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m, counters=counters)
-        gc.matmul(a, b, config=cfg, tile_order="owner", start_chunk=1, epilogue=spec)
-        torch.cuda.synchronize()
-        assert signals.tolist() == [generation] * 4
-        assert counters.tolist() == [0] * 4 and _tile_counters_are_zero()
-        for c, d in enumerate(dests):
-            _assert_close(d[:chunk_m], ref[c * chunk_m:(c + 1) * chunk_m], torch.bfloat16)
-            assert torch.isnan(d[chunk_m:]).all()
+    _epilogue_over_generations(4 * 131, 2048, 1536, 131, dataclasses.replace(SK_256, split_k=3), start_chunk=1,
+                               seed=10, after=_tile_counters_are_zero)
 
 
 def test_split_k_with_wait_hook_signals_preset():
