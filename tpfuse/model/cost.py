@@ -194,26 +194,25 @@ def _measured_ms(kind: str, total_bytes: float, world_size: int, hw: HardwarePro
     return fit.alpha_us * 1e-3 + nccl_bytes_per_rank(kind, total_bytes, world_size) / (fit.bus_gbps * 1e9) * 1e3
 
 
-def all_gather_ms(total_bytes: float, world_size: int, hw: HardwareProfile) -> float:
-    """NCCL all-gather producing ``total_bytes`` on every rank: measured table at this W, else
-    the lead ring ``(W-1) * (alpha + shard / B)``."""
+def _nccl_ms(kind: str, total_bytes: float, world_size: int, hw: HardwareProfile) -> float:
+    """An NCCL all-gather / reduce-scatter over ``total_bytes``: the measured table at this W,
+    else the lead ring ``(W-1) * (alpha + shard / B)``."""
     if world_size <= 1 or total_bytes <= 0:
         return 0.0
-    measured = _measured_ms("all_gather", total_bytes, world_size, hw)
-    if measured is not None:
-        return measured
-    shard = total_bytes / world_size
-    return (world_size - 1) * transfer_time_ms(shard, "nccl", hw)
-
-
-def reduce_scatter_ms(total_bytes: float, world_size: int, hw: HardwareProfile) -> float:
-    """NCCL ring reduce-scatter of a ``total_bytes`` input (reduction fused in NCCL's kernels)."""
-    if world_size <= 1 or total_bytes <= 0:
-        return 0.0
-    measured = _measured_ms("reduce_scatter", total_bytes, world_size, hw)
+    measured = _measured_ms(kind, total_bytes, world_size, hw)
     if measured is not None:
         return measured
     return (world_size - 1) * transfer_time_ms(total_bytes / world_size, "nccl", hw)
+
+
+def all_gather_ms(total_bytes: float, world_size: int, hw: HardwareProfile) -> float:
+    """NCCL all-gather producing ``total_bytes`` on every rank."""
+    return _nccl_ms("all_gather", total_bytes, world_size, hw)
+
+
+def reduce_scatter_ms(total_bytes: float, world_size: int, hw: HardwareProfile) -> float:
+    """NCCL reduce-scatter of a ``total_bytes`` input (reduction fused in NCCL's kernels)."""
+    return _nccl_ms("reduce_scatter", total_bytes, world_size, hw)
 
 
 def all_reduce_ms(total_bytes: float, world_size: int, hw: HardwareProfile) -> float:
