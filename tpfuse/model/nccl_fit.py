@@ -12,6 +12,7 @@ per-row residuals come with it.  ``benchmarks/calibrate_nccl.py`` is the CLI.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -108,7 +109,4 @@ def ring_step_host_us(data: Mapping[str, Any]) -> tuple[float, list[tuple[str, f
         per_row.append((row.get("name", row.get("op", "?")), (host["ring"] - host["unfused"]) / steps * 1e3))
     if not per_row:
         return None
-    vals = sorted(v for _, v in per_row)
-    mid = len(vals) // 2
-    median = vals[mid] if len(vals) % 2 else 0.5 * (vals[mid - 1] + vals[mid])
-    return max(0.0, median), per_row
+    return max(0.0, statistics.median(v for _, v in per_row)), per_row
