@@ -126,13 +126,23 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     2, 4, 8 that keeps ``tiles * split_k <= num_sms`` and at least 4 BLOCK_K steps per slice.
     """
     cfg = _default_tiles(m, n, k, dtype)
-    tiles = -(-m // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
-    k_steps = -(-k // cfg.BLOCK_K)
+    tiles, k_steps = _grid(m, n, k, cfg)
     if tiles <= num_sms // 4 and cfg.BLOCK_M * cfg.BLOCK_N <= 128 * 128:
-        fits = [s for s in (2, 4, 8) if tiles * s <= num_sms and k_steps // s >= 4]
+        fits = _one_wave_splits(tiles, k_steps, num_sms)
         if fits:
             cfg = dataclasses.replace(cfg, split_k=fits[-1])
     return cfg
+
+
+def _grid(m: int, n: int, k: int, cfg: GemmConfig) -> tuple[int, int]:
+    """(output tiles, BLOCK_K steps) of ``cfg`` on an ``m x n x k`` GEMM."""
+    return -(-m // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N), -(-k // cfg.BLOCK_K)
+
+
+def _one_wave_splits(tiles: int, k_steps: int, num_sms: int) -> list[int]:
+    """split_k values of 2, 4, 8 that keep ``tiles * split_k`` in one wave and >= 4 BLOCK_K
+    steps per slice, ascending."""
+    return [s for s in (2, 4, 8) if tiles * s <= num_sms and k_steps // s >= 4]
 
 
 def _default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
@@ -204,11 +214,10 @@ def _split_k_candidates(m: int, n: int, k: int, num_sms: int) -> list[GemmConfig
     enough to pay for writing and re-reading the partials)."""
     out = []
     for base in _SPLIT_K_BASES:
-        tiles = -(-m // base.BLOCK_M) * -(-n // base.BLOCK_N)
-        k_steps = -(-k // base.BLOCK_K)
+        tiles, k_steps = _grid(m, n, k, base)
         splits = []
         if tiles <= num_sms // 2:
-            fits = [s for s in (2, 4, 8) if tiles * s <= num_sms and k_steps // s >= 4]
+            fits = _one_wave_splits(tiles, k_steps, num_sms)
             if fits:
                 splits.append(fits[-1])
                 s2 = 2 * fits[-1]
