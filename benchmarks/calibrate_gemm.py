@@ -12,6 +12,9 @@ fields of ``tpfuse.model.hardware.HardwareProfile`` (Nelder-Mead on squared log 
 M/W chunk; decode) -- these are *not* used in the fit -- and compares them with the prediction
 of the fitted profile loaded back through ``hardware.get_profile(..., calibration=path)``, exactly
 as the library loads it.
+Both are timed with ``b = weight.t()`` (``--layout tn``, the layout the layers and ``tpfuse
+bench`` pass); the workload shapes are timed in the other layout too, for the record, and
+``--sweep`` adds a small-M sweep over N in both layouts (cuBLAS's kernel choice there).
 
 Writes ``calibration_<profile>.json`` (overrides + the raw grid timings) and
 ``gemm_calibration_<profile>.json`` ({meta, rows}) under ``--out``; prints a table last.
@@ -74,16 +77,27 @@ def _l2_bytes() -> int:
         return 50 * 2**20
 
 
-def measure_cuda(m: int, n: int, k: int, dtype: torch.dtype) -> float:
-    """Median ms of ``torch.matmul`` on random data, rotating input sets so L2 never holds them."""
+def measure_cuda(m: int, n: int, k: int, dtype: torch.dtype, layout: str = "tn") -> float:
+    """Median ms of ``torch.matmul(a, b)`` on random data, rotating input sets so L2 never holds
+    them. ``layout="tn"``: ``b = weight.t()`` of a contiguous ``[N, K]`` weight (what the layers
+    and ``tpfuse bench`` pass); ``"nn"``: ``b`` a contiguous ``[K, N]`` matrix. cuBLAS picks its
+    kernel per layout, so the two can differ by tens of percent on one shape."""
     import triton.testing
 
     elt = torch.finfo(dtype).bits // 8
     set_bytes = (m * k + k * n) * elt
     num_sets = max(1, min(16, math.ceil(3 * _l2_bytes() / max(set_bytes, 1))))
     gen = torch.Generator(device="cuda").manual_seed(m * 31 + n * 7 + k)
-    sets = [(torch.randn(m, k, device="cuda", dtype=dtype, generator=gen),
-             torch.randn(k, n, device="cuda", dtype=dtype, generator=gen)) for _ in range(num_sets)]
+    if layout not in ("tn", "nn"):
+        raise ValueError(f"layout={layout!r}; choose 'tn' (weight.t()) or 'nn' (row-major [K, N])")
+
+    def weight():
+        if layout == "tn":
+            return torch.randn(n, k, device="cuda", dtype=dtype, generator=gen).t()
+        return torch.randn(k, n, device="cuda", dtype=dtype, generator=gen)
+
+    sets = [(torch.randn(m, k, device="cuda", dtype=dtype, generator=gen), weight())
+            for _ in range(num_sets)]
     out = torch.empty(m, n, device="cuda", dtype=dtype)
     state = {"i": 0}
 
@@ -97,7 +111,7 @@ def measure_cuda(m: int, n: int, k: int, dtype: torch.dtype) -> float:
     return float(ms)
 
 
-def measure_cpu(m: int, n: int, k: int, dtype: torch.dtype) -> float:
+def measure_cpu(m: int, n: int, k: int, dtype: torch.dtype, layout: str = "tn") -> float:
     """Dry-run stand-in: median wall time of a CPU matmul (numbers mean nothing for a GPU)."""
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     times = []
@@ -215,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="directory for the two JSON files")
     ap.add_argument("--profile", default="h200", help="hardware profile to calibrate (default h200)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes timed on CPU: a crash test only")
+    ap.add_argument("--layout", choices=("tn", "nn"), default="tn",
+                    help="b operand of the fit and the check: tn = weight.t() of an [N, K] weight, as the "
+                         "layers and `tpfuse bench` pass it (default); nn = row-major [K, N]")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time M in (64, 128) x N in 8192..57344 (step 2048) x K in (8192, 16384) in both "
+                         "layouts: a diagnostic of cuBLAS's small-M kernel choice, not used in the fit")
     ap.add_argument("--refit", metavar="CALIBRATION_JSON",
                     help="refit from the grid timings saved in a calibration JSON (no measuring), "
                          "then re-predict the workload rows of the gemm_calibration JSON beside it")
@@ -251,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if use_cuda else None,
             "torch": torch.__version__, "triton": triton_version,
             "command": " ".join(["python3"] + sys.argv), "dtype": dtype_name, "dry_run": args.dry_run,
+            "layout": args.layout,
             "timing": "triton.testing.do_bench median, warmup 10 ms, rep 40 ms, rotating inputs >= 3x L2"
             if use_cuda else "CPU perf_counter median of 5",
         }
@@ -259,23 +280,45 @@ def main(argv: list[str] | None = None) -> int:
             + [(m, n, k) for m in GRID_M_SMALL for (n, k) in GRID_NK_WIDE])
         grid = []
         for i, (m, n, k) in enumerate(shapes):
-            ms = measure(m, n, k, dtype)
+            ms = measure(m, n, k, dtype, args.layout)
             grid.append({"m": m, "n": n, "k": k, "measured_ms": ms})
             print(f"grid {i + 1}/{len(shapes)} {m}x{n}x{k}: {ms:.4f} ms "
                   f"({2 * m * n * k / ms / 1e9:.1f} TFLOP/s)", flush=True)
         work = []
         cache: dict[tuple[int, int, int], float] = {}
+        other = "nn" if args.layout == "tn" else "tn"
+        other_ms: dict[tuple[int, int, int], float] = {}
         for i, (name, m, n, k) in enumerate(workload_shapes(args.dry_run)):
             if (m, n, k) not in cache:
-                cache[(m, n, k)] = measure(m, n, k, dtype)
+                cache[(m, n, k)] = measure(m, n, k, dtype, args.layout)
+                other_ms[(m, n, k)] = measure(m, n, k, dtype, other)
             work.append((name, m, n, k, cache[(m, n, k)]))
+        meta["other_layout"] = {"layout": other, "note": "the same workload shapes timed with the other "
+                                "b layout, for the record (not used in the fit or the check)",
+                                "rows": [{"m": m, "n": n, "k": k, "measured_ms": v}
+                                         for (m, n, k), v in other_ms.items()]}
         repeat = [(m, n, k) for (m, n, k) in list(cache)[:: max(1, len(cache) // 8)]]
         meta["repeat"] = [{"m": m, "n": n, "k": k, "first_ms": cache[(m, n, k)],
-                           "again_ms": measure(m, n, k, dtype)} for (m, n, k) in repeat]
+                           "again_ms": measure(m, n, k, dtype, args.layout)} for (m, n, k) in repeat]
         meta["repeat_max_abs_rel_diff"] = max(abs(r["again_ms"] / r["first_ms"] - 1) for r in meta["repeat"])
         print(f"measured {len(grid)} grid + {len(cache)} workload shapes in {time.time() - t_start:.0f} s; "
               f"re-timing {len(repeat)} of them differed by up to "
               f"{100 * meta['repeat_max_abs_rel_diff']:.1f}%", flush=True)
+
+    if args.sweep and not args.refit:
+        sweep = []
+        ms_grid = (64, 128) if not args.dry_run else (16,)
+        n_grid = range(8192, 57345, 2048) if not args.dry_run else (128, 256)
+        k_grid = (8192, 16384) if not args.dry_run else (128,)
+        for m in ms_grid:
+            for k in k_grid:
+                for n in n_grid:
+                    row = {"m": m, "n": n, "k": k}
+                    for lay in ("tn", "nn"):
+                        row[f"{lay}_ms"] = measure(m, n, k, dtype, lay)
+                    sweep.append(row)
+            print(f"sweep M={m}: {len(sweep)} rows", flush=True)
+        meta["small_m_sweep"] = sweep
 
     x, loss = fit(base, grid, dtype_name)
     meta["fit"] = {"loss": loss, "fields": [f[0] for f in FIT_FIELDS], "grid_shapes": len(grid),
