@@ -64,7 +64,9 @@ class GemmConfig:
     tile in ``EPI_SUBTILE`` column slices (1 or 2); ``num_programs`` caps the persistent grid
     (None: one program per SM). ``split_k`` > 1 cuts K into that many slices of whole
     BLOCK_K steps, each its own work item; the last slice of a tile to finish adds the others'
-    fp32 partials (docs/gemm_core.md, "Split-K")."""
+    fp32 partials (docs/gemm_core.md, "Split-K"). ``stream_k`` 1 or 2 shares the tiles of the
+    last, partly filled wave (2: that wave and one full wave more) out to every program by
+    BLOCK_K steps, so no SM idles at the end (docs/gemm_core.md, "Stream-K"); 0 = off."""
     BLOCK_M: int = 128
     BLOCK_N: int = 256
     BLOCK_K: int = 64
@@ -76,6 +78,7 @@ class GemmConfig:
     warp_specialize: bool = False
     num_programs: Optional[int] = None
     split_k: int = 1
+    stream_k: int = 0
 
     def __post_init__(self):
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
@@ -90,6 +93,12 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.num_programs={self.num_programs}: must be >= 1 or None")
         if not isinstance(self.split_k, int) or self.split_k < 1:
             raise ValueError(f"GemmConfig.split_k={self.split_k!r}: must be an int >= 1 (1 = no split-K)")
+        if self.stream_k not in (0, 1, 2):
+            raise ValueError(f"GemmConfig.stream_k={self.stream_k!r}: must be 0 (off), 1 (the last partial "
+                             "wave) or 2 (the last partial wave and one full wave)")
+        if self.stream_k and self.split_k > 1:
+            raise ValueError(f"GemmConfig: split_k={self.split_k} and stream_k={self.stream_k} together; "
+                             "choose one way of cutting K")
 
     def smem_bytes(self, elem_size: int) -> int:
         """Shared memory estimate: pipelined A and B stages plus one TMA-store subtile."""
@@ -188,7 +197,39 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat1
     out.append(GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3,
                           warp_specialize=True))
     out += _split_k_candidates(m, n, k, num_sms)
+    out += _stream_k_candidates(m, n, k, num_sms)
     return [c for c in out if c.smem_bytes(elem) <= smem_limit]
+
+
+# Tiles that stream-K candidates are made of: the prefill winners (128x256 with the epilogue
+# in two subtiles, so the reduction holds half a tile of partials at a time; 128x128 with
+# BLOCK_K 128 and 64) and, for decode-sized M, the narrow tiles that stream B.
+_STREAM_K_BASES = (
+    GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, EPI_SUBTILE=2),
+    GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+)
+_STREAM_K_DECODE_BASES = (
+    GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
+    GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+)
+
+
+def _stream_k_candidates(m: int, n: int, k: int, num_sms: int) -> list[GemmConfig]:
+    """Stream-K variants for shapes whose tiles end in a partly filled wave, within the first
+    four waves (later, the tail is a small part of the time). Mode 1 for each base; mode 2 too
+    when the last wave is under half full (mode 1 would give each program only a few
+    steps). Skipped where a program would get fewer than 8 BLOCK_K steps."""
+    out = []
+    for base in _STREAM_K_BASES + (_STREAM_K_DECODE_BASES if m <= 256 else ()):
+        tiles, k_steps = _grid(m, n, k, base)
+        if tiles % num_sms == 0 or tiles >= 4 * num_sms:
+            continue
+        modes = [1] + ([2] if num_sms < tiles and tiles % num_sms < num_sms // 2 else [])
+        for mode in modes:
+            if stream_k_tiles(tiles, num_sms, mode) * k_steps >= 8 * num_sms:
+                out.append(dataclasses.replace(base, stream_k=mode))
+    return out
 
 
 # Tiles that split-K candidates are made of: the 128x256 prefill winner (epilogue in two
@@ -561,6 +602,7 @@ class _Plan:
     num_warps: int
     num_stages: int
     num_tiles: int = 0  # output tiles (split-K: workspace and counters are sized by it)
+    sk_tiles: int = 0   # stream-K: the last tiles of the order, shared out by K-steps
 
 
 _PLANS: dict = {}      # call signature -> _Plan
@@ -611,21 +653,38 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
                          f"BLOCK_K={cfg.BLOCK_K} and every K-slice needs at least one; use split_k <= {k_steps} "
                          "or a smaller BLOCK_K")
     num_tiles = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
-    grid = (min(num_tiles * cfg.split_k, cfg.num_programs or _num_programs(device)), 1, 1)
+    programs = cfg.num_programs or _num_programs(device)
+    sk_tiles = stream_k_tiles(num_tiles, programs, cfg.stream_k)
+    # stream-K shares its steps out to every program; otherwise no more programs than work items
+    grid = (programs if sk_tiles else min(num_tiles * cfg.split_k, programs), 1, 1)
     use_asm = (device.type == "cuda" and not _interpreting()
                and os.environ.get("TPFUSE_SIGNAL_ASM", "1") != "0")
     c_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[a.dtype]
     constexprs = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.GROUP_M, cfg.EPI_SUBTILE,
                   TILE_ORDERS.index(tile_order), bool(use_tma), b_kmajor, c_dtype,
                   wait is not None, epilogue is not None, use_asm, cfg.flatten, cfg.warp_specialize,
-                  _interpreting(), epilogue.align_elems if epilogue is not None else 0, cfg.split_k)
+                  _interpreting(), epilogue.align_elems if epilogue is not None else 0, cfg.split_k,
+                  sk_tiles > 0)
     return _Plan(m, n, k, b_kmajor, bool(use_tma), cfg, grid, chunk_m or 1, num_chunks, start_chunk,
-                 use_asm, constexprs, cfg.num_warps, cfg.num_stages, num_tiles)
+                 use_asm, constexprs, cfg.num_warps, cfg.num_stages, num_tiles, sk_tiles)
+
+
+def stream_k_tiles(tiles: int, programs: int, mode: int) -> int:
+    """How many tiles (the last of the order) a ``stream_k=mode`` config shares out by K-steps
+    over ``programs`` programs: none when the tiles fill whole waves; all of them when they
+    are fewer than the programs; else the last partial wave (mode 1) or it and one full wave
+    before it (mode 2: more steps per program, so fewer and longer segments)."""
+    if mode == 0 or tiles == 0 or tiles % programs == 0:
+        return 0
+    if tiles < programs:
+        return tiles
+    return tiles % programs + (programs if mode == 2 else 0)
 
 
 def _split_k_buffers(plan: _Plan, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 workspace ``[num_tiles, split_k, BLOCK_M, BLOCK_N]`` and int32 ``[num_tiles]`` tile
-    counters for a split-K launch on the current stream, cached and grown as needed.
+    """fp32 workspace ``[num_tiles, split_k, BLOCK_M, BLOCK_N]`` (stream-K: ``[programs, 2,
+    BLOCK_M, BLOCK_N]``) and int32 ``[num_tiles]`` tile counters for a split-K or stream-K
+    launch on the current stream, cached and grown as needed.
 
     One pair per (device, stream): launches on one stream run one after the other and can
     share it; launches on two streams may overlap, so they must not. The counters are
@@ -633,7 +692,8 @@ def _split_k_buffers(plan: _Plan, device) -> tuple[torch.Tensor, torch.Tensor]:
     tile resets its counter), so no memset runs between calls. Under CUDA graph capture a
     new pair is allocated from the graph's pool on the capture stream, its zeroing captured."""
     cfg = plan.cfg
-    ws_numel = plan.num_tiles * cfg.split_k * cfg.BLOCK_M * cfg.BLOCK_N
+    slots = plan.grid[0] * 2 if plan.sk_tiles else plan.num_tiles * cfg.split_k
+    ws_numel = slots * cfg.BLOCK_M * cfg.BLOCK_N
     key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
     ws, counters = _SPLIT_K_BUFFERS.get(key, (None, None))
     if ws is None or ws.numel() < ws_numel:
@@ -765,7 +825,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
         epilogue.dest_offsets if epilogue else None, epilogue.dest_stride if epilogue else 0,
         epilogue.signal_ptrs if epilogue else None, epilogue.counters if epilogue else None,
         epilogue.generation if epilogue else 0,
-        *(_split_k_buffers(plan, device) if cfg.split_k > 1 else (None, None)),
+        *(_split_k_buffers(plan, device) if cfg.split_k > 1 or plan.sk_tiles else (None, None)),
+        plan.sk_tiles,
     ]
     _launch(plan, key, args, device)
     if wait is not None and check:

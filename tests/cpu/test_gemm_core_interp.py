@@ -1,4 +1,5 @@
-"""GEMM core under TRITON_INTERPRET=1: index math, masks, tile orders, hooks, error word, split-K.
+"""GEMM core under TRITON_INTERPRET=1: index math, masks, tile orders, hooks, error word, split-K,
+stream-K.
 
 Every output is poisoned with NaN first; results are compared with a float64 reference of the
 same (rounded) inputs with a tolerance a few times the output dtype's rounding. Small blocks
@@ -130,6 +131,81 @@ def test_split_k_with_wait_hook_and_round_order():
     gc.matmul(a, b, out=out, config=cfg, tile_order="round", start_chunk=2,
               wait=gc.WaitSpec(signal, generation=5, chunk_m=27, max_spins=10))
     _assert_close(out, ref, torch.bfloat16)
+
+
+# ---- stream-K ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape,programs,mode,sub,b_layout,dtype", [
+    ((37, 70, 29), 5, 1, 1, "row_major", torch.bfloat16),    # 6 tiles, 5 programs: 1 tile shared out
+    ((50, 100, 33), 7, 2, 1, "weight_t", torch.float16),     # 12 tiles < 7 * 2: all shared out
+    ((45, 130, 27), 4, 1, 2, "weight_t", torch.bfloat16),    # 3 tiles on 4 programs, 2 subtiles
+    ((64, 40, 64), 5, 1, 1, "row_major", torch.bfloat16),    # 3 steps on 5 programs: empty runs
+    ((100, 160, 40), 4, 2, 1, "weight_t", torch.float16),    # 21 tiles: 16 whole, 5 shared out
+    ((16, 300, 16), 6, 1, 1, "row_major", torch.bfloat16),   # one tile, 19 steps over 6 programs
+], ids=["one-sk-tile", "all-sk-fp16", "sub2", "empty-runs", "hybrid-mode2", "one-tile-deep-k"])
+def test_stream_k_matches_reference(shape, programs, mode, sub, b_layout, dtype):
+    m, k, n = shape
+    cfg = gc.GemmConfig(BLOCK_M=16, BLOCK_N=16 * sub, BLOCK_K=16, GROUP_M=2, num_warps=4,
+                        num_stages=1, EPI_SUBTILE=sub, num_programs=programs, stream_k=mode)
+    tiles = -(-m // 16) * -(-n // (16 * sub))
+    assert gc.stream_k_tiles(tiles, programs, mode) > 0, "the case must exercise stream-K"
+    for seed in (30, 31):   # several calls in a row: the tile counters must be back at zero
+        a, b, ref = _operands(m, k, n, dtype, b_layout, seed=seed)
+        out = torch.full((m, n), float("nan"), dtype=dtype)
+        assert gc.matmul(a, b, out=out, config=cfg) is out
+        _assert_close(out, ref, dtype)
+        assert all((c == 0).all() for c in _split_k_counters()), "a tile counter was left non-zero"
+    again = torch.full((m, n), float("nan"), dtype=dtype)
+    gc.matmul(a, b, out=again, config=cfg)
+    assert torch.equal(again, out), "stream-K result changed between identical calls"
+
+
+def test_stream_k_tiles_rule():
+    assert gc.stream_k_tiles(112, 132, 1) == 112          # under one wave: every tile
+    assert gc.stream_k_tiles(264, 132, 1) == 0            # whole waves: nothing to share
+    assert gc.stream_k_tiles(448, 132, 1) == 448 % 132    # the last partial wave
+    assert gc.stream_k_tiles(448, 132, 2) == 448 % 132 + 132
+    assert gc.stream_k_tiles(448, 132, 0) == 0
+    with pytest.raises(ValueError, match="stream_k=3"):
+        gc.GemmConfig(stream_k=3)
+    with pytest.raises(ValueError, match="choose one way of cutting K"):
+        gc.GemmConfig(split_k=2, stream_k=1)
+
+
+def test_stream_k_with_hooks():
+    # wait hook, round order: every tile waits for its rows' chunks (signals pre-set)
+    a, b, ref = _operands(100, 75, 40, torch.bfloat16, "weight_t", seed=32)
+    signal = torch.tensor([5, 6, 5, 5], dtype=torch.int32)
+    out = torch.full((100, 40), float("nan"), dtype=torch.bfloat16)
+    cfg = dataclasses.replace(CFG, num_programs=5, stream_k=1)   # 21 tiles on 5: 1 shared out
+    gc.matmul(a, b, out=out, config=cfg, tile_order="round", start_chunk=2,
+              wait=gc.WaitSpec(signal, generation=5, chunk_m=27, max_spins=10))
+    _assert_close(out, ref, torch.bfloat16)
+    # epilogue hook, owner order, all tiles shared out: chunks routed and published, twice
+    m, k, n, chunk_m = 100, 40, 45, 27
+    dests = [torch.full((chunk_m, n), float("nan"), dtype=torch.bfloat16) for _ in range(4)]
+    signals = torch.zeros(4, dtype=torch.int32)
+    spec = None
+    for generation in (1, 2):
+        a, b, ref = _operands(m, k, n, torch.bfloat16, "row_major", seed=33 + generation)
+        for d in dests:
+            d.fill_(float("nan"))
+        spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m,
+                                            counters=spec.counters if spec else None)
+        gc.matmul(a, b, config=dataclasses.replace(CFG, num_programs=29, stream_k=2), tile_order="owner",
+                  start_chunk=1, epilogue=spec)
+        assert signals.tolist() == [generation] * 4 and spec.counters.tolist() == [0] * 4
+        for c, d in enumerate(dests):
+            rows = min(chunk_m, m - c * chunk_m)
+            _assert_close(d[:rows], ref[c * chunk_m:c * chunk_m + rows], torch.bfloat16)
+    # a failed wait publishes nothing
+    wait = gc.WaitSpec(torch.zeros(4, dtype=torch.int32), generation=1, chunk_m=16, max_spins=5)
+    signals = torch.zeros(4, dtype=torch.int32)
+    epi = gc.EpilogueSpec.from_tensors([torch.empty(16, 32, dtype=torch.bfloat16) for _ in range(4)],
+                                       signals, 1, 16)
+    a, b, _ = _operands(64, 32, 32, torch.bfloat16, "row_major", seed=36)
+    with pytest.raises(TimeoutError):
+        gc.matmul(a, b, config=dataclasses.replace(CFG, num_programs=5, stream_k=1), wait=wait, epilogue=epi)
+    assert signals.tolist() == [0, 0, 0, 0], "garbage chunks must never be signalled ready"
 
 
 def _probe_tile_order(out_ptr, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
@@ -338,10 +414,13 @@ def test_split_k_candidates_only_where_tiles_leave_sms_idle():
 def test_config_dict_round_trip_and_old_cache_entries():
     cfg = gc.GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, split_k=4)
     assert gc.GemmConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
-    old = {k: v for k, v in gc.GemmConfig().to_dict().items() if k != "split_k"}  # before split-K
+    sk = gc.GemmConfig(BLOCK_N=128, stream_k=2)
+    assert gc.GemmConfig.from_dict(json.loads(json.dumps(sk.to_dict()))) == sk
+    old = {k: v for k, v in gc.GemmConfig().to_dict().items()
+           if k not in ("split_k", "stream_k")}  # written before split-K and stream-K existed
     assert gc.GemmConfig.from_dict(old) == gc.GemmConfig()
-    with pytest.raises(ValueError, match="unknown fields.*stream_k"):
-        gc.GemmConfig.from_dict(dict(old, stream_k=True))
+    with pytest.raises(ValueError, match="unknown fields.*cluster"):
+        gc.GemmConfig.from_dict(dict(old, cluster=2))
 
 
 def test_empty_m_and_zero_k():

@@ -221,6 +221,49 @@ def test_split_k_with_wait_hook_signals_preset():
     _assert_close(out, ref, torch.bfloat16)
 
 
+# ---- stream-K ------------------------------------------------------------------------------
+# (shape, config): all tiles shared out (under one wave), the last partial wave only (mode 1),
+# it and one full wave (mode 2), the plain-pointer path, a decode-sized tile.
+@pytest.mark.parametrize("mode,base,shape,b_layout,dtype", [
+    (1, SK_128, (509, 3000, 1000), "weight_t", torch.bfloat16),      # 32 tiles < SMs: all shared
+    (1, SK_256, (2048, 4096, 7168), "weight_t", torch.bfloat16),     # 448 tiles: 52 shared out
+    (2, SK_256, (2048, 4096, 7168), "row_major", torch.float16),     # 184 shared out
+    (1, SK_128, (128, 4091, 771), "row_major", torch.bfloat16),      # plain pointers
+    (1, gc.GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
+     (128, 4096, 3584), "weight_t", torch.bfloat16),                 # decode-like: 112 tiles
+], ids=["all-128-tma", "mode1-256", "mode2-256-row-fp16", "ptr-128", "decode-64"])
+def test_stream_k_matches_reference(mode, base, shape, b_layout, dtype):
+    m, k, n = shape
+    cfg = dataclasses.replace(base, stream_k=mode)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert gc.stream_k_tiles(-(-m // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N), sms, mode) > 0
+    for seed in (16, 17):   # several calls in a row: tile counters must be back at zero
+        a, b, ref = _operands(m, k, n, dtype, b_layout, seed=seed)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        gc.matmul(a, b, out=out, config=cfg)
+        _assert_close(out, ref, dtype)
+        assert _tile_counters_are_zero()
+    for _ in range(20):   # segments finish in another order on every run; the sum's order is fixed
+        again = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        gc.matmul(a, b, out=again, config=cfg)
+        torch.cuda.synchronize()
+        assert torch.equal(again, out), "stream-K result changed between identical calls"
+
+
+def test_stream_k_with_epilogue_hook_several_generations():
+    _epilogue_over_generations(4 * 131, 2048, 1536, 131, dataclasses.replace(SK_256, stream_k=1), start_chunk=1,
+                               seed=18, after=_tile_counters_are_zero)
+
+
+def test_stream_k_with_wait_hook_signals_preset():
+    a, b, ref = _operands(4 * 131, 2048, 1536, torch.bfloat16, "weight_t", seed=19)
+    signal = torch.tensor([4, 9, 4, 5], dtype=torch.int32, device="cuda")
+    out = torch.full((4 * 131, 1536), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gc.matmul(a, b, out=out, config=dataclasses.replace(SK_128, stream_k=1), tile_order="round",
+              start_chunk=2, wait=gc.WaitSpec(signal, 4, 131, timeout_ns=2_000_000_000))
+    _assert_close(out, ref, torch.bfloat16)
+
+
 def test_tune_skips_a_config_that_does_not_compile(tmp_path, monkeypatch):
     monkeypatch.setenv("TPFUSE_CACHE_DIR", str(tmp_path))
     a, b, _ = _operands(256, 1024, 512, torch.bfloat16, "weight_t", seed=15)

@@ -129,6 +129,25 @@ def _epilogue_store(acc, c, off_m, off_n, M, N,
 
 
 @triton.jit
+def _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm, chunk_m,
+               num_chunks, C_DTYPE: tl.constexpr, EPI_SUBTILE: tl.constexpr, USE_TMA: tl.constexpr,
+               EPILOGUE: tl.constexpr, DEST_ALIGNED: tl.constexpr):
+    """Store a whole fp32 tile held in registers, in EPI_SUBTILE column slices."""
+    BLOCK_N: tl.constexpr = acc.shape[1]
+    SUB_N: tl.constexpr = BLOCK_N // EPI_SUBTILE
+    if EPI_SUBTILE == 1:
+        _epilogue_store(acc, c, off_m, off_n, M, N, c, stride_cm, stride_cn, dest_offs, stride_dm,
+                        chunk_m, num_chunks, C_DTYPE, SUB_N, 0, USE_TMA, EPILOGUE, DEST_ALIGNED)
+    else:
+        acc3 = tl.permute(tl.reshape(acc, (acc.shape[0], 2, BLOCK_N // 2)), (0, 2, 1))
+        acc_lo, acc_hi = tl.split(acc3)
+        _epilogue_store(acc_lo, c, off_m, off_n, M, N, c, stride_cm, stride_cn, dest_offs, stride_dm,
+                        chunk_m, num_chunks, C_DTYPE, SUB_N, 0, USE_TMA, EPILOGUE, DEST_ALIGNED)
+        _epilogue_store(acc_hi, c, off_m, off_n, M, N, c, stride_cm, stride_cn, dest_offs, stride_dm,
+                        chunk_m, num_chunks, C_DTYPE, SUB_N, 1, USE_TMA, EPILOGUE, DEST_ALIGNED)
+
+
+@triton.jit
 def _sum_partials(ws_tile, SUB_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   SUB_N: tl.constexpr, SPLIT_K: tl.constexpr):
     """Sum of the SPLIT_K partials of column subtile SUB_IDX, read back in slice order (this
@@ -162,6 +181,78 @@ def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
                 publish(sig, epi_gen)
 
 
+@triton.jit
+def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr, status, verified,
+                 USE_ASM: tl.constexpr):
+    """WAIT hook of one tile: poll every chunk its rows touch that this program has not yet seen
+    ready. Signals only grow within a call, so a chunk seen ready stays ready: bit c of
+    `verified` marks it (chunks >= 62 are polled every time)."""
+    for cc in range(c_lo, c_hi + 1):
+        bit = tl.where(cc < 62, tl.full((), 1, tl.int64) << tl.minimum(cc, 61).to(tl.int64), 0)
+        if ((verified & bit) == 0) & (status == 0):
+            st, seen = wait_geq(wait_signal + cc, wait_gen, wait_timeout, err_ptr, USE_ASM)
+            if st == 1:
+                record_timeout(err_ptr, tile_id, cc, wait_gen, seen)
+            status = st
+            if st == 0:
+                verified = verified | bit
+    return status, verified
+
+
+@triton.jit
+def _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr):
+    """fp32 sum over BLOCK_K steps [k_lo, k_hi) of one tile's A-rows x B-columns."""
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    if USE_TMA:
+        for ki in range(k_lo, k_hi):
+            off_k = ki * BLOCK_K
+            a_blk = a.load([off_m, off_k])
+            if B_KMAJOR:
+                b_blk = b.load([off_n, off_k]).T
+            else:
+                b_blk = b.load([off_k, off_n])
+            acc = tl.dot(a_blk, b_blk, acc)
+    else:
+        offs_k0 = tl.arange(0, BLOCK_K)
+        offs_am = off_m + tl.arange(0, BLOCK_M)
+        offs_bn = off_n + tl.arange(0, BLOCK_N)
+        offs_am = tl.where(offs_am < M, offs_am, 0)   # clamp instead of masking rows
+        offs_bn = tl.where(offs_bn < N, offs_bn, 0)
+        for ki in range(k_lo, k_hi):
+            offs_k = ki * BLOCK_K + offs_k0
+            a_blk = tl.load(a + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                            mask=(offs_k < K)[None, :], other=0.0)
+            b_blk = tl.load(b + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn,
+                            mask=(offs_k < K)[:, None], other=0.0)
+            if DOT_FP32:
+                # TRITON_INTERPRET=1 (triton 3.6) multiplies bf16 bit patterns as integers
+                # in tl.dot; exact fp32 products of the same bf16/fp16 values avoid it.
+                a_blk = a_blk.to(tl.float32)
+                b_blk = b_blk.to(tl.float32)
+            acc = tl.dot(a_blk, b_blk, acc)
+    return acc
+
+
+@triton.jit
+def _sum_segments(ws, q_first, q_last, first_slot, total_steps, num_progs, SUB_IDX: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_N: tl.constexpr):
+    """Stream-K: sum of the partials of one tile's column subtile SUB_IDX, held by programs
+    q_first..q_last (slot `first_slot` of q_first, slot 0 of the others; programs whose run
+    is empty -- more programs than steps -- hold none), in program order."""
+    offs = (tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
+            + (SUB_IDX * SUB_N + tl.arange(0, SUB_N))[None, :])
+    q64 = q_first.to(tl.int64)
+    total = tl.load(ws + (q64 * 2 + first_slot) * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+    for j in tl.range(1, q_last - q_first + 1, num_stages=1):
+        q = q64 + j
+        if (q * total_steps) // num_progs < ((q + 1) * total_steps) // num_progs:
+            # .cg reads at L2, where the other programs' stores went: never a stale L1 line
+            total += tl.load(ws + q * (2 * BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+    return total
+
+
 # Per-call values (generations, timeouts, chunk geometry) and the hook buffers are not
 # specialized on, so a new generation or a new signal pad never compiles a new kernel.
 @triton.jit(do_not_specialize=["chunk_m", "num_chunks", "start_chunk", "wait_gen", "wait_timeout",
@@ -178,14 +269,16 @@ def gemm_kernel(
     wait_signal, wait_gen, wait_timeout, err_ptr,
     # epilogue hook
     dest_offs, stride_dm, signal_ptrs, counters, epi_gen,
-    # split-K: fp32 partials [num_tiles, SPLIT_K, BLOCK_M, BLOCK_N] and int32 [num_tiles] zeros
-    ws, tile_counters,
+    # split-K: fp32 partials [num_tiles, SPLIT_K, BLOCK_M, BLOCK_N] and int32 [num_tiles] zeros;
+    # stream-K: fp32 partials [programs, 2, BLOCK_M, BLOCK_N], the same counters, and the number
+    # of tiles (the last ones of the order) that are shared out by K-steps
+    ws, tile_counters, sk_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SUBTILE: tl.constexpr, TILE_ORDER: tl.constexpr, USE_TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, C_DTYPE: tl.constexpr,
     WAIT: tl.constexpr, EPILOGUE: tl.constexpr, USE_ASM: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_FP32: tl.constexpr,
-    DEST_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr,
+    DEST_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr, STREAM_K: tl.constexpr,
 ):
     start_pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -196,14 +289,15 @@ def gemm_kernel(
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
     num_tiles = num_pid_m * num_pid_n
     k_tiles = (K + BLOCK_K - 1) // BLOCK_K
-    offs_k0 = tl.arange(0, BLOCK_K)
     SUB_N: tl.constexpr = BLOCK_N // EPI_SUBTILE
     status = tl.full((), 0, tl.int32)  # 0 until a wait of this program fails
     verified = tl.full((), 0, tl.int64)  # WAIT: bit c set once signal[c] >= wait_gen was seen
     pend_lo = tl.full((), 0, tl.int32)   # EPILOGUE: chunks of the previous tile, counted late
     pend_hi = tl.full((), -1, tl.int32)
 
-    if SPLIT_K == 1:
+    if STREAM_K:
+        num_work = num_tiles - sk_tiles   # whole tiles first; the last sk_tiles after the loop
+    elif SPLIT_K == 1:
         num_work = num_tiles
     else:
         num_work = num_tiles * SPLIT_K
@@ -230,45 +324,10 @@ def gemm_kernel(
             c_lo = 0
             c_hi = 0
         if WAIT:
-            # Signals only grow within a call, so a chunk seen ready stays ready: each program
-            # polls a chunk once (bit c of `verified`, chunks >= 62 are polled every time).
-            for cc in range(c_lo, c_hi + 1):
-                bit = tl.where(cc < 62, tl.full((), 1, tl.int64) << tl.minimum(cc, 61).to(tl.int64), 0)
-                if ((verified & bit) == 0) & (status == 0):
-                    st, seen = wait_geq(wait_signal + cc, wait_gen, wait_timeout, err_ptr, USE_ASM)
-                    if st == 1:
-                        record_timeout(err_ptr, tile_id, cc, wait_gen, seen)
-                    status = st
-                    if st == 0:
-                        verified = verified | bit
-
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        if USE_TMA:
-            for ki in range(k_lo, k_hi):
-                off_k = ki * BLOCK_K
-                a_blk = a.load([off_m, off_k])
-                if B_KMAJOR:
-                    b_blk = b.load([off_n, off_k]).T
-                else:
-                    b_blk = b.load([off_k, off_n])
-                acc = tl.dot(a_blk, b_blk, acc)
-        else:
-            offs_am = off_m + tl.arange(0, BLOCK_M)
-            offs_bn = off_n + tl.arange(0, BLOCK_N)
-            offs_am = tl.where(offs_am < M, offs_am, 0)   # clamp instead of masking rows
-            offs_bn = tl.where(offs_bn < N, offs_bn, 0)
-            for ki in range(k_lo, k_hi):
-                offs_k = ki * BLOCK_K + offs_k0
-                a_blk = tl.load(a + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                                mask=(offs_k < K)[None, :], other=0.0)
-                b_blk = tl.load(b + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn,
-                                mask=(offs_k < K)[:, None], other=0.0)
-                if DOT_FP32:
-                    # TRITON_INTERPRET=1 (triton 3.6) multiplies bf16 bit patterns as integers
-                    # in tl.dot; exact fp32 products of the same bf16/fp16 values avoid it.
-                    a_blk = a_blk.to(tl.float32)
-                    b_blk = b_blk.to(tl.float32)
-                acc = tl.dot(a_blk, b_blk, acc)
+            status, verified = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout,
+                                            err_ptr, status, verified, USE_ASM)
+        acc = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk,
+                        stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32)
 
         if SPLIT_K == 1:
             if EPILOGUE:
@@ -278,19 +337,8 @@ def gemm_kernel(
                                    epi_gen, status, BLOCK_M)
                 pend_lo = c_lo
                 pend_hi = c_hi
-            if EPI_SUBTILE == 1:
-                _epilogue_store(acc, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
-                                USE_TMA, EPILOGUE, DEST_ALIGNED)
-            else:
-                acc3 = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-                acc_lo, acc_hi = tl.split(acc3)
-                _epilogue_store(acc_lo, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
-                                USE_TMA, EPILOGUE, DEST_ALIGNED)
-                _epilogue_store(acc_hi, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 1,
-                                USE_TMA, EPILOGUE, DEST_ALIGNED)
+            _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
+                       chunk_m, num_chunks, C_DTYPE, EPI_SUBTILE, USE_TMA, EPILOGUE, DEST_ALIGNED)
         else:
             if EPILOGUE:   # the previous stored tile, as above
                 _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
@@ -329,6 +377,91 @@ def gemm_kernel(
                     _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
                                     dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 1,
                                     USE_TMA, EPILOGUE, DEST_ALIGNED)
+    if STREAM_K:
+        # The last sk_tiles tiles of the order, shared out by K-steps: their total_steps steps
+        # are cut into num_progs equal runs [lo, hi), one per program, so every SM gets the
+        # same work. A run covers pieces of consecutive tiles ("segments"); a whole tile is
+        # stored at once, a partial one goes to this program's workspace slot (0: the segment
+        # that starts the run, 1: the one that ends it) and is counted in the tile's counter
+        # by its K-steps; the segment that brings the count to k_tiles sums the tile's
+        # partials in program order -- the same sum whoever comes last -- and stores the tile.
+        sk_first = num_tiles - sk_tiles
+        total_steps = sk_tiles * k_tiles
+        lo = (start_pid * total_steps) // num_progs
+        hi = ((start_pid + 1) * total_steps) // num_progs
+        offs_ws = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        it = lo
+        while it < hi:
+            sk_idx = it // k_tiles
+            k_lo = it - sk_idx * k_tiles
+            k_hi = tl.minimum(k_tiles, k_lo + (hi - it))
+            tile_id = sk_first + sk_idx
+            pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks,
+                                        start_chunk, BLOCK_M, GROUP_M, TILE_ORDER)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            if WAIT or EPILOGUE:
+                c_lo = off_m // chunk_m
+                c_hi = (tl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
+            else:
+                c_lo = 0
+                c_hi = 0
+            if WAIT:
+                status, verified = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen,
+                                                wait_timeout, err_ptr, status, verified, USE_ASM)
+            acc = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak,
+                            stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR,
+                            DOT_FP32)
+            if EPILOGUE:   # the previous stored tile, counted late as in the loop above
+                _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                                   epi_gen, status, BLOCK_M)
+            if (k_lo == 0) & (k_hi == k_tiles):
+                _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
+                           chunk_m, num_chunks, C_DTYPE, EPI_SUBTILE, USE_TMA, EPILOGUE, DEST_ALIGNED)
+                if EPILOGUE:
+                    pend_lo = c_lo
+                    pend_hi = c_hi
+            else:
+                slot = tl.where(it == lo, 0, 1)
+                ws_slot = ws + (start_pid.to(tl.int64) * 2 + slot) * (BLOCK_M * BLOCK_N)
+                tl.store(ws_slot + offs_ws, acc)
+                tl.debug_barrier()
+                steps = k_hi - k_lo
+                arrived = tl.atomic_add(tile_counters + tile_id, steps, sem="acq_rel", scope="gpu")
+                is_last = arrived + steps == k_tiles
+                if EPILOGUE:
+                    pend_lo = c_lo
+                    pend_hi = tl.where(is_last, c_hi, c_lo - 1)   # empty unless this one stores
+                if is_last:
+                    # Every other segment's release is acquired, so their partials are visible.
+                    tl.atomic_xchg(tile_counters + tile_id, 0, sem="relaxed", scope="gpu")
+                    if WAIT:
+                        # A segment whose wait failed (maybe on another program) fed garbage
+                        # into this tile: never publish its chunks.
+                        if tl.load(err_ptr, volatile=True) != 0:
+                            status = tl.full((), 2, tl.int32)
+                    # Programs holding this tile's segments: the owners of its first and last
+                    # steps (owner(i) = the largest p with lo_p <= i). q_first's segment is
+                    # in its slot 0 only if its run starts exactly at the tile's first step.
+                    t_start = sk_idx * k_tiles
+                    q_first = ((t_start + 1) * num_progs - 1) // total_steps
+                    q_last = ((t_start + k_tiles) * num_progs - 1) // total_steps
+                    first_slot = tl.where((q_first * total_steps) // num_progs == t_start, 0, 1)
+                    if EPI_SUBTILE == 1:
+                        total = _sum_segments(ws, q_first, q_last, first_slot, total_steps, num_progs, 0, BLOCK_M, BLOCK_N, SUB_N)
+                        _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
+                                        dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
+                                        USE_TMA, EPILOGUE, DEST_ALIGNED)
+                    else:
+                        total = _sum_segments(ws, q_first, q_last, first_slot, total_steps, num_progs, 0, BLOCK_M, BLOCK_N, SUB_N)
+                        _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
+                                        dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
+                                        USE_TMA, EPILOGUE, DEST_ALIGNED)
+                        total = _sum_segments(ws, q_first, q_last, first_slot, total_steps, num_progs, 1, BLOCK_M, BLOCK_N, SUB_N)
+                        _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
+                                        dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 1,
+                                        USE_TMA, EPILOGUE, DEST_ALIGNED)
+            it = it + (k_hi - k_lo)
     if EPILOGUE:
         _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
                            epi_gen, status, BLOCK_M)
