@@ -5,6 +5,7 @@
 # Usage (repo root, on the GPU machine):  OUT=/some/dir bash scripts/gpu_check.sh [quick]
 #   quick: tests and demo only.  SKIP_DEMO=1: no demo.  *_LIMIT_S: wall-clock caps of the steps.
 #     TESTS: pytest paths (default tests/gpu).   BENCH_LIMIT_S (default 330): wall-clock cap of the benchmark;
+#     CALIB_LIMIT_S (default 300): of the calibration;
 #   it writes its JSON after every shape, so a capped run keeps the shapes it finished.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -40,7 +41,7 @@ if [ "${1:-}" != "quick" ]; then
   fi
   step gemm_bench timeout "${BENCH_LIMIT_S:-330}" $PY benchmarks/gemm_core.py --out "$OUT" --tune-rep 10 --rep 30 --rounds 3
   if [ "${CALIBRATE:-0}" = 1 ]; then
-    step calibrate $PY benchmarks/calibrate_gemm.py --out "$OUT"
+    step calibrate timeout "${CALIB_LIMIT_S:-300}" $PY benchmarks/calibrate_gemm.py --out "$OUT"
   fi
 fi
 cat "$OUT/gpu.txt"
