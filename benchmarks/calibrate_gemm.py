@@ -6,7 +6,7 @@
                                                 # refit from saved grid timings, no GPU needed
 
 (a) Times ``torch.matmul`` (bf16, random data, rotating input sets larger than L2,
-``triton.testing.do_bench`` median) on a calibration grid of shapes and fits the nine GEMM
+``triton.testing.do_bench`` median) on a calibration grid of shapes and fits the ten GEMM
 fields of ``tpfuse.model.hardware.HardwareProfile`` (Nelder-Mead on squared log error).
 (b) Times the per-rank shapes of the workload matrix (W = 2, 4, 8; fc1 and fc2; full M and the
 M/W chunk; decode) -- these are *not* used in the fit -- and compares them with the prediction
@@ -54,6 +54,7 @@ FIT_FIELDS: tuple[tuple[str, float, float], ...] = (
     ("gemm_launch_us", 0.0, 20.0),
     ("gemm_throttle", 0.0, 0.3),
     ("gemm_throttle_ms", 0.01, 20.0),
+    ("hbm_latency_us", 0.0, 20.0),
 )
 
 # Calibration grid: M from decode to training sizes; (N, K) pairs that span the Llama-like range
@@ -111,6 +112,17 @@ def measure_cuda(m: int, n: int, k: int, dtype: torch.dtype, layout: str = "tn")
     return float(ms)
 
 
+def timed_passes(shapes, measure, dtype, layout: str, passes: int, what: str) -> dict:
+    """{(m, n, k): [ms of pass 1, ..., ms of pass `passes`]}, each pass a sweep over all shapes."""
+    out: dict[tuple[int, int, int], list[float]] = {s: [] for s in shapes}
+    for p in range(passes):
+        t0 = time.time()
+        for (m, n, k) in out:
+            out[(m, n, k)].append(measure(m, n, k, dtype, layout))
+        print(f"{what} pass {p + 1}/{passes}: {len(out)} shapes ({layout}) in {time.time() - t0:.0f} s", flush=True)
+    return out
+
+
 def measure_cpu(m: int, n: int, k: int, dtype: torch.dtype, layout: str = "tn") -> float:
     """Dry-run stand-in: median wall time of a CPU matmul (numbers mean nothing for a GPU)."""
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
@@ -129,7 +141,8 @@ def profile_from_params(base: hardware.HardwareProfile, x: np.ndarray) -> hardwa
         base, gemm_eff_max=v["gemm_eff_max"], gemm_k_half=v["gemm_k_half"],
         gemm_tile_rel=(1.0, v["tile_rel_1"], v["tile_rel_2"]), hbm_eff=v["hbm_eff"],
         gemm_blend_p=v["gemm_blend_p"], gemm_launch_us=v["gemm_launch_us"],
-        gemm_throttle=v["gemm_throttle"], gemm_throttle_ms=v["gemm_throttle_ms"])
+        gemm_throttle=v["gemm_throttle"], gemm_throttle_ms=v["gemm_throttle_ms"],
+        hbm_latency_us=v["hbm_latency_us"])
 
 
 def overrides_from_params(x: np.ndarray) -> dict:
@@ -137,7 +150,8 @@ def overrides_from_params(x: np.ndarray) -> dict:
     return {"gemm_eff_max": v["gemm_eff_max"], "gemm_k_half": v["gemm_k_half"],
             "gemm_tile_rel": [1.0, v["tile_rel_1"], v["tile_rel_2"]], "hbm_eff": v["hbm_eff"],
             "gemm_blend_p": v["gemm_blend_p"], "gemm_launch_us": v["gemm_launch_us"],
-            "gemm_throttle": v["gemm_throttle"], "gemm_throttle_ms": v["gemm_throttle_ms"]}
+            "gemm_throttle": v["gemm_throttle"], "gemm_throttle_ms": v["gemm_throttle_ms"],
+            "hbm_latency_us": v["hbm_latency_us"]}
 
 
 def _loss(x, base, shapes, measured_log, dtype_name):
@@ -190,9 +204,9 @@ def fit(base: hardware.HardwareProfile, grid: list[dict], dtype_name: str) -> tu
     shapes = [(r["m"], r["n"], r["k"]) for r in grid]
     measured_log = np.log([r["measured_ms"] for r in grid])
     f = lambda x: _loss(x, base, shapes, measured_log, dtype_name)  # noqa: E731
-    starts = [np.array([0.8, 128, 0.85, 0.65, 0.8, 3.0, 6.0, 0.1, 1.0]),
-              np.array([0.75, 512, 0.7, 0.5, 0.7, 2.0, 10.0, 0.0, 0.3]),
-              np.array([0.9, 32, 0.95, 0.8, 0.9, 6.0, 3.0, 0.15, 3.0])]
+    starts = [np.array([0.8, 128, 0.85, 0.65, 0.8, 3.0, 6.0, 0.1, 1.0, 0.0]),
+              np.array([0.75, 512, 0.7, 0.5, 0.7, 2.0, 10.0, 0.0, 0.3, 5.0]),
+              np.array([0.9, 32, 0.95, 0.8, 0.9, 6.0, 3.0, 0.15, 3.0, 2.0])]
     best_x, best_f = None, math.inf
     for x0 in starts:
         x, fx = nelder_mead(f, x0, step=np.abs(x0) * 0.2 + 0.05)
@@ -232,6 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", choices=("tn", "nn"), default="tn",
                     help="b operand of the fit and the check: tn = weight.t() of an [N, K] weight, as the "
                          "layers and `tpfuse bench` pass it (default); nn = row-major [K, N]")
+    ap.add_argument("--update", metavar="CAL_JSON",
+                    help="also write the fitted GEMM fields, the grid and this run's meta into that "
+                         "calibration file (e.g. tpfuse/model/calibration/h200.json), keeping its "
+                         "other entries (the NCCL table)")
+    ap.add_argument("--passes", type=int, default=3,
+                    help="sweeps over the workload shapes; each keeps the median of its passes (default 3)")
+    ap.add_argument("--grid-passes", type=int, default=2, help="the same for the fit grid (default 2)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time M in (64, 128) x N in 8192..57344 (step 2048) x K in (8192, 16384) in both "
                          "layouts: a diagnostic of cuBLAS's small-M kernel choice, not used in the fit")
@@ -251,8 +272,15 @@ def main(argv: list[str] | None = None) -> int:
         meta = dict(old["meta"])
         old_rows = json.loads((Path(args.refit).parent / f"gemm_calibration_{args.profile}.json")
                               .read_text())["rows"]
-        work = [(r["name"], r["m"], r["n"], r["k"], r["measured_ms"]) for r in old_rows]
-        meta["refit"] = " ".join(sys.argv)
+        # Where the passes were saved, their median is the measurement (files written before
+        # the median rule kept the fastest pass).
+        grid = [dict(r, measured_ms=statistics.median(r["passes_ms"])) if r.get("passes_ms") else r
+                for r in grid]
+        passes = {(r["m"], r["n"], r["k"]): statistics.median(r["passes_ms"])
+                  for r in meta.get("passes", {}).get("workload_passes_ms", [])}
+        work = [(r["name"], r["m"], r["n"], r["k"], passes.get((r["m"], r["n"], r["k"]), r["measured_ms"]))
+                for r in old_rows]
+        meta["refit"] = " ".join(["python3"] + sys.argv)
     else:
         use_cuda = torch.cuda.is_available() and not args.dry_run
         if not use_cuda and not args.dry_run:
@@ -272,38 +300,39 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "triton": triton_version,
             "command": " ".join(["python3"] + sys.argv), "dtype": dtype_name, "dry_run": args.dry_run,
             "layout": args.layout,
-            "timing": "triton.testing.do_bench median, warmup 10 ms, rep 40 ms, rotating inputs >= 3x L2"
+            "timing": "triton.testing.do_bench median, warmup 10 ms, rep 40 ms, rotating inputs >= 3x L2; "
+                      "the median of the passes' medians"
             if use_cuda else "CPU perf_counter median of 5",
         }
         shapes = DRY_RUN_GRID if args.dry_run else (
             [(m, n, k) for m in GRID_M for (n, k) in GRID_NK]
             + [(m, n, k) for m in GRID_M_SMALL for (n, k) in GRID_NK_WIDE])
-        grid = []
-        for i, (m, n, k) in enumerate(shapes):
-            ms = measure(m, n, k, dtype, args.layout)
-            grid.append({"m": m, "n": n, "k": k, "measured_ms": ms})
-            print(f"grid {i + 1}/{len(shapes)} {m}x{n}x{k}: {ms:.4f} ms "
-                  f"({2 * m * n * k / ms / 1e9:.1f} TFLOP/s)", flush=True)
-        work = []
-        cache: dict[tuple[int, int, int], float] = {}
+        # Every shape is timed in `passes` sweeps over the whole list (clocks drift with power
+        # and heat over seconds, so passes far apart in time see different clocks), keeping the
+        # median of the passes' medians: neither a lucky boost nor a throttled moment. The
+        # spread between passes is kept, per shape and as a summary.
+        grid_t = timed_passes(shapes, measure, dtype, args.layout, args.grid_passes, "grid")
+        grid = [{"m": m, "n": n, "k": k, "measured_ms": statistics.median(t), "passes_ms": t}
+                for (m, n, k), t in grid_t.items()]
+        work_shapes = workload_shapes(args.dry_run)
+        uniq = list(dict.fromkeys((m, n, k) for _, m, n, k in work_shapes))
+        work_t = timed_passes(uniq, measure, dtype, args.layout, args.passes, "workload")
+        work = [(name, m, n, k, statistics.median(work_t[(m, n, k)])) for name, m, n, k in work_shapes]
         other = "nn" if args.layout == "tn" else "tn"
-        other_ms: dict[tuple[int, int, int], float] = {}
-        for i, (name, m, n, k) in enumerate(workload_shapes(args.dry_run)):
-            if (m, n, k) not in cache:
-                cache[(m, n, k)] = measure(m, n, k, dtype, args.layout)
-                other_ms[(m, n, k)] = measure(m, n, k, dtype, other)
-            work.append((name, m, n, k, cache[(m, n, k)]))
+        other_t = timed_passes(uniq, measure, dtype, other, 1, f"workload ({other})")
         meta["other_layout"] = {"layout": other, "note": "the same workload shapes timed with the other "
-                                "b layout, for the record (not used in the fit or the check)",
-                                "rows": [{"m": m, "n": n, "k": k, "measured_ms": v}
-                                         for (m, n, k), v in other_ms.items()]}
-        repeat = [(m, n, k) for (m, n, k) in list(cache)[:: max(1, len(cache) // 8)]]
-        meta["repeat"] = [{"m": m, "n": n, "k": k, "first_ms": cache[(m, n, k)],
-                           "again_ms": measure(m, n, k, dtype, args.layout)} for (m, n, k) in repeat]
-        meta["repeat_max_abs_rel_diff"] = max(abs(r["again_ms"] / r["first_ms"] - 1) for r in meta["repeat"])
-        print(f"measured {len(grid)} grid + {len(cache)} workload shapes in {time.time() - t_start:.0f} s; "
-              f"re-timing {len(repeat)} of them differed by up to "
-              f"{100 * meta['repeat_max_abs_rel_diff']:.1f}%", flush=True)
+                                "b layout in one pass, for the record (not used in the fit or the check)",
+                                "rows": [{"m": m, "n": n, "k": k, "measured_ms": t[0]}
+                                         for (m, n, k), t in other_t.items()]}
+        meta["passes"] = {"grid": args.grid_passes, "workload": args.passes,
+                          "workload_passes_ms": [{"m": m, "n": n, "k": k, "passes_ms": t}
+                                                 for (m, n, k), t in work_t.items()]}
+        spread = [max(t) / min(t) - 1 for t in list(grid_t.values()) + list(work_t.values()) if len(t) > 1]
+        meta["pass_spread_max"] = max(spread) if spread else 0.0
+        meta["pass_spread_median"] = statistics.median(spread) if spread else 0.0
+        print(f"measured {len(grid)} grid + {len(uniq)} workload shapes in {time.time() - t_start:.0f} s; "
+              f"slowest/fastest pass of one shape: median {100 * meta['pass_spread_median']:.1f}%, "
+              f"max {100 * meta['pass_spread_max']:.1f}%", flush=True)
 
     if args.sweep and not args.refit:
         sweep = []
@@ -347,6 +376,19 @@ def main(argv: list[str] | None = None) -> int:
     }
     report = {"meta": meta, "summary": summary, "overrides": calibration["overrides"], "rows": rows}
     (out_dir / f"gemm_calibration_{args.profile}.json").write_text(json.dumps(report, indent=1) + "\n")
+
+    if args.update:
+        upd = Path(args.update)
+        packaged = hardware.load_calibration(upd)
+        packaged["overrides"].update(calibration["overrides"])
+        packaged["meta"] = meta
+        packaged["grid"] = grid
+        when = f"{meta.get('date', '?')}, {meta.get('gpu', '?')}"
+        packaged.setdefault("sources", {}).update(
+            {key: f"fitted {when} by benchmarks/calibrate_gemm.py (cuBLAS, layout {meta.get('layout', 'nn')}; "
+                  f"{len(grid)} grid shapes)" for key in calibration["overrides"]})
+        upd.write_text(json.dumps(packaged, indent=1) + "\n")
+        print(f"updated {upd}")
 
     print(f"\nfitted {args.profile}: {json.dumps(calibration['overrides'])}")
     print(f"grid: max |err| {100 * summary['grid_max_abs_rel_err']:.1f}%, "

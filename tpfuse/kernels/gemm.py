@@ -390,11 +390,15 @@ def gemm_kernel(
         lo = (start_pid * total_steps) // num_progs
         hi = ((start_pid + 1) * total_steps) // num_progs
         offs_ws = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        it = lo
-        while it < hi:
-            sk_idx = it // k_tiles
+        # A for loop over the run's segments (a while loop kept the K loop inside it from
+        # being software-pipelined): segment s is the part of tile first_idx + s in [lo, hi).
+        first_idx = lo // k_tiles
+        num_segs = tl.where(hi > lo, (hi - 1) // k_tiles - first_idx + 1, 0)
+        for seg in range(0, num_segs):
+            sk_idx = first_idx + seg
+            it = tl.maximum(lo, sk_idx * k_tiles)
             k_lo = it - sk_idx * k_tiles
-            k_hi = tl.minimum(k_tiles, k_lo + (hi - it))
+            k_hi = tl.minimum(hi - sk_idx * k_tiles, k_tiles)
             tile_id = sk_first + sk_idx
             pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks,
                                         start_chunk, BLOCK_M, GROUP_M, TILE_ORDER)
@@ -461,7 +465,6 @@ def gemm_kernel(
                         _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
                                         dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 1,
                                         USE_TMA, EPILOGUE, DEST_ALIGNED)
-            it = it + (k_hi - k_lo)
     if EPILOGUE:
         _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
                            epi_gen, status, BLOCK_M)

@@ -1,7 +1,8 @@
 """Costs of the pieces a fused op is made of: a GEMM (chunk) and a transfer (chunk), in milliseconds.
 
-GEMM: a roofline on ``FLOPs / F_eff(shape)`` and ``bytes / (HBM * hbm_eff)``, blended by a p-norm
-(so a shape near the ridge is slower than either bound alone), plus a launch overhead::
+GEMM: a roofline on ``FLOPs / F_eff(shape)`` and ``bytes / (HBM * hbm_eff) + hbm_latency``,
+blended by a p-norm (so a shape near the ridge is slower than either bound alone), plus a launch
+overhead::
 
     F_eff = peak * gemm_eff_max * throttle(t0) * rel(tile) * k' / (k' + gemm_k_half) * util(tile, split)
     util  = m * n * split / (waves * num_sms * tile_m * tile_n),  waves = ceil(tiles * split / num_sms)
@@ -99,7 +100,8 @@ def _gemm_time_ms(m, n, k, dtype, hw, sms, hbm_share, launch) -> float:
         t0 = flops / (hw.tflops(dtype) * 1e12 * hw.gemm_eff_max) * 1e3
         peak *= 1.0 - hw.gemm_throttle * t0 / (t0 + hw.gemm_throttle_ms)
     peak *= sms / hw.sm_count  # the SMs this GEMM gets (others may be moving bytes)
-    t_mem = elt * (m * k + k * n + m * n) / (hw.hbm_gbps * 1e9 * hw.hbm_eff * hbm_share)
+    t_mem = (elt * (m * k + k * n + m * n) / (hw.hbm_gbps * 1e9 * hw.hbm_eff * hbm_share)
+             + hw.hbm_latency_us * 1e-6)
     p = hw.gemm_blend_p
     best = math.inf
     for (tile_m, tile_n), rel in zip(TILE_SHAPES, hw.gemm_tile_rel):

@@ -61,8 +61,9 @@ class HardwareProfile:
     wave utilisation over the tile shapes a library picks from (smaller tiles pay
     ``gemm_tile_rel``) and by ``1 - gemm_throttle * t0 / (t0 + gemm_throttle_ms)`` for long
     kernels (power-limited clocks), blended with the HBM roofline ``bytes / (hbm * hbm_eff)`` by
-    a p-norm of order ``gemm_blend_p``, plus ``gemm_launch_us``.  Those nine numbers are what
-    ``benchmarks/calibrate_gemm.py`` fits.
+    a p-norm of order ``gemm_blend_p``, plus ``gemm_launch_us``; the HBM bound has a fixed ramp
+    ``hbm_latency_us`` (a memory-bound GEMM fills and drains its stream of loads).  Those ten
+    numbers are what ``benchmarks/calibrate_gemm.py`` fits.
     """
 
     name: str
@@ -98,6 +99,7 @@ class HardwareProfile:
     gemm_launch_us: float = 6.0
     gemm_throttle: float = 0.0  # rate lost to power-limited clocks by a long GEMM (fraction)
     gemm_throttle_ms: float = 1.0  # GEMM length (ms at burst rate) at which half of it is lost
+    hbm_latency_us: float = 0.0  # fixed ramp of the HBM stream (fill and drain) beyond the launch
     # host time a ring step costs beyond unfused (Python issue of the P2P exchange, events, the
     # per-step GEMM and casts); a step's GEMM cannot start before the host has issued it
     ring_step_host_us: float = 60.0
