@@ -116,6 +116,12 @@ def _gemm_time_ms(m, n, k, dtype, hw, sms, hbm_share, launch) -> float:
             t_comp = flops / (peak * rel * k_eff * util) if k > 0 else 0.0
             t = (t_comp ** p + t_mem ** p) ** (1.0 / p)
             best = min(best, t)
+        if hw.gemm_streamk_rel > 0 and k > 0:
+            # stream-K: K-steps shared out evenly over the SMs, so no wave quantization (only the
+            # padding of partial tiles), at a fitted cost for the fix-up of split tiles
+            util = m * n / (tiles * tile_m * tile_n)
+            t_comp = flops / (peak * rel * hw.gemm_streamk_rel * (k / (k + hw.gemm_k_half)) * util)
+            best = min(best, (t_comp ** p + t_mem ** p) ** (1.0 / p))
     return best * 1e3 + (hw.gemm_launch_us * 1e-3 if launch else 0.0)
 
 

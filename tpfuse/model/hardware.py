@@ -100,6 +100,7 @@ class HardwareProfile:
     gemm_throttle: float = 0.0  # rate lost to power-limited clocks by a long GEMM (fraction)
     gemm_throttle_ms: float = 1.0  # GEMM length (ms at burst rate) at which half of it is lost
     hbm_latency_us: float = 0.0  # fixed ramp of the HBM stream (fill and drain) beyond the launch
+    gemm_streamk_rel: float = 0.0  # efficiency of a stream-K kernel (no wave quantization); 0 = none
     # host time a ring step costs beyond unfused (Python issue of the P2P exchange, events, the
     # per-step GEMM and casts); a step's GEMM cannot start before the host has issued it
     ring_step_host_us: float = 60.0
