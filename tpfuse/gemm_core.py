@@ -229,6 +229,8 @@ def _stream_k_candidates(m: int, n: int, k: int, num_sms: int) -> list[GemmConfi
         for mode in modes:
             if stream_k_tiles(tiles, num_sms, mode) * k_steps >= 8 * num_sms:
                 out.append(dataclasses.replace(base, stream_k=mode))
+                if mode == 1:   # the segment loop flattened into its K loop (one pipelined loop)
+                    out.append(dataclasses.replace(base, stream_k=mode, flatten=True))
     return out
 
 

@@ -394,7 +394,7 @@ def gemm_kernel(
         # being software-pipelined): segment s is the part of tile first_idx + s in [lo, hi).
         first_idx = lo // k_tiles
         num_segs = tl.where(hi > lo, (hi - 1) // k_tiles - first_idx + 1, 0)
-        for seg in range(0, num_segs):
+        for seg in tl.range(0, num_segs, flatten=FLATTEN):
             sk_idx = first_idx + seg
             it = tl.maximum(lo, sk_idx * k_tiles)
             k_lo = it - sk_idx * k_tiles
