@@ -27,6 +27,7 @@ import dataclasses
 import datetime as dt
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -114,11 +115,16 @@ def measure_cuda(m: int, n: int, k: int, dtype: torch.dtype, layout: str = "tn")
 
 
 def timed_passes(shapes, measure, dtype, layout: str, passes: int, what: str) -> dict:
-    """{(m, n, k): [ms of pass 1, ..., ms of pass `passes`]}, each pass a sweep over all shapes."""
+    """{(m, n, k): [ms of pass 1, ..., ms of pass `passes`]}, each pass a sweep over all shapes
+    in its own shuffled order (fixed seeds): clocks depend on what ran just before (a large
+    GEMM heats the GPU and lowers the clocks of the next seconds), so a fixed order would bias
+    the same shapes in every pass."""
     out: dict[tuple[int, int, int], list[float]] = {s: [] for s in shapes}
     for p in range(passes):
         t0 = time.time()
-        for (m, n, k) in out:
+        order = list(out)
+        random.Random(1000 + p).shuffle(order)
+        for (m, n, k) in order:
             out[(m, n, k)].append(measure(m, n, k, dtype, layout))
         print(f"{what} pass {p + 1}/{passes}: {len(out)} shapes ({layout}) in {time.time() - t0:.0f} s", flush=True)
     return out
@@ -287,8 +293,6 @@ def main(argv: list[str] | None = None) -> int:
         if not use_cuda and not args.dry_run:
             ap.error("no CUDA device: run on the GPU, or pass --dry-run for a CPU smoke test")
         measure = measure_cuda if use_cuda else measure_cpu
-        if use_cuda:
-            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True  # torch default
         import importlib.metadata as md
         try:
             triton_version = md.version("triton")
@@ -301,6 +305,13 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "triton": triton_version,
             "command": " ".join(["python3"] + sys.argv), "dtype": dtype_name, "dry_run": args.dry_run,
             "layout": args.layout,
+            # as the library runs: cuBLAS settings left at torch's defaults, recorded here (setting
+            # allow_bf16_reduced_precision_reduction = True explicitly, as this script did before
+            # 2026-11-30, measured some shapes 10-15 % slower)
+            "cublas_settings": {
+                "allow_bf16_reduced_precision_reduction":
+                    str(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
+                "allow_tf32": torch.backends.cuda.matmul.allow_tf32},
             "timing": "triton.testing.do_bench median, warmup 10 ms, rep 40 ms, rotating inputs >= 3x L2; "
                       "the median of the passes' medians"
             if use_cuda else "CPU perf_counter median of 5",
