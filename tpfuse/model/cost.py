@@ -11,7 +11,8 @@ overhead::
 time at the burst rate) multiplies F_eff: long GEMMs run at power-limited clocks.
 ``util`` is wave quantization plus the padding of a partial tile; the library (cuBLAS or our
 persistent kernel) is assumed to pick the best of a few tile shapes and split-K factors, the
-smaller tiles paying ``rel``; ``k' = k / split`` makes small K lose efficiency (prologue and
+smaller tiles paying ``rel``, or a stream-K kernel of a tile (``util`` = padding only, at
+``gemm_streamk_rel``); ``k' = k / split`` makes small K lose efficiency (prologue and
 epilogue of a tile are not amortised).
 
 Transfer: ``alpha + bytes / B_eff`` where ``B_eff`` depends on who moves the bytes: NCCL (ring,

@@ -62,8 +62,9 @@ class HardwareProfile:
     ``gemm_tile_rel``) and by ``1 - gemm_throttle * t0 / (t0 + gemm_throttle_ms)`` for long
     kernels (power-limited clocks), blended with the HBM roofline ``bytes / (hbm * hbm_eff)`` by
     a p-norm of order ``gemm_blend_p``, plus ``gemm_launch_us``; the HBM bound has a fixed ramp
-    ``hbm_latency_us`` (a memory-bound GEMM fills and drains its stream of loads).  Those ten
-    numbers are what ``benchmarks/calibrate_gemm.py`` fits.
+    ``hbm_latency_us`` (a memory-bound GEMM fills and drains its stream of loads), and a stream-K
+    variant of each tile (no wave quantization) runs at ``gemm_streamk_rel`` of its rate.  Those
+    eleven numbers are what ``benchmarks/calibrate_gemm.py`` fits.
     """
 
     name: str
