@@ -411,6 +411,24 @@ def test_split_k_candidates_only_where_tiles_leave_sms_idle():
     assert not splits(512, 3584, 4096, num_sms=32)   # 56 tiles fill 32 SMs
 
 
+def test_stream_k_candidates_only_for_ragged_waves():
+    def sk(m, n, k, num_sms=132):
+        return [c for c in gc.candidate_configs(m, n, k, num_sms=num_sms) if c.stream_k]
+    # whole waves, or many waves (the tail is a small part): none
+    assert not sk(16384, 3584, 4096) and not sk(4096, 8192, 3584)
+    assert not sk(128 * 33, 256 * 4, 4096)   # 132 tiles of 128x256 and of 128x128 -> 264: whole waves
+    # under one wave (8B fc1, M = 512) and a ragged fourth wave (70B fc1, M = 2048): some, each
+    # leaving every program >= 8 steps
+    for m, n, k in [(512, 3584, 4096), (2048, 7168, 8192)]:
+        cands = sk(m, n, k)
+        assert cands, (m, n, k)
+        for c in cands:
+            tiles = -(-m // c.BLOCK_M) * -(-n // c.BLOCK_N)
+            assert tiles % 132 and tiles < 4 * 132
+            assert gc.stream_k_tiles(tiles, 132, c.stream_k) * -(-k // c.BLOCK_K) >= 8 * 132
+    assert {c.stream_k for c in sk(2048, 7168, 8192)} == {1, 2}   # 448 tiles: 52 left over (< 66)
+
+
 def test_config_dict_round_trip_and_old_cache_entries():
     cfg = gc.GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, split_k=4)
     assert gc.GemmConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
