@@ -752,8 +752,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
     cached (a "plan"); per call only the hook specs' buffers and generations are checked.
     """
     try:
-        key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-               None if out is None else (out.shape, out.stride(), out.dtype, out.device),
+        # Base-pointer alignment is part of the key: a view with the same shape and strides but
+        # an odd offset cannot take a plan made for TMA (16-byte aligned bases).
+        key = (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0,
+               b.shape, b.stride(), b.dtype, b.device, b.data_ptr() % 16 == 0,
+               None if out is None else (out.shape, out.stride(), out.dtype, out.device,
+                                         out.data_ptr() % 16 == 0),
                config, tile_order, chunk_m, start_chunk, wait is not None and wait.chunk_m,
                epilogue is not None and (epilogue.chunk_m, epilogue.align_elems), use_tma,
                os.environ.get("TRITON_INTERPRET"), os.environ.get("TPFUSE_SIGNAL_ASM"))

@@ -5,6 +5,7 @@ interpreter while it runs). Outputs are poisoned with NaN and compared with a fl
 """
 import dataclasses
 import os
+import warnings
 
 import pytest
 import torch
@@ -155,6 +156,23 @@ def test_tune_writes_cache(tmp_path, monkeypatch):
     best, timings = gc.tune(a, b, configs=[SMALL, gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)], rep_ms=5)
     assert len(timings) == 2 and (tmp_path / "gemm_core.json").exists()
     assert gc._lookup(512, 512, 512, torch.bfloat16, True, a.device) == best
+
+
+@pytest.mark.skipif(not HOPPER, reason="TMA needs sm_90+")
+def test_misaligned_view_after_an_aligned_call_takes_the_pointer_path():
+    # Same shape and strides as a cached TMA plan, but the base is 2 bytes off 16-byte alignment:
+    # the call must not reuse the TMA plan (TMA needs aligned bases).
+    m, k, n = 256, 512, 384
+    a, b, ref = _operands(m, k, n, torch.bfloat16, "weight_t", seed=20)
+    gc.matmul(a, b)
+    store = torch.empty(m * k + 1, device="cuda", dtype=torch.bfloat16)
+    a_odd = store[1:].view(m, k)
+    a_odd.copy_(a)
+    assert a_odd.stride() == a.stride() and a_odd.data_ptr() % 16 != 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # "plain-pointer path instead of TMA" (once per process)
+        out = gc.matmul(a_odd, b)
+    _assert_close(out, ref, torch.bfloat16)
 
 
 # ---- split-K -------------------------------------------------------------------------------
