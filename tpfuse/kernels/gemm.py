@@ -390,8 +390,8 @@ def gemm_kernel(
         lo = (start_pid * total_steps) // num_progs
         hi = ((start_pid + 1) * total_steps) // num_progs
         offs_ws = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        # A for loop over the run's segments (a while loop kept the K loop inside it from
-        # being software-pipelined): segment s is the part of tile first_idx + s in [lo, hi).
+        # A for loop over the run's segments (tl.range, so `flatten` can fuse it with the K
+        # loop): segment s is the part of tile first_idx + s in [lo, hi).
         first_idx = lo // k_tiles
         num_segs = tl.where(hi > lo, (hi - 1) // k_tiles - first_idx + 1, 0)
         for seg in tl.range(0, num_segs, flatten=FLATTEN):
