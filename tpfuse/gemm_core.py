@@ -201,39 +201,6 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat1
     return [c for c in out if c.smem_bytes(elem) <= smem_limit]
 
 
-# Tiles that stream-K candidates are made of: the prefill winners (128x256 with the epilogue
-# in two subtiles, so the reduction holds half a tile of partials at a time; 128x128 with
-# BLOCK_K 128 and 64) and, for decode-sized M, the narrow tiles that stream B.
-_STREAM_K_BASES = (
-    GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, EPI_SUBTILE=2),
-    GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
-    GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
-)
-_STREAM_K_DECODE_BASES = (
-    GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
-    GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
-)
-
-
-def _stream_k_candidates(m: int, n: int, k: int, num_sms: int) -> list[GemmConfig]:
-    """Stream-K variants for shapes whose tiles end in a partly filled wave, within the first
-    four waves (later, the tail is a small part of the time). Mode 1 for each base; mode 2 too
-    when the last wave is under half full (mode 1 would give each program only a few
-    steps). Skipped where a program would get fewer than 8 BLOCK_K steps."""
-    out = []
-    for base in _STREAM_K_BASES + (_STREAM_K_DECODE_BASES if m <= 256 else ()):
-        tiles, k_steps = _grid(m, n, k, base)
-        if tiles % num_sms == 0 or tiles >= 4 * num_sms:
-            continue
-        modes = [1] + ([2] if num_sms < tiles and tiles % num_sms < num_sms // 2 else [])
-        for mode in modes:
-            if stream_k_tiles(tiles, num_sms, mode) * k_steps >= 8 * num_sms:
-                out.append(dataclasses.replace(base, stream_k=mode))
-                if mode == 1:   # the segment loop flattened into its K loop (one pipelined loop)
-                    out.append(dataclasses.replace(base, stream_k=mode, flatten=True))
-    return out
-
-
 # Tiles that split-K candidates are made of: the 128x256 prefill winner (epilogue in two
 # subtiles, so the reduction holds half a tile of partials at a time) and two decode winners.
 # All keep <= 128 fp32 accumulator registers per thread, so adding partials does not spill.
@@ -273,6 +240,37 @@ def _split_k_candidates(m: int, n: int, k: int, num_sms: int) -> list[GemmConfig
             if busy(tiles) < 0.85 and busy(tiles * best) >= 0.9 and k_steps // best >= 16:
                 splits.append(best)
         out += [dataclasses.replace(base, split_k=s) for s in splits]
+    return out
+
+
+# Tiles that stream-K candidates are made of: the prefill winners (128x256 with the epilogue
+# in two subtiles, so the reduction holds half a tile of partials at a time; 128x128 with
+# BLOCK_K 128 and 64) and, for decode-sized M, the narrow tiles that stream B.
+_STREAM_K_BASES = _SPLIT_K_BASES[:2] + (
+    GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+)
+_STREAM_K_DECODE_BASES = (
+    GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
+    GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+)
+
+
+def _stream_k_candidates(m: int, n: int, k: int, num_sms: int) -> list[GemmConfig]:
+    """Stream-K variants for shapes whose tiles end in a partly filled wave, within the first
+    four waves (later, the tail is a small part of the time). Mode 1 for each base; mode 2 too
+    when the last wave is under half full (mode 1 would give each program only a few
+    steps). Skipped where a program would get fewer than 8 BLOCK_K steps."""
+    out = []
+    for base in _STREAM_K_BASES + (_STREAM_K_DECODE_BASES if m <= 256 else ()):
+        tiles, k_steps = _grid(m, n, k, base)
+        if tiles % num_sms == 0 or tiles >= 4 * num_sms:
+            continue
+        modes = [1] + ([2] if num_sms < tiles and tiles % num_sms < num_sms // 2 else [])
+        for mode in modes:
+            if stream_k_tiles(tiles, num_sms, mode) * k_steps >= 8 * num_sms:
+                out.append(dataclasses.replace(base, stream_k=mode))
+                if mode == 1:   # the segment loop flattened into its K loop (one pipelined loop)
+                    out.append(dataclasses.replace(base, stream_k=mode, flatten=True))
     return out
 
 

@@ -97,6 +97,19 @@ def _split_k_counters():
     return [c for _, c in gc._SPLIT_K_BUFFERS.values()]
 
 
+def _calls_in_a_row(cfg, m, k, n, dtype, b_layout, seeds):
+    """One call per seed with fresh operands, each checked against float64 and leaving every
+    tile counter at zero (split-K and stream-K reset them themselves); returns the last
+    call's (a, b, out)."""
+    for seed in seeds:
+        a, b, ref = _operands(m, k, n, dtype, b_layout, seed=seed)
+        out = torch.full((m, n), float("nan"), dtype=dtype)
+        assert gc.matmul(a, b, out=out, config=cfg) is out
+        _assert_close(out, ref, dtype)
+        assert all((c == 0).all() for c in _split_k_counters()), "a tile counter was left non-zero"
+    return a, b, out
+
+
 @pytest.mark.parametrize("split_k,shape,b_layout,dtype,sub", [
     # K = 70: 5 steps of 16 -> slices of 2 and 3; K % (BLOCK_K * split_k) != 0 everywhere
     (2, (37, 70, 29), "row_major", torch.bfloat16, 1),
@@ -108,14 +121,7 @@ def test_split_k_matches_reference(split_k, shape, b_layout, dtype, sub):
     m, k, n = shape
     cfg = gc.GemmConfig(BLOCK_M=16, BLOCK_N=16 * sub, BLOCK_K=16, GROUP_M=2, num_warps=4,
                         num_stages=1, EPI_SUBTILE=sub, split_k=split_k)
-    first = None
-    for seed in (20, 21):   # several calls in a row: the tile counters must be back at zero
-        a, b, ref = _operands(m, k, n, dtype, b_layout, seed=seed)
-        out = torch.full((m, n), float("nan"), dtype=dtype)
-        assert gc.matmul(a, b, out=out, config=cfg) is out
-        _assert_close(out, ref, dtype)
-        assert all((c == 0).all() for c in _split_k_counters()), "a tile counter was left non-zero"
-        first = out if first is None else first
+    a, b, out = _calls_in_a_row(cfg, m, k, n, dtype, b_layout, seeds=(20, 21))
     # Another grid changes which program adds the partials up; the sum is in slice order, so
     # the bits do not change.
     again = torch.full((m, n), float("nan"), dtype=dtype)
@@ -148,12 +154,7 @@ def test_stream_k_matches_reference(shape, programs, mode, sub, b_layout, dtype)
                         num_stages=1, EPI_SUBTILE=sub, num_programs=programs, stream_k=mode)
     tiles = -(-m // 16) * -(-n // (16 * sub))
     assert gc.stream_k_tiles(tiles, programs, mode) > 0, "the case must exercise stream-K"
-    for seed in (30, 31):   # several calls in a row: the tile counters must be back at zero
-        a, b, ref = _operands(m, k, n, dtype, b_layout, seed=seed)
-        out = torch.full((m, n), float("nan"), dtype=dtype)
-        assert gc.matmul(a, b, out=out, config=cfg) is out
-        _assert_close(out, ref, dtype)
-        assert all((c == 0).all() for c in _split_k_counters()), "a tile counter was left non-zero"
+    a, b, out = _calls_in_a_row(cfg, m, k, n, dtype, b_layout, seeds=(30, 31))
     again = torch.full((m, n), float("nan"), dtype=dtype)
     gc.matmul(a, b, out=again, config=cfg)
     assert torch.equal(again, out), "stream-K result changed between identical calls"
