@@ -130,6 +130,19 @@ def timed_passes(shapes, measure, dtype, layout: str, passes: int, what: str) ->
     return out
 
 
+def saved_measurements(cal: dict, rows: list[dict]) -> tuple[list[dict], list[tuple]]:
+    """(grid, workload) measurements from a saved calibration JSON and its workload rows: where
+    the passes were saved, their median is the measurement (files written before the median
+    rule kept the fastest pass). Workload items are (name, m, n, k, ms)."""
+    grid = [dict(r, measured_ms=statistics.median(r["passes_ms"])) if r.get("passes_ms") else r
+            for r in cal["grid"]]
+    passes = {(r["m"], r["n"], r["k"]): statistics.median(r["passes_ms"])
+              for r in cal["meta"].get("passes", {}).get("workload_passes_ms", [])}
+    work = [(r["name"], r["m"], r["n"], r["k"], passes.get((r["m"], r["n"], r["k"]), r["measured_ms"]))
+            for r in rows]
+    return grid, work
+
+
 def measure_cpu(m: int, n: int, k: int, dtype: torch.dtype, layout: str = "tn") -> float:
     """Dry-run stand-in: median wall time of a CPU matmul (numbers mean nothing for a GPU)."""
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
@@ -275,18 +288,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.refit:
         old = json.loads(Path(args.refit).read_text())
-        grid = old["grid"]
         meta = dict(old["meta"])
         old_rows = json.loads((Path(args.refit).parent / f"gemm_calibration_{args.profile}.json")
                               .read_text())["rows"]
-        # Where the passes were saved, their median is the measurement (files written before
-        # the median rule kept the fastest pass).
-        grid = [dict(r, measured_ms=statistics.median(r["passes_ms"])) if r.get("passes_ms") else r
-                for r in grid]
-        passes = {(r["m"], r["n"], r["k"]): statistics.median(r["passes_ms"])
-                  for r in meta.get("passes", {}).get("workload_passes_ms", [])}
-        work = [(r["name"], r["m"], r["n"], r["k"], passes.get((r["m"], r["n"], r["k"]), r["measured_ms"]))
-                for r in old_rows]
+        grid, work = saved_measurements(old, old_rows)
         meta["refit"] = " ".join(["python3"] + sys.argv)
     else:
         use_cuda = torch.cuda.is_available() and not args.dry_run

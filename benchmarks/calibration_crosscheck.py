@@ -33,13 +33,7 @@ from tpfuse.model.cost import gemm_time_ms  # noqa: E402
 def load_run(cal_path: Path) -> dict:
     cal = json.loads(cal_path.read_text())
     work_path = cal_path.with_name(cal_path.name.replace("calibration_", "gemm_calibration_", 1))
-    rows = json.loads(work_path.read_text())["rows"]
-    grid = [dict(r, measured_ms=statistics.median(r["passes_ms"])) if r.get("passes_ms") else r
-            for r in cal["grid"]]
-    passes = {(r["m"], r["n"], r["k"]): statistics.median(r["passes_ms"])
-              for r in cal["meta"].get("passes", {}).get("workload_passes_ms", [])}
-    work = [(r["name"], r["m"], r["n"], r["k"], passes.get((r["m"], r["n"], r["k"]), r["measured_ms"]))
-            for r in rows]
+    grid, work = cg.saved_measurements(cal, json.loads(work_path.read_text())["rows"])
     return {"name": cal_path.stem, "meta": cal["meta"], "grid": grid, "work": work}
 
 
