@@ -123,11 +123,13 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
                    num_sms: int = _H200_NUM_SMS) -> GemmConfig:
     """Heuristic config for one GEMM shape (pure; used when the tuning cache has no entry).
 
-    From the tuning winners on one NVIDIA H200, 2026-11-29, bf16, per-rank Llama-3 shapes at
-    TP 8 (``benchmarks/results/gemm_core_h200_tuning_log.json``): 128x256x64 tiles, 8 warps,
-    3 stages for M >= 2048; 128x128x128 when 128x256 tiles leave most SMs idle (M=512, N=3584:
-    56 tiles for 132 SMs); decode (M <= 128) streams B, and wants narrow tiles when B is small
-    (8B: 64x64x128) and wider ones as B grows (70B: 128x64x128, 405B: 128x128x128).
+    From the tuning winners on one NVIDIA H200, bf16, per-rank Llama-3 shapes at TP 8
+    (``benchmarks/results/gemm_core_h200_2026-11-30_deep_stages_tuning_log.json``): 128x256x64
+    tiles, 8 warps, 3 stages for M >= 2048; 128x128x64 with 6 stages when 128x256 tiles leave
+    most SMs idle (M=512, N=3584: 56 tiles for 132 SMs; one tile per SM and cold inputs want
+    many loads in flight); decode (M <= 128) streams B through deep pipelines, with narrow tiles
+    when B is small (8B: 64x64x128 x 6 stages) and wider ones as B grows (70B: 128x64x64 x 8,
+    405B: 128x128x64 x 5).
 
     Split-K (kept to shapes none of the measured ones hits: graph-timed tuning on 2026-11-30
     picked no split-K candidate for any of the 30 shapes, smaller tiles won): when the
@@ -159,13 +161,13 @@ def _default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
         return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3)
     if m <= 128:
         if n * k >= 100_000_000:
-            return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
+            return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=5)
         if n * k >= 25_000_000:
-            return GemmConfig(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
-        return GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+            return GemmConfig(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=8)
+        return GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=6)
     big_tiles = -(-m // 128) * -(-n // 256)
     if big_tiles < 100:   # H200 has 132 SMs; 8B M=512 (56, 64 tiles) lost with 128x256, 70B (112, 128) won
-        return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
+        return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=6)
     return GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
@@ -176,14 +178,21 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat1
     shapes whose output tiles leave SMs idle (:func:`_split_k_candidates`)."""
     elem = torch.empty((), dtype=dtype).element_size()
     out = []
-    if m <= 256:   # decode: bound by reading B; narrow tiles put more programs in flight
+    if m <= 256:   # decode: bound by reading B; narrow tiles put more programs in flight,
+        # deep pipelines more bytes (2026-11-30, M=128 N=3584 K=4096, L2 flushed: 64x64x128
+        # with 6 stages 18.1 us, 4 stages 21.9 us with 64x64x256 x 3)
         for bm, bn, bk, w, s in [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 4, 3),
-                                 (128, 64, 128, 4, 4), (64, 64, 256, 4, 3), (128, 128, 64, 8, 4)]:
+                                 (128, 64, 128, 4, 4), (64, 64, 256, 4, 3), (128, 128, 64, 8, 4),
+                                 (64, 64, 128, 4, 6), (64, 64, 64, 4, 12), (128, 64, 64, 4, 8),
+                                 (128, 128, 64, 8, 6)]:
             out.append(GemmConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s))
+    # 128x128 with 5-6 stages: one tile per SM and cold inputs want many loads in flight
+    # (2026-11-30, M=512 N=3584 K=4096, L2 flushed: 4 stages 33.6 us, 6 stages 28.5 us)
     for bn, s, sub, flat in [(256, 3, 1, False), (256, 3, 2, False), (256, 4, 1, False),
                              (256, 4, 2, False), (256, 3, 1, True), (256, 3, 2, True),
                              (128, 3, 1, False), (128, 4, 1, False), (128, 4, 2, False),
-                             (128, 4, 1, True)]:
+                             (128, 4, 1, True), (128, 5, 1, False), (128, 6, 1, False),
+                             (128, 6, 2, False), (128, 6, 1, True)]:
         out.append(GemmConfig(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, num_warps=8, num_stages=s,
                               EPI_SUBTILE=sub, flatten=flat))
     out.append(GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3))
@@ -198,7 +207,8 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat1
                           warp_specialize=True))
     out += _split_k_candidates(m, n, k, num_sms)
     out += _stream_k_candidates(m, n, k, num_sms)
-    return [c for c in out if c.smem_bytes(elem) <= smem_limit]
+    # dict.fromkeys: once each (the decode and prefill lists share tiles), in first-seen order
+    return [c for c in dict.fromkeys(out) if c.smem_bytes(elem) <= smem_limit]
 
 
 # Tiles that split-K candidates are made of: the 128x256 prefill winner (epilogue in two

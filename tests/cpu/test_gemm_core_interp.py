@@ -460,3 +460,17 @@ def test_import_needs_no_triton_and_no_gpu():
     env["CUDA_VISIBLE_DEVICES"] = ""
     subprocess.run([sys.executable, "-c", code], check=True, env=env,
                    cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def test_candidates_include_deep_pipelines_once_each():
+    for m, n, k in MEASURED:
+        cands = gc.candidate_configs(m, n, k)
+        assert len(set(cands)) == len(cands), (m, n, k)
+        assert all(c.smem_bytes(2) <= 232448 for c in cands)
+    # one tile per SM with cold inputs (M = 512) and decode: 5-6 stage 128x128x64, 6-12 stage narrow tiles
+    prefill = gc.candidate_configs(512, 3584, 4096)
+    assert gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=6) in prefill
+    decode = gc.candidate_configs(128, 3584, 4096)
+    assert gc.GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=6) in decode
+    assert gc.GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=12) in decode
+    assert gc.default_config(512, 3584, 4096) in prefill and gc.default_config(128, 3584, 4096) in decode
