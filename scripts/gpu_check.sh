@@ -39,7 +39,7 @@ if [ "${1:-}" != "quick" ]; then
   if [ "$GPUS" -ge 2 ]; then  # every strategy on the workload matrix at W = GPUs
     step bench timeout "${STRAT_LIMIT_S:-200}" $PY -m tpfuse bench --world-size "$GPUS" --out "$OUT"
   fi
-  step gemm_bench timeout "${BENCH_LIMIT_S:-330}" $PY benchmarks/gemm_core.py --out "$OUT" --tune-rep 10 --rep 30 --rounds 3
+  step gemm_bench timeout "${BENCH_LIMIT_S:-330}" $PY benchmarks/gemm_core.py --out "$OUT" --tune-rep 10 --rep 20 --rounds 5
   if [ "${CALIBRATE:-0}" = 1 ]; then
     step calibrate timeout "${CALIB_LIMIT_S:-300}" $PY benchmarks/calibrate_gemm.py --out "$OUT"
   fi
