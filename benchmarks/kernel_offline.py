@@ -1,0 +1,123 @@
+"""Compile ``gemm_kernel`` for sm_90 without a GPU and report what the compiler made of it.
+
+    python3 benchmarks/kernel_offline.py [--m 512 --n 3584 --k 4096] [--config 128x128x64:num_stages=6]
+                                         [--epilogue] [--tile-order owner] [--dump DIR]
+
+Triton ships ptxas, so the TTGIR, PTX and cubin of any config come out on a CPU-only machine.
+Prints registers, spill stack, shared memory, and counts of a few instructions (wgmma, TMA
+loads/stores, barriers); ``--dump DIR`` writes the TTGIR, PTX and SASS. The compile sees what a
+launch would specialize on (16-byte alignment of pointers and of ints that are multiples of 16);
+the hook arguments are not specialized, as in ``gemm_core``. Costs no device time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "benchmarks"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from profile_kernels import parse_spec  # noqa: E402
+
+NOT_SPECIALIZED = {"chunk_m", "num_chunks", "start_chunk", "wait_gen", "wait_timeout", "stride_dm",
+                   "epi_gen", "wait_signal", "err_ptr", "dest_offs", "signal_ptrs", "counters",
+                   "tile_counters"}
+
+
+def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_order: int = 0,
+                   wait: bool = False, sk_tiles: int = 0):
+    """triton.compile of gemm_kernel for bf16 ``a[m, k] @ weight[n, k].t()`` (TMA path)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from tpfuse.kernels import gemm as km
+
+    bm, bn, bk = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
+    a = torch.empty(m, k, dtype=torch.bfloat16)
+    w = torch.empty(n, k, dtype=torch.bfloat16)
+    c = torch.empty(m, n, dtype=torch.bfloat16)
+    i32, i64, f32 = (torch.empty(4, dtype=t) for t in (torch.int32, torch.int64, torch.float32))
+    args = dict(a=TensorDescriptor.from_tensor(a, [bm, bk]), b=TensorDescriptor.from_tensor(w, [bn, bk]),
+                c=c if epilogue else TensorDescriptor.from_tensor(c, [bm, bn // cfg.EPI_SUBTILE]),
+                M=m, N=n, K=k, stride_am=k, stride_ak=1, stride_bk=1, stride_bn=k, stride_cm=n, stride_cn=1,
+                chunk_m=m, num_chunks=1, start_chunk=0, wait_signal=i32, wait_gen=0, wait_timeout=0,
+                err_ptr=i32, dest_offs=i64, stride_dm=0, signal_ptrs=i64, counters=i32, epi_gen=0,
+                ws=f32, tile_counters=i32, sk_tiles=sk_tiles)
+    cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.GROUP_M, EPI_SUBTILE=cfg.EPI_SUBTILE,
+                TILE_ORDER=tile_order, USE_TMA=True, B_KMAJOR=True, C_DTYPE=tl.bfloat16, WAIT=wait,
+                EPILOGUE=epilogue, USE_ASM=True, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+                DOT_FP32=False, DEST_ALIGNED=8 if epilogue else 0, SPLIT_K=cfg.split_k,
+                STREAM_K=bool(cfg.stream_k))
+    names = km.gemm_kernel.arg_names
+    sig, attrs = {}, {}
+    for i, name in enumerate(names):
+        if name in cons:
+            sig[name] = "constexpr"
+            continue
+        v = args[name]
+        sig[name] = "i32" if isinstance(v, int) else mangle_type(v)
+        if name not in NOT_SPECIALIZED and (isinstance(v, torch.Tensor) or (isinstance(v, int) and v and v % 16 == 0)):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=km.gemm_kernel, signature=sig, attrs=attrs,
+                    constexprs={(names.index(key),): val for key, val in cons.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+def sass_of(cubin: bytes) -> tuple[str, str]:
+    """(SASS, resource usage) of a cubin, with the cuobjdump that Triton ships."""
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        Path(path).write_bytes(cubin)
+        sass = subprocess.run([str(tool), "--dump-sass", path], capture_output=True, text=True).stdout
+        res = subprocess.run([str(tool), "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    return sass, " ".join(line.strip() for line in res.splitlines() if "REG" in line)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", type=int, default=512)
+    ap.add_argument("--n", type=int, default=3584)
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--config", nargs="+", default=["128x128x64:num_stages=6"],
+                    help="specs as in benchmarks/profile_kernels.py")
+    ap.add_argument("--epilogue", action="store_true", help="epilogue hook on (pointer stores to destinations)")
+    ap.add_argument("--wait", action="store_true", help="wait hook on")
+    ap.add_argument("--tile-order", default="grouped", choices=["grouped", "round", "owner"])
+    ap.add_argument("--dump", type=Path, help="write TTGIR, PTX and SASS per config here")
+    args = ap.parse_args(argv)
+    order = ["grouped", "round", "owner"].index(args.tile_order)
+    for spec in args.config:
+        cfg = parse_spec(spec)
+        kern = compile_kernel(args.m, args.n, args.k, cfg, epilogue=args.epilogue, tile_order=order,
+                              wait=args.wait, sk_tiles=1 if cfg.stream_k else 0)
+        sass, res = sass_of(kern.asm["cubin"])
+        counts = {op: len(re.findall(pat, sass)) for op, pat in
+                  (("HGMMA", r"HGMMA\."), ("UTMALDG", r"UTMALDG"), ("UTMASTG", r"UTMASTG"),
+                   ("STG", r"\bSTG\."), ("BAR.SYNC", r"BAR\.SYNC"), ("MEMBAR", r"MEMBAR"))}
+        print(f"{spec:44s} {res}  smem={kern.metadata.shared}  " + " ".join(f"{k}={v}" for k, v in counts.items()))
+        if args.dump:
+            args.dump.mkdir(parents=True, exist_ok=True)
+            tag = re.sub(r"[^A-Za-z0-9]+", "_", spec)
+            for ext, text in (("ttgir", kern.asm["ttgir"]), ("ptx", kern.asm["ptx"]), ("sass", sass)):
+                (args.dump / f"{tag}.{ext}").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
