@@ -12,6 +12,7 @@ the hook arguments are not specialized, as in ``gemm_core``. Costs no device tim
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import subprocess
@@ -43,7 +44,9 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
     from triton.runtime.jit import mangle_type
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from tpfuse.kernels import gemm as km
+    # the module as sys.modules has it now (a test run may have re-imported it after using
+    # the interpreter), not a stale attribute of the package
+    km = importlib.import_module("tpfuse.kernels.gemm")
 
     bm, bn, bk = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
     a = torch.empty(m, k, dtype=torch.bfloat16)

@@ -1,0 +1,41 @@
+"""The GPU-free diagnostics of the GEMM kernel: config specs of the probe scripts and the
+offline sm_90 compile (Triton ships ptxas, so no GPU is needed)."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tpfuse import gemm_core as gc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from profile_kernels import parse_spec  # noqa: E402
+
+
+def test_parse_spec():
+    assert parse_spec("cublas") is None
+    assert parse_spec("128x256x64:split_k=2,flatten=true,EPI_SUBTILE=2") == gc.GemmConfig(
+        BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, split_k=2, flatten=True, EPI_SUBTILE=2)
+    with pytest.raises(ValueError, match="BLOCK_M=96"):
+        parse_spec("96x128x64")
+
+
+def _ptxas():
+    try:
+        import triton
+    except ImportError:
+        return False
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
+def test_offline_sm90_compile_uses_wgmma_and_tma_without_spills():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("compiling needs Triton's compiler, not the interpreter")
+    from kernel_offline import compile_kernel, sass_of
+    cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=6)
+    kern = compile_kernel(512, 3584, 4096, cfg)
+    sass, res = sass_of(kern.asm["cubin"])
+    assert "HGMMA" in sass and "UTMALDG" in sass      # wgmma fed by TMA loads
+    assert "LOCAL:0" in res and "STACK:0" in res      # no register spills
+    assert kern.metadata.shared <= 232448             # fits sm_90's shared memory
