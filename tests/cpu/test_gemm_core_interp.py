@@ -385,7 +385,7 @@ def test_config_validation_and_smem_pruning():
     assert len(gc.candidate_configs(128, 4096, 4096)) > len(gc.candidate_configs(4096, 4096, 4096))
 
 
-# Per-rank Llama-3 shapes at TP 8 measured in benchmarks/results/gemm_core_h200.json (M, N, K).
+# Per-rank Llama-3 shapes at TP 8 measured in benchmarks/results/gemm_core_h200*.json (M, N, K).
 MEASURED = [(m, n, k) for m in (16384, 4096, 2048, 512, 128)
             for n, k in ((3584, 4096), (4096, 1792), (7168, 8192), (8192, 3584), (13312, 16384), (16384, 6656))]
 
