@@ -20,9 +20,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for p in (ROOT, ROOT / "benchmarks"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
 
+from gemm_core import capture_graphs  # noqa: E402  (benchmarks/gemm_core.py)
 from tpfuse import gemm_core as gc  # noqa: E402
 
 
@@ -39,26 +41,19 @@ def parse_spec(spec: str):
 
 
 def graph_ms(fn, rep: int = 20, flush: bool = True) -> float:
-    """Median ms of one call replayed from a CUDA graph; with ``flush`` the L2 is flushed
-    before each replay (triton's do_bench), as in benchmarks/gemm_core.py."""
+    """Median ms of one call replayed from a CUDA graph (captured as benchmarks/gemm_core.py
+    does); with ``flush`` the L2 is flushed before each replay (triton's do_bench)."""
     import triton
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    step, graphs = capture_graphs(fn, [()])
     if flush:
-        return triton.testing.do_bench(g.replay, warmup=5, rep=rep, return_mode="median")
-    g.replay()
+        return triton.testing.do_bench(step, warmup=5, rep=rep, return_mode="median")
+    step()
     torch.cuda.synchronize()
     times = []
     for _ in range(rep):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        g.replay()
+        step()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
