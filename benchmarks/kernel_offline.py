@@ -35,8 +35,10 @@ NOT_SPECIALIZED = {"chunk_m", "num_chunks", "start_chunk", "wait_gen", "wait_tim
 
 
 def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_order: int = 0,
-                   wait: bool = False, sk_tiles: int = 0):
-    """triton.compile of gemm_kernel for bf16 ``a[m, k] @ weight[n, k].t()`` (TMA path)."""
+                   wait: bool = False, sk_tiles: int = 0, epi_tma: int = 0):
+    """triton.compile of gemm_kernel for bf16 ``a[m, k] @ weight[n, k].t()`` (TMA path);
+    ``epi_tma`` > 0: the epilogue hook stores through that many TMA descriptors (chunks of
+    ``m // epi_tma`` rows)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -54,16 +56,19 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
     c = torch.empty(m, n, dtype=torch.bfloat16)
     i32, i64, f32 = (torch.empty(4, dtype=t) for t in (torch.int32, torch.int64, torch.float32))
     args = dict(a=TensorDescriptor.from_tensor(a, [bm, bk]), b=TensorDescriptor.from_tensor(w, [bn, bk]),
-                c=c if epilogue else TensorDescriptor.from_tensor(c, [bm, bn // cfg.EPI_SUBTILE]),
+                c=c if epilogue or not cfg.tma_store else TensorDescriptor.from_tensor(c, [bm, bn // cfg.EPI_SUBTILE]),
                 M=m, N=n, K=k, stride_am=k, stride_ak=1, stride_bk=1, stride_bn=k, stride_cm=n, stride_cn=1,
                 chunk_m=m, num_chunks=1, start_chunk=0, wait_signal=i32, wait_gen=0, wait_timeout=0,
                 err_ptr=i32, dest_offs=i64, stride_dm=0, signal_ptrs=i64, counters=i32, epi_gen=0,
+                epi_descs=tuple(TensorDescriptor.from_tensor(c[:max(m // epi_tma, 1)], [bm, bn // cfg.EPI_SUBTILE])
+                                for _ in range(epi_tma)) if epi_tma else None,
                 ws=f32, tile_counters=i32, sk_tiles=sk_tiles)
     cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.GROUP_M, EPI_SUBTILE=cfg.EPI_SUBTILE,
                 TILE_ORDER=tile_order, USE_TMA=True, B_KMAJOR=True, C_DTYPE=tl.bfloat16, WAIT=wait,
                 EPILOGUE=epilogue, USE_ASM=True, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
                 DOT_FP32=False, DEST_ALIGNED=8 if epilogue else 0, SPLIT_K=cfg.split_k,
-                STREAM_K=bool(cfg.stream_k))
+                STREAM_K=bool(cfg.stream_k), EPI_TMA=epi_tma,
+                TMA_STORE=cfg.tma_store)
     names = km.gemm_kernel.arg_names
     sig, attrs = {}, {}
     for i, name in enumerate(names):
@@ -71,6 +76,10 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
             sig[name] = "constexpr"
             continue
         v = args[name]
+        if v is None:
+            sig[name] = "constexpr"
+            cons[name] = None
+            continue
         sig[name] = "i32" if isinstance(v, int) else mangle_type(v)
         if name not in NOT_SPECIALIZED and (isinstance(v, torch.Tensor) or (isinstance(v, int) and v and v % 16 == 0)):
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -100,6 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", nargs="+", default=["128x128x64:num_stages=6"],
                     help="specs as in benchmarks/profile_kernels.py")
     ap.add_argument("--epilogue", action="store_true", help="epilogue hook on (pointer stores to destinations)")
+    ap.add_argument("--epilogue-tma", type=int, default=0, metavar="CHUNKS",
+                    help="with --epilogue: store through CHUNKS TMA descriptors (one per chunk)")
     ap.add_argument("--wait", action="store_true", help="wait hook on")
     ap.add_argument("--tile-order", default="grouped", choices=["grouped", "round", "owner"])
     ap.add_argument("--dump", type=Path, help="write TTGIR, PTX and SASS per config here")
@@ -108,7 +119,8 @@ def main(argv=None) -> int:
     for spec in args.config:
         cfg = parse_spec(spec)
         kern = compile_kernel(args.m, args.n, args.k, cfg, epilogue=args.epilogue, tile_order=order,
-                              wait=args.wait, sk_tiles=1 if cfg.stream_k else 0)
+                              wait=args.wait, sk_tiles=1 if cfg.stream_k else 0,
+                              epi_tma=args.epilogue_tma if args.epilogue else 0)
         sass, res = sass_of(kern.asm["cubin"])
         counts = {op: len(re.findall(pat, sass)) for op, pat in
                   (("HGMMA", r"HGMMA\."), ("UTMALDG", r"UTMALDG"), ("UTMASTG", r"UTMASTG"),

@@ -66,7 +66,10 @@ class GemmConfig:
     BLOCK_K steps, each its own work item; the last slice of a tile to finish adds the others'
     fp32 partials (docs/gemm_core.md, "Split-K"). ``stream_k`` 1 or 2 shares the tiles of the
     last, partly filled wave (2: that wave and one full wave more) out to every program by
-    BLOCK_K steps, so no SM idles at the end (docs/gemm_core.md, "Stream-K"); 0 = off."""
+    BLOCK_K steps, so no SM idles at the end (docs/gemm_core.md, "Stream-K"); 0 = off.
+    ``tma_store`` False keeps TMA loads but stores the output through pointers: no staging
+    buffer, so its shared memory can hold one more pipeline stage (hooks and plain-pointer
+    launches are not affected)."""
     BLOCK_M: int = 128
     BLOCK_N: int = 256
     BLOCK_K: int = 64
@@ -79,6 +82,7 @@ class GemmConfig:
     num_programs: Optional[int] = None
     split_k: int = 1
     stream_k: int = 0
+    tma_store: bool = True
 
     def __post_init__(self):
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
@@ -101,9 +105,10 @@ class GemmConfig:
                              "choose one way of cutting K")
 
     def smem_bytes(self, elem_size: int) -> int:
-        """Shared memory estimate: pipelined A and B stages plus one TMA-store subtile."""
+        """Shared memory estimate: pipelined A and B stages plus one TMA-store subtile (none
+        with ``tma_store=False``: the pointer store's layout conversion reuses the stages)."""
         stages = (self.BLOCK_M + self.BLOCK_N) * self.BLOCK_K * elem_size * self.num_stages
-        return stages + self.BLOCK_M * (self.BLOCK_N // self.EPI_SUBTILE) * elem_size
+        return stages + (self.BLOCK_M * (self.BLOCK_N // self.EPI_SUBTILE) * elem_size if self.tma_store else 0)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -186,6 +191,10 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat1
                                  (64, 64, 128, 4, 6), (64, 64, 64, 4, 12), (128, 64, 64, 4, 8),
                                  (128, 128, 64, 8, 6)]:
             out.append(GemmConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s))
+        # one stage more in the TMA-store staging buffer's place (pointer stores)
+        for bm, bn, bk, w, s in [(64, 64, 128, 4, 7), (128, 64, 64, 4, 9)]:
+            out.append(GemmConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s,
+                                  tma_store=False))
     # 128x128 with 5-6 stages: one tile per SM and cold inputs want many loads in flight
     # (2026-11-30, M=512 N=3584 K=4096, L2 flushed: 4 stages 33.6 us, 6 stages 28.5 us)
     for bn, s, sub, flat in [(256, 3, 1, False), (256, 3, 2, False), (256, 4, 1, False),
@@ -201,6 +210,10 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat1
     if m <= 1024:
         out.append(GemmConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=4, num_stages=4))
         out.append(GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5))
+        # 7 stages of 128x128x64 fit only without the TMA store's staging buffer: with one
+        # tile per SM, loads in flight set the pace (see the 5-6 stage note above)
+        out.append(GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=7,
+                              tma_store=False))
     out.append(GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3))
     out.append(GemmConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3))
     out.append(GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3,
@@ -319,7 +332,10 @@ class EpilogueSpec:
     ``base.data_ptr()`` (peer buffers in the fused strategies). ``signal_ptrs``: int64
     ``[num_chunks]`` addresses of int32 signal words. ``counters``: int32 ``[num_chunks]`` zeros,
     left at zero by every completed launch. ``align_elems``: elements per 16 bytes when every
-    destination and the row stride are 16-byte aligned (vector stores), else 0.
+    destination and the row stride are 16-byte aligned (vector stores), else 0. ``dests``: the
+    destination tensors, one per chunk, when known (:meth:`from_tensors` keeps them): with them,
+    16-byte alignment and at most 8 chunks, a TMA-path launch stores each tile through a TMA
+    descriptor per destination instead of pointer stores (``TPFUSE_EPI_TMA=0`` turns that off).
     Build one with :meth:`from_tensors`.
     """
     base: torch.Tensor
@@ -331,6 +347,7 @@ class EpilogueSpec:
     dest_stride: int
     align_elems: int = 0
     keepalive: tuple = ()
+    dests: tuple = ()
 
     @classmethod
     def from_tensors(cls, dests: Sequence[torch.Tensor], signals: torch.Tensor | Sequence[torch.Tensor],
@@ -367,7 +384,7 @@ class EpilogueSpec:
         return cls(dests[0], torch.tensor(offsets, dtype=torch.int64, device=device),
                    torch.tensor(sig_addrs, dtype=torch.int64, device=device), counters,
                    generation, chunk_m, stride, align_elems=16 // e if aligned else 0,
-                   keepalive=tuple(dests) + sig_keep)
+                   keepalive=tuple(dests) + sig_keep, dests=tuple(dests))
 
 
 def new_error_word(device) -> torch.Tensor:
@@ -613,6 +630,7 @@ class _Plan:
     num_stages: int
     num_tiles: int = 0  # output tiles (split-K: workspace and counters are sized by it)
     sk_tiles: int = 0   # stream-K: the last tiles of the order, shared out by K-steps
+    epi_tma: int = 0    # epilogue hook through TMA: number of destination descriptors (0: pointers)
 
 
 _PLANS: dict = {}      # call signature -> _Plan
@@ -670,13 +688,47 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
     use_asm = (device.type == "cuda" and not _interpreting()
                and os.environ.get("TPFUSE_SIGNAL_ASM", "1") != "0")
     c_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[a.dtype]
+    epi_tma = _epilogue_tma_dests(epilogue, use_tma, num_chunks)
     constexprs = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.GROUP_M, cfg.EPI_SUBTILE,
                   TILE_ORDERS.index(tile_order), bool(use_tma), b_kmajor, c_dtype,
                   wait is not None, epilogue is not None, use_asm, cfg.flatten, cfg.warp_specialize,
                   _interpreting(), epilogue.align_elems if epilogue is not None else 0, cfg.split_k,
-                  sk_tiles > 0)
+                  sk_tiles > 0, epi_tma, cfg.tma_store)
     return _Plan(m, n, k, b_kmajor, bool(use_tma), cfg, grid, chunk_m or 1, num_chunks, start_chunk,
-                 use_asm, constexprs, cfg.num_warps, cfg.num_stages, num_tiles, sk_tiles)
+                 use_asm, constexprs, cfg.num_warps, cfg.num_stages, num_tiles, sk_tiles, epi_tma)
+
+
+_MAX_TMA_DESTS = 8   # one kernel argument each; more chunks store through pointers
+
+
+def _epilogue_tma_dests(epilogue, use_tma, num_chunks) -> int:
+    """How many TMA descriptors the epilogue hook stores through (0: pointer stores)."""
+    if (epilogue is None or not use_tma or len(epilogue.dests) < num_chunks
+            or not 0 < num_chunks <= _MAX_TMA_DESTS or epilogue.align_elems == 0
+            or os.environ.get("TPFUSE_EPI_TMA", "1") == "0"):
+        return 0
+    return num_chunks
+
+
+def _epilogue_descriptors(epilogue: "EpilogueSpec", plan: "_Plan") -> tuple:
+    """One TMA descriptor per chunk over that chunk's rows of its destination, kept on the
+    spec (so they live as long as it does) per launch geometry."""
+    cfg = plan.cfg
+    block = (cfg.BLOCK_M, cfg.BLOCK_N // cfg.EPI_SUBTILE)
+    cache = epilogue.__dict__.setdefault("_tma_descs", {})   # frozen dataclass: not a field
+    key = (plan.m, plan.n, plan.chunk_m, plan.epi_tma, block)
+    descs = cache.get(key)
+    if descs is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        descs = []
+        for q, d in enumerate(epilogue.dests[:plan.epi_tma]):
+            rows = min(plan.chunk_m, plan.m - q * plan.chunk_m)
+            if d.shape[0] < rows or d.shape[1] < plan.n:
+                raise ValueError(f"matmul: epilogue.dests[{q}] is {tuple(d.shape)}; chunk {q} needs at least "
+                                 f"({rows}, {plan.n})")
+            descs.append(TensorDescriptor(d, [rows, plan.n], [d.stride(0), 1], list(block)))
+        descs = cache[key] = tuple(descs)
+    return descs
 
 
 def stream_k_tiles(tiles: int, programs: int, mode: int) -> int:
@@ -767,8 +819,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
                None if out is None else (out.shape, out.stride(), out.dtype, out.device,
                                          out.data_ptr() % 16 == 0),
                config, tile_order, chunk_m, start_chunk, wait is not None and wait.chunk_m,
-               epilogue is not None and (epilogue.chunk_m, epilogue.align_elems), use_tma,
-               os.environ.get("TRITON_INTERPRET"), os.environ.get("TPFUSE_SIGNAL_ASM"))
+               epilogue is not None and (epilogue.chunk_m, epilogue.align_elems, len(epilogue.dests)),
+               use_tma, os.environ.get("TRITON_INTERPRET"), os.environ.get("TPFUSE_SIGNAL_ASM"),
+               os.environ.get("TPFUSE_EPI_TMA"))
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):   # not tensors / unhashable: full validation says why
         key, plan = None, None
@@ -820,7 +873,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
         else:
             b_arg = TensorDescriptor(b, [k, n], [b.stride(0), 1], [bk, bn])
         c_arg = (TensorDescriptor(out, [m, n], [out.stride(0), 1], [bm, bn // cfg.EPI_SUBTILE])
-                 if epilogue is None else None)
+                 if epilogue is None and cfg.tma_store else out)
     else:
         a_arg, b_arg, c_arg = a, b, out
     if epilogue is not None:
@@ -839,6 +892,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
         epilogue.dest_offsets if epilogue else None, epilogue.dest_stride if epilogue else 0,
         epilogue.signal_ptrs if epilogue else None, epilogue.counters if epilogue else None,
         epilogue.generation if epilogue else 0,
+        _epilogue_descriptors(epilogue, plan) if plan.epi_tma else None,
         *(_split_k_buffers(plan, device) if cfg.split_k > 1 or plan.sk_tiles else (None, None)),
         plan.sk_tiles,
     ]

@@ -474,3 +474,40 @@ def test_candidates_include_deep_pipelines_once_each():
     assert gc.GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=6) in decode
     assert gc.GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=12) in decode
     assert gc.default_config(512, 3584, 4096) in prefill and gc.default_config(128, 3584, 4096) in decode
+
+
+def test_epilogue_takes_tma_descriptors_only_where_they_fit(monkeypatch):
+    # Host rule only (the interpreter has no TMA): one descriptor per chunk when the spec
+    # knows its destinations, they are 16-byte aligned and there are at most 8 chunks.
+    dests = [torch.empty(40, 64, dtype=torch.bfloat16) for _ in range(4)]
+    spec = gc.EpilogueSpec.from_tensors(dests, torch.zeros(4, dtype=torch.int32), 1, 40)
+    assert spec.align_elems == 8 and len(spec.dests) == 4
+    assert gc._epilogue_tma_dests(spec, True, 4) == 4
+    assert gc._epilogue_tma_dests(spec, False, 4) == 0          # plain-pointer launch
+    assert gc._epilogue_tma_dests(dataclasses.replace(spec, dests=()), True, 4) == 0
+    assert gc._epilogue_tma_dests(dataclasses.replace(spec, align_elems=0), True, 4) == 0
+    assert gc._epilogue_tma_dests(None, True, 4) == 0
+    many = [torch.empty(8, 64, dtype=torch.bfloat16) for _ in range(9)]
+    spec9 = gc.EpilogueSpec.from_tensors(many, torch.zeros(9, dtype=torch.int32), 1, 8)
+    assert gc._epilogue_tma_dests(spec9, True, 9) == 0           # > 8: pointer stores
+    monkeypatch.setenv("TPFUSE_EPI_TMA", "0")
+    assert gc._epilogue_tma_dests(spec, True, 4) == 0
+
+
+def test_epilogue_descriptors_cover_each_chunk_and_check_rows():
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    dests = [torch.empty(40, 64, dtype=torch.bfloat16) for _ in range(3)]
+    spec = gc.EpilogueSpec.from_tensors(dests, torch.zeros(3, dtype=torch.int32), 1, 40)
+    cfg = gc.GemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, EPI_SUBTILE=2)
+    plan = gc._Plan(100, 64, 32, False, True, cfg, (1, 1, 1), 40, 3, 0, False, (), 4, 1, epi_tma=3)
+    descs = gc._epilogue_descriptors(spec, plan)
+    assert [list(d.shape) for d in descs] == [[40, 64], [40, 64], [20, 64]]   # last chunk: 20 rows
+    assert all(list(d.block_shape) == [16, 16] for d in descs)
+    assert [d.base.data_ptr() for d in descs] == [d.data_ptr() for d in dests]
+    assert gc._epilogue_descriptors(spec, plan) is descs                        # cached on the spec
+    short = gc.EpilogueSpec.from_tensors([torch.empty(40, 64, dtype=torch.bfloat16),
+                                          torch.empty(10, 64, dtype=torch.bfloat16)],
+                                         torch.zeros(2, dtype=torch.int32), 1, 40)
+    plan2 = dataclasses.replace(plan, m=80, num_chunks=2, epi_tma=2)
+    with pytest.raises(ValueError, match=r"dests\[1\] is \(10, 64\); chunk 1 needs at least \(40, 64\)"):
+        gc._epilogue_descriptors(short, plan2)

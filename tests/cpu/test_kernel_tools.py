@@ -1,6 +1,7 @@
 """The GPU-free diagnostics of the GEMM kernel: config specs of the probe scripts and the
 offline sm_90 compile (Triton ships ptxas, so no GPU is needed)."""
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -39,3 +40,20 @@ def test_offline_sm90_compile_uses_wgmma_and_tma_without_spills():
     assert "HGMMA" in sass and "UTMALDG" in sass      # wgmma fed by TMA loads
     assert "LOCAL:0" in res and "STACK:0" in res      # no register spills
     assert kern.metadata.shared <= 232448             # fits sm_90's shared memory
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
+def test_offline_epilogue_hook_through_tma_keeps_a_staging_buffer_of_its_own():
+    # The hook's TMA stores sit at the top level of the tile loop, so Triton's TMA-store
+    # pipelining gives them the plain kernel's own staging buffer (shared memory as without
+    # the hook) instead of the pipeline's buffers, and no pointer stores are left.
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("compiling needs Triton's compiler, not the interpreter")
+    from kernel_offline import compile_kernel, sass_of
+    cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+    plain = compile_kernel(4096, 4096, 1792, cfg)
+    hooked = compile_kernel(4096, 4096, 1792, cfg, epilogue=True, tile_order=2, epi_tma=8)
+    sass, res = sass_of(hooked.asm["cubin"])
+    assert hooked.metadata.shared == plain.metadata.shared
+    assert "UTMASTG" in sass and not re.search(r"\bSTG\.", sass)
+    assert "LOCAL:0" in res and "STACK:0" in res

@@ -27,6 +27,8 @@ TOL = {torch.bfloat16: 1.2e-2, torch.float16: 1.5e-3, torch.float32: 2e-3}   # f
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 BIG = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
 SMALL = gc.GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+# TMA loads, pointer stores: the seventh stage takes the staging buffer's shared memory
+DEEP_PTR = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=7, tma_store=False)
 
 
 def _operands(m, k, n, dtype, b_layout, seed=0):
@@ -49,7 +51,7 @@ def _assert_close(out, ref, dtype):
 @pytest.mark.parametrize("shape", [(37, 53, 29), (130, 70, 65), (4091, 1000, 771), (2048, 4096, 3584)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("b_layout", ["row_major", "weight_t"])
-@pytest.mark.parametrize("config", [BIG, SMALL], ids=["128x256", "64x64"])
+@pytest.mark.parametrize("config", [BIG, SMALL, DEEP_PTR], ids=["128x256", "64x64", "128x128s7_ptr"])
 def test_matmul_bf16(shape, b_layout, config):
     m, k, n = shape
     a, b, ref = _operands(m, k, n, torch.bfloat16, b_layout)
@@ -110,9 +112,11 @@ def test_wait_timeout_is_bounded(use_asm, monkeypatch):
     assert time.time() - t0 < 30
 
 
-def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, after=lambda: True):
+def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, after=lambda: True,
+                               expect_tma=None):
     """Route every chunk of ``a @ b`` to its own destination over three generations: signals
-    published, counters back at zero, each destination exact and untouched past its rows."""
+    published, counters back at zero, each destination exact and untouched past its rows.
+    ``expect_tma``: the plan must (True) or must not (False) store through TMA descriptors."""
     num_chunks = m // chunk_m
     dests = [torch.full((chunk_m + 5, n), float("nan"), device="cuda", dtype=torch.bfloat16)
              for _ in range(num_chunks)]
@@ -123,8 +127,12 @@ def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, afte
         for d in dests:
             d.fill_(float("nan"))
         spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m, counters=counters)
+        gc._PLANS.clear()
         gc.matmul(a, b, config=config, tile_order="owner", start_chunk=start_chunk, epilogue=spec)
         torch.cuda.synchronize()
+        if expect_tma is not None:
+            (plan,) = gc._PLANS.values()
+            assert plan.epi_tma == (num_chunks if expect_tma else 0), plan.epi_tma
         assert signals.tolist() == [generation] * num_chunks
         assert counters.tolist() == [0] * num_chunks and after()
         for c, d in enumerate(dests):
@@ -132,8 +140,17 @@ def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, afte
             assert torch.isnan(d[chunk_m:]).all()
 
 
-def test_epilogue_routes_and_publishes_several_generations():
-    _epilogue_over_generations(8 * 517, 1024, 1536, 517, BIG, start_chunk=3, seed=0)
+@pytest.mark.parametrize("tma", ["1", "0"])
+@pytest.mark.parametrize("sub", [1, 2])
+def test_epilogue_routes_and_publishes_several_generations(tma, sub, monkeypatch):
+    # 517-row chunks: tiles straddle two destinations (TMA: a negative row coordinate in one)
+    monkeypatch.setenv("TPFUSE_EPI_TMA", tma)
+    _epilogue_over_generations(8 * 517, 1024, 1536, 517, dataclasses.replace(BIG, EPI_SUBTILE=sub),
+                               start_chunk=3, seed=0, expect_tma=tma == "1")
+
+
+def test_epilogue_with_more_chunks_than_descriptors_stores_through_pointers():
+    _epilogue_over_generations(12 * 96, 512, 1024, 96, BIG, start_chunk=5, seed=3, expect_tma=False)
 
 
 @pytest.mark.parametrize("fast", ["1", "0"])
@@ -225,9 +242,11 @@ def test_split_k_is_bitwise_stable_when_slices_race():
     assert _tile_counters_are_zero()
 
 
-def test_split_k_with_epilogue_hook_several_generations():
+@pytest.mark.parametrize("tma", ["1", "0"])
+def test_split_k_with_epilogue_hook_several_generations(tma, monkeypatch):
+    monkeypatch.setenv("TPFUSE_EPI_TMA", tma)
     _epilogue_over_generations(4 * 131, 2048, 1536, 131, dataclasses.replace(SK_256, split_k=3), start_chunk=1,
-                               seed=10, after=_tile_counters_are_zero)
+                               seed=10, after=_tile_counters_are_zero, expect_tma=tma == "1")
 
 
 def test_split_k_with_wait_hook_signals_preset():
@@ -268,9 +287,11 @@ def test_stream_k_matches_reference(mode, base, shape, b_layout, dtype):
         assert torch.equal(again, out), "stream-K result changed between identical calls"
 
 
-def test_stream_k_with_epilogue_hook_several_generations():
+@pytest.mark.parametrize("tma", ["1", "0"])
+def test_stream_k_with_epilogue_hook_several_generations(tma, monkeypatch):
+    monkeypatch.setenv("TPFUSE_EPI_TMA", tma)
     _epilogue_over_generations(4 * 131, 2048, 1536, 131, dataclasses.replace(SK_256, stream_k=1), start_chunk=1,
-                               seed=18, after=_tile_counters_are_zero)
+                               seed=18, after=_tile_counters_are_zero, expect_tma=tma == "1")
 
 
 def test_stream_k_with_wait_hook_signals_preset():

@@ -48,7 +48,7 @@ column slices of the tile per store), communication chunk (chunk_m rows, num_chu
 import triton
 import triton.language as tl
 
-from .signals import publish, record_timeout, wait_geq
+from .signals import bulk_writes_done, publish, record_timeout, wait_geq
 
 
 @triton.jit
@@ -106,14 +106,25 @@ def _store_rows(base, rows, offs_n, vals, row_lo, row_hi, N, stride_m, stride_n)
 
 @triton.jit
 def _epilogue_store(acc, c, off_m, off_n, M, N,
-                    c_ptr, stride_cm, stride_cn, dest_offs, stride_dm, chunk_m, num_chunks,
+                    c_ptr, stride_cm, stride_cn, dest_offs, stride_dm, chunk_m, num_chunks, epi_descs,
                     C_DTYPE: tl.constexpr, SUB_N: tl.constexpr, SUB_IDX: tl.constexpr,
-                    USE_TMA: tl.constexpr, EPILOGUE: tl.constexpr, DEST_ALIGNED: tl.constexpr):
+                    USE_TMA: tl.constexpr, EPILOGUE: tl.constexpr, DEST_ALIGNED: tl.constexpr,
+                    EPI_TMA: tl.constexpr):
     """Store one column subtile (SUB_IDX-th slice of SUB_N columns)."""
     vals = acc.to(C_DTYPE)
     offs_m = off_m + tl.arange(0, acc.shape[0])
     offs_n = off_n + SUB_IDX * SUB_N + tl.arange(0, SUB_N)
-    if EPILOGUE:
+    if EPILOGUE and EPI_TMA > 0:
+        # One TMA descriptor per chunk, over that chunk's rows of its destination: a tile
+        # straddling chunks is stored once per chunk and TMA drops the rows outside each
+        # (its row coordinate may be negative). At the top level of the tile loop, so Triton
+        # gives the store a staging buffer of its own and the next tile's loads need not wait.
+        q_lo = off_m // chunk_m
+        q_hi = (tl.minimum(off_m + acc.shape[0], M) - 1) // chunk_m
+        for q in tl.static_range(EPI_TMA):
+            if (q >= q_lo) & (q <= q_hi):
+                epi_descs[q].store([off_m - q * chunk_m, off_n + SUB_IDX * SUB_N], vals)
+    elif EPILOGUE:
         # One store for the whole subtile even when it straddles chunks: row r goes to
         # c_ptr (the destinations' common origin) + dest_offs[chunk(r)] + its row in the chunk.
         row_chunk = tl.minimum(offs_m // chunk_m, num_chunks - 1)
@@ -125,26 +136,28 @@ def _epilogue_store(acc, c, off_m, off_n, M, N,
     elif USE_TMA:
         c.store([off_m, off_n + SUB_IDX * SUB_N], vals)
     else:
-        _store_rows(c_ptr, offs_m, offs_n, vals, 0, M, N, stride_cm, stride_cn)
+        # unit column stride (checked on the host), so the compiler can vectorize
+        _store_rows(c_ptr, offs_m, offs_n, vals, 0, M, N, stride_cm, 1)
 
 
 @triton.jit
 def _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm, chunk_m,
-               num_chunks, C_DTYPE: tl.constexpr, EPI_SUBTILE: tl.constexpr, USE_TMA: tl.constexpr,
-               EPILOGUE: tl.constexpr, DEST_ALIGNED: tl.constexpr):
+               num_chunks, epi_descs, C_DTYPE: tl.constexpr, EPI_SUBTILE: tl.constexpr,
+               USE_TMA: tl.constexpr, EPILOGUE: tl.constexpr, DEST_ALIGNED: tl.constexpr,
+               EPI_TMA: tl.constexpr):
     """Store a whole fp32 tile held in registers, in EPI_SUBTILE column slices."""
     BLOCK_N: tl.constexpr = acc.shape[1]
     SUB_N: tl.constexpr = BLOCK_N // EPI_SUBTILE
     if EPI_SUBTILE == 1:
         _epilogue_store(acc, c, off_m, off_n, M, N, c, stride_cm, stride_cn, dest_offs, stride_dm,
-                        chunk_m, num_chunks, C_DTYPE, SUB_N, 0, USE_TMA, EPILOGUE, DEST_ALIGNED)
+                        chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 0, USE_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
     else:
         acc3 = tl.permute(tl.reshape(acc, (acc.shape[0], 2, BLOCK_N // 2)), (0, 2, 1))
         acc_lo, acc_hi = tl.split(acc3)
         _epilogue_store(acc_lo, c, off_m, off_n, M, N, c, stride_cm, stride_cn, dest_offs, stride_dm,
-                        chunk_m, num_chunks, C_DTYPE, SUB_N, 0, USE_TMA, EPILOGUE, DEST_ALIGNED)
+                        chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 0, USE_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
         _epilogue_store(acc_hi, c, off_m, off_n, M, N, c, stride_cm, stride_cn, dest_offs, stride_dm,
-                        chunk_m, num_chunks, C_DTYPE, SUB_N, 1, USE_TMA, EPILOGUE, DEST_ALIGNED)
+                        chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 1, USE_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
 
 
 @triton.jit
@@ -164,8 +177,13 @@ def _sum_partials(ws_tile, SUB_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N
 
 @triton.jit
 def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
-                       BLOCK_M: tl.constexpr):
+                       BLOCK_M: tl.constexpr, EPI_TMA: tl.constexpr):
     """Count one stored tile in every chunk it touches; the chunk's last tile publishes it."""
+    if EPI_TMA > 0:
+        if c_hi >= c_lo:
+            # The tile went out by TMA (async proxy): wait until its writes are done, not only
+            # read out of shared memory, and order them before the generic release below.
+            bulk_writes_done()
     # Every thread's stores of the tile happen before the release chain below.
     tl.debug_barrier()
     for cc in range(c_lo, c_hi + 1):
@@ -269,6 +287,8 @@ def gemm_kernel(
     wait_signal, wait_gen, wait_timeout, err_ptr,
     # epilogue hook
     dest_offs, stride_dm, signal_ptrs, counters, epi_gen,
+    # epilogue hook through TMA: a tuple of EPI_TMA descriptors, chunk q's rows of its destination
+    epi_descs,
     # split-K: fp32 partials [num_tiles, SPLIT_K, BLOCK_M, BLOCK_N] and int32 [num_tiles] zeros;
     # stream-K: fp32 partials [programs, 2, BLOCK_M, BLOCK_N], the same counters, and the number
     # of tiles (the last ones of the order) that are shared out by K-steps
@@ -279,9 +299,13 @@ def gemm_kernel(
     WAIT: tl.constexpr, EPILOGUE: tl.constexpr, USE_ASM: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_FP32: tl.constexpr,
     DEST_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr, STREAM_K: tl.constexpr,
+    EPI_TMA: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
     start_pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
+    # c is a TMA descriptor (TMA loads and stores) or, with TMA loads and pointer stores
+    # (TMA_STORE=False: no staging buffer, its shared memory goes to the pipeline), a pointer
+    C_TMA: tl.constexpr = USE_TMA and TMA_STORE
     # No @triton.jit helpers of triton.language.standard here (tl.cdiv, tl.zeros): the
     # interpreter cannot call them when triton was imported before TRITON_INTERPRET=1 was set
     # (tests/conftest.py imports tpfuse, which imports torch._dynamo, which imports triton).
@@ -334,15 +358,16 @@ def gemm_kernel(
                 # Count the previous tile now: its stores have drained during this tile's main
                 # loop, so the release below costs no wait (publication is one tile later).
                 _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                                   epi_gen, status, BLOCK_M)
+                                   epi_gen, status, BLOCK_M, EPI_TMA)
                 pend_lo = c_lo
                 pend_hi = c_hi
             _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
-                       chunk_m, num_chunks, C_DTYPE, EPI_SUBTILE, USE_TMA, EPILOGUE, DEST_ALIGNED)
+                       chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
+                       DEST_ALIGNED, EPI_TMA)
         else:
             if EPILOGUE:   # the previous stored tile, as above
                 _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                                   epi_gen, status, BLOCK_M)
+                                   epi_gen, status, BLOCK_M, EPI_TMA)
             # Partial to this slice's slot; every thread's stores happen before the release.
             ws_tile = ws + tile_id.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
             offs_ws = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -366,17 +391,17 @@ def gemm_kernel(
                 if EPI_SUBTILE == 1:
                     total = _sum_partials(ws_tile, 0, BLOCK_M, BLOCK_N, SUB_N, SPLIT_K)
                     _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                    dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
-                                    USE_TMA, EPILOGUE, DEST_ALIGNED)
+                                    dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 0,
+                                    C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
                 else:
                     total = _sum_partials(ws_tile, 0, BLOCK_M, BLOCK_N, SUB_N, SPLIT_K)
                     _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                    dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
-                                    USE_TMA, EPILOGUE, DEST_ALIGNED)
+                                    dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 0,
+                                    C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
                     total = _sum_partials(ws_tile, 1, BLOCK_M, BLOCK_N, SUB_N, SPLIT_K)
                     _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                    dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 1,
-                                    USE_TMA, EPILOGUE, DEST_ALIGNED)
+                                    dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 1,
+                                    C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
     if STREAM_K:
         # The last sk_tiles tiles of the order, shared out by K-steps: their total_steps steps
         # are cut into num_progs equal runs [lo, hi), one per program, so every SM gets the
@@ -418,10 +443,11 @@ def gemm_kernel(
                             DOT_FP32)
             if EPILOGUE:   # the previous stored tile, counted late as in the loop above
                 _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                                   epi_gen, status, BLOCK_M)
+                                   epi_gen, status, BLOCK_M, EPI_TMA)
             if (k_lo == 0) & (k_hi == k_tiles):
                 _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
-                           chunk_m, num_chunks, C_DTYPE, EPI_SUBTILE, USE_TMA, EPILOGUE, DEST_ALIGNED)
+                           chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
+                       DEST_ALIGNED, EPI_TMA)
                 if EPILOGUE:
                     pend_lo = c_lo
                     pend_hi = c_hi
@@ -454,17 +480,17 @@ def gemm_kernel(
                     if EPI_SUBTILE == 1:
                         total = _sum_segments(ws, q_first, q_last, first_slot, total_steps, num_progs, 0, BLOCK_M, BLOCK_N, SUB_N)
                         _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                        dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
-                                        USE_TMA, EPILOGUE, DEST_ALIGNED)
+                                        dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 0,
+                                        C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
                     else:
                         total = _sum_segments(ws, q_first, q_last, first_slot, total_steps, num_progs, 0, BLOCK_M, BLOCK_N, SUB_N)
                         _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                        dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 0,
-                                        USE_TMA, EPILOGUE, DEST_ALIGNED)
+                                        dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 0,
+                                        C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
                         total = _sum_segments(ws, q_first, q_last, first_slot, total_steps, num_progs, 1, BLOCK_M, BLOCK_N, SUB_N)
                         _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                        dest_offs, stride_dm, chunk_m, num_chunks, C_DTYPE, SUB_N, 1,
-                                        USE_TMA, EPILOGUE, DEST_ALIGNED)
+                                        dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 1,
+                                        C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
     if EPILOGUE:
         _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                           epi_gen, status, BLOCK_M)
+                           epi_gen, status, BLOCK_M, EPI_TMA)

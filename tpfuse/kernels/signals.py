@@ -98,3 +98,12 @@ def record_timeout(err_ptr, tile, chunk, generation, last_seen):
 def publish(flag_ptr, generation):
     """``*flag_ptr = generation`` with release semantics at system scope."""
     tl.atomic_xchg(flag_ptr, generation, sem="release", scope="sys")
+
+
+@triton.jit
+def bulk_writes_done():
+    """Wait until this thread's TMA (bulk async) stores have written global memory, then order
+    them (async proxy) before this thread's later generic-proxy accesses, e.g. a release."""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [],
+        dtype=tl.int32, is_pure=False, pack=1)
