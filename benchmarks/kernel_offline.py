@@ -60,8 +60,8 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
                 M=m, N=n, K=k, stride_am=k, stride_ak=1, stride_bk=1, stride_bn=k, stride_cm=n, stride_cn=1,
                 chunk_m=m, num_chunks=1, start_chunk=0, wait_signal=i32, wait_gen=0, wait_timeout=0,
                 err_ptr=i32, dest_offs=i64, stride_dm=0, signal_ptrs=i64, counters=i32, epi_gen=0,
-                epi_descs=tuple(TensorDescriptor.from_tensor(c[:max(m // epi_tma, 1)], [bm, bn // cfg.EPI_SUBTILE])
-                                for _ in range(epi_tma)) if epi_tma else None,
+                **{f"epi_d{q}": TensorDescriptor.from_tensor(c[:max(m // epi_tma, 1)], [bm, bn // cfg.EPI_SUBTILE])
+                   if q < epi_tma else None for q in range(8)},
                 ws=f32, tile_counters=i32, sk_tiles=sk_tiles)
     cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.GROUP_M, EPI_SUBTILE=cfg.EPI_SUBTILE,
                 TILE_ORDER=tile_order, USE_TMA=True, B_KMAJOR=True, C_DTYPE=tl.bfloat16, WAIT=wait,

@@ -334,8 +334,9 @@ class EpilogueSpec:
     left at zero by every completed launch. ``align_elems``: elements per 16 bytes when every
     destination and the row stride are 16-byte aligned (vector stores), else 0. ``dests``: the
     destination tensors, one per chunk, when known (:meth:`from_tensors` keeps them): with them,
-    16-byte alignment and at most 8 chunks, a TMA-path launch stores each tile through a TMA
-    descriptor per destination instead of pointer stores (``TPFUSE_EPI_TMA=0`` turns that off).
+    16-byte alignment, at most 8 chunks and ``chunk_m`` a multiple of the tile height, a
+    TMA-path launch stores each tile through a TMA descriptor per destination instead of
+    pointer stores (``TPFUSE_EPI_TMA=0`` turns that off).
     Build one with :meth:`from_tensors`.
     """
     base: torch.Tensor
@@ -688,7 +689,7 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
     use_asm = (device.type == "cuda" and not _interpreting()
                and os.environ.get("TPFUSE_SIGNAL_ASM", "1") != "0")
     c_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[a.dtype]
-    epi_tma = _epilogue_tma_dests(epilogue, use_tma, num_chunks)
+    epi_tma = _epilogue_tma_dests(epilogue, use_tma, num_chunks, cfg.BLOCK_M)
     constexprs = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.GROUP_M, cfg.EPI_SUBTILE,
                   TILE_ORDERS.index(tile_order), bool(use_tma), b_kmajor, c_dtype,
                   wait is not None, epilogue is not None, use_asm, cfg.flatten, cfg.warp_specialize,
@@ -701,13 +702,22 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
 _MAX_TMA_DESTS = 8   # one kernel argument each; more chunks store through pointers
 
 
-def _epilogue_tma_dests(epilogue, use_tma, num_chunks) -> int:
-    """How many TMA descriptors the epilogue hook stores through (0: pointer stores)."""
+def _epilogue_tma_dests(epilogue, use_tma, num_chunks, block_m) -> int:
+    """How many TMA descriptors the epilogue hook stores through (0: pointer stores). TMA
+    needs every tile inside one chunk (chunk_m a multiple of BLOCK_M): a tile's rows in a later
+    chunk would need a negative TMA row coordinate, which stores do not take."""
     if (epilogue is None or not use_tma or len(epilogue.dests) < num_chunks
             or not 0 < num_chunks <= _MAX_TMA_DESTS or epilogue.align_elems == 0
+            or (num_chunks > 1 and epilogue.chunk_m % block_m)
             or os.environ.get("TPFUSE_EPI_TMA", "1") == "0"):
         return 0
     return num_chunks
+
+
+def _epilogue_descriptor_args(epilogue, plan) -> tuple:
+    """The kernel's _MAX_TMA_DESTS descriptor arguments: the destinations' descriptors, then None."""
+    descs = _epilogue_descriptors(epilogue, plan) if plan.epi_tma else ()
+    return descs + (None,) * (_MAX_TMA_DESTS - len(descs))
 
 
 def _epilogue_descriptors(epilogue: "EpilogueSpec", plan: "_Plan") -> tuple:
@@ -892,7 +902,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
         epilogue.dest_offsets if epilogue else None, epilogue.dest_stride if epilogue else 0,
         epilogue.signal_ptrs if epilogue else None, epilogue.counters if epilogue else None,
         epilogue.generation if epilogue else 0,
-        _epilogue_descriptors(epilogue, plan) if plan.epi_tma else None,
+        *_epilogue_descriptor_args(epilogue, plan),
         *(_split_k_buffers(plan, device) if cfg.split_k > 1 or plan.sk_tiles else (None, None)),
         plan.sk_tiles,
     ]

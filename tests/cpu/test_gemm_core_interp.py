@@ -478,20 +478,24 @@ def test_candidates_include_deep_pipelines_once_each():
 
 def test_epilogue_takes_tma_descriptors_only_where_they_fit(monkeypatch):
     # Host rule only (the interpreter has no TMA): one descriptor per chunk when the spec
-    # knows its destinations, they are 16-byte aligned and there are at most 8 chunks.
+    # knows its destinations, they are 16-byte aligned, there are at most 8 chunks and every
+    # tile lies in one chunk.
     dests = [torch.empty(40, 64, dtype=torch.bfloat16) for _ in range(4)]
     spec = gc.EpilogueSpec.from_tensors(dests, torch.zeros(4, dtype=torch.int32), 1, 40)
     assert spec.align_elems == 8 and len(spec.dests) == 4
-    assert gc._epilogue_tma_dests(spec, True, 4) == 4
-    assert gc._epilogue_tma_dests(spec, False, 4) == 0          # plain-pointer launch
-    assert gc._epilogue_tma_dests(dataclasses.replace(spec, dests=()), True, 4) == 0
-    assert gc._epilogue_tma_dests(dataclasses.replace(spec, align_elems=0), True, 4) == 0
-    assert gc._epilogue_tma_dests(None, True, 4) == 0
+    assert gc._epilogue_tma_dests(spec, True, 4, 8) == 4
+    assert gc._epilogue_tma_dests(spec, True, 4, 16) == 0        # 40-row chunks, 16-row tiles straddle
+    assert gc._epilogue_tma_dests(spec, False, 4, 8) == 0        # plain-pointer launch
+    assert gc._epilogue_tma_dests(dataclasses.replace(spec, dests=()), True, 4, 8) == 0
+    assert gc._epilogue_tma_dests(dataclasses.replace(spec, align_elems=0), True, 4, 8) == 0
+    assert gc._epilogue_tma_dests(None, True, 4, 8) == 0
+    one = gc.EpilogueSpec.from_tensors(dests[:1], torch.zeros(1, dtype=torch.int32), 1, 40)
+    assert gc._epilogue_tma_dests(one, True, 1, 16) == 1         # one chunk: nothing to straddle
     many = [torch.empty(8, 64, dtype=torch.bfloat16) for _ in range(9)]
     spec9 = gc.EpilogueSpec.from_tensors(many, torch.zeros(9, dtype=torch.int32), 1, 8)
-    assert gc._epilogue_tma_dests(spec9, True, 9) == 0           # > 8: pointer stores
+    assert gc._epilogue_tma_dests(spec9, True, 9, 8) == 0        # > 8: pointer stores
     monkeypatch.setenv("TPFUSE_EPI_TMA", "0")
-    assert gc._epilogue_tma_dests(spec, True, 4) == 0
+    assert gc._epilogue_tma_dests(spec, True, 4, 8) == 0
 
 
 def test_epilogue_descriptors_cover_each_chunk_and_check_rows():

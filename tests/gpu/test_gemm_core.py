@@ -140,13 +140,15 @@ def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, afte
             assert torch.isnan(d[chunk_m:]).all()
 
 
-@pytest.mark.parametrize("tma", ["1", "0"])
+@pytest.mark.parametrize("chunk_m,tma", [(517, "1"), (512, "1"), (512, "0")])
 @pytest.mark.parametrize("sub", [1, 2])
-def test_epilogue_routes_and_publishes_several_generations(tma, sub, monkeypatch):
-    # 517-row chunks: tiles straddle two destinations (TMA: a negative row coordinate in one)
+def test_epilogue_routes_and_publishes_several_generations(chunk_m, tma, sub, monkeypatch):
+    # 512-row chunks: every tile in one chunk, stored by TMA through its destination's
+    # descriptor unless TPFUSE_EPI_TMA=0. 517: tiles straddle two destinations, pointer stores
+    # (TMA would need a negative row coordinate).
     monkeypatch.setenv("TPFUSE_EPI_TMA", tma)
-    _epilogue_over_generations(8 * 517, 1024, 1536, 517, dataclasses.replace(BIG, EPI_SUBTILE=sub),
-                               start_chunk=3, seed=0, expect_tma=tma == "1")
+    _epilogue_over_generations(8 * chunk_m, 1024, 1536, chunk_m, dataclasses.replace(BIG, EPI_SUBTILE=sub),
+                               start_chunk=3, seed=0, expect_tma=chunk_m % 128 == 0 and tma == "1")
 
 
 def test_epilogue_with_more_chunks_than_descriptors_stores_through_pointers():
@@ -245,8 +247,9 @@ def test_split_k_is_bitwise_stable_when_slices_race():
 @pytest.mark.parametrize("tma", ["1", "0"])
 def test_split_k_with_epilogue_hook_several_generations(tma, monkeypatch):
     monkeypatch.setenv("TPFUSE_EPI_TMA", tma)
-    _epilogue_over_generations(4 * 131, 2048, 1536, 131, dataclasses.replace(SK_256, split_k=3), start_chunk=1,
-                               seed=10, after=_tile_counters_are_zero, expect_tma=tma == "1")
+    chunk_m = 128 if tma == "1" else 131
+    _epilogue_over_generations(4 * chunk_m, 2048, 1536, chunk_m, dataclasses.replace(SK_256, split_k=3),
+                               start_chunk=1, seed=10, after=_tile_counters_are_zero, expect_tma=tma == "1")
 
 
 def test_split_k_with_wait_hook_signals_preset():
@@ -290,8 +293,9 @@ def test_stream_k_matches_reference(mode, base, shape, b_layout, dtype):
 @pytest.mark.parametrize("tma", ["1", "0"])
 def test_stream_k_with_epilogue_hook_several_generations(tma, monkeypatch):
     monkeypatch.setenv("TPFUSE_EPI_TMA", tma)
-    _epilogue_over_generations(4 * 131, 2048, 1536, 131, dataclasses.replace(SK_256, stream_k=1), start_chunk=1,
-                               seed=18, after=_tile_counters_are_zero, expect_tma=tma == "1")
+    chunk_m = 128 if tma == "1" else 131
+    _epilogue_over_generations(4 * chunk_m, 2048, 1536, chunk_m, dataclasses.replace(SK_256, stream_k=1),
+                               start_chunk=1, seed=18, after=_tile_counters_are_zero, expect_tma=tma == "1")
 
 
 def test_stream_k_with_wait_hook_signals_preset():

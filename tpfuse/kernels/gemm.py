@@ -115,14 +115,15 @@ def _epilogue_store(acc, c, off_m, off_n, M, N,
     offs_m = off_m + tl.arange(0, acc.shape[0])
     offs_n = off_n + SUB_IDX * SUB_N + tl.arange(0, SUB_N)
     if EPILOGUE and EPI_TMA > 0:
-        # One TMA descriptor per chunk, over that chunk's rows of its destination: a tile
-        # straddling chunks is stored once per chunk and TMA drops the rows outside each
-        # (its row coordinate may be negative). At the top level of the tile loop, so Triton
-        # gives the store a staging buffer of its own and the next tile's loads need not wait.
-        q_lo = off_m // chunk_m
-        q_hi = (tl.minimum(off_m + acc.shape[0], M) - 1) // chunk_m
+        # One TMA descriptor per chunk, over that chunk's rows of its destination. The host
+        # takes this path only when chunk_m is a multiple of BLOCK_M, so every tile lies in one
+        # chunk (a straddling tile would need a negative row coordinate for its later chunk,
+        # which TMA stores do not take: illegal instruction on the H200). At the top level of
+        # the tile loop, so Triton gives the store a staging buffer of its own and the next
+        # tile's loads need not wait for it.
+        q_tile = off_m // chunk_m
         for q in tl.static_range(EPI_TMA):
-            if (q >= q_lo) & (q <= q_hi):
+            if q == q_tile:
                 epi_descs[q].store([off_m - q * chunk_m, off_n + SUB_IDX * SUB_N], vals)
     elif EPILOGUE:
         # One store for the whole subtile even when it straddles chunks: row r goes to
@@ -287,8 +288,10 @@ def gemm_kernel(
     wait_signal, wait_gen, wait_timeout, err_ptr,
     # epilogue hook
     dest_offs, stride_dm, signal_ptrs, counters, epi_gen,
-    # epilogue hook through TMA: a tuple of EPI_TMA descriptors, chunk q's rows of its destination
-    epi_descs,
+    # epilogue hook through TMA: descriptor q (q < EPI_TMA) covers chunk q's rows of its
+    # destination; the unused ones are None (separate arguments: Triton 3.6's launcher does not
+    # take a tuple of descriptors)
+    epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7,
     # split-K: fp32 partials [num_tiles, SPLIT_K, BLOCK_M, BLOCK_N] and int32 [num_tiles] zeros;
     # stream-K: fp32 partials [programs, 2, BLOCK_M, BLOCK_N], the same counters, and the number
     # of tiles (the last ones of the order) that are shared out by K-steps
@@ -306,6 +309,7 @@ def gemm_kernel(
     # c is a TMA descriptor (TMA loads and stores) or, with TMA loads and pointer stores
     # (TMA_STORE=False: no staging buffer, its shared memory goes to the pipeline), a pointer
     C_TMA: tl.constexpr = USE_TMA and TMA_STORE
+    epi_descs = (epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7)
     # No @triton.jit helpers of triton.language.standard here (tl.cdiv, tl.zeros): the
     # interpreter cannot call them when triton was imported before TRITON_INTERPRET=1 was set
     # (tests/conftest.py imports tpfuse, which imports torch._dynamo, which imports triton).
