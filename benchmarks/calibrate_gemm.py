@@ -56,10 +56,8 @@ FIT_FIELDS: tuple[tuple[str, float, float], ...] = (
     ("gemm_throttle", 0.0, 0.3),
     ("gemm_throttle_ms", 0.01, 20.0),
     ("hbm_latency_us", 0.0, 20.0),
+    ("gemm_streamk_rel", 0.3, 1.0),
 )
-# gemm_streamk_rel is no longer fitted: the grid did not pin it down (0.3-1.0 between runs at
-# about the same loss); the model lets split-K compete at any tile count instead, and the fit
-# writes gemm_streamk_rel = 0 (off) so an older calibration's value does not linger.
 
 # Calibration grid: M from decode to training sizes; (N, K) pairs that span the Llama-like range
 # but are not the workload shapes themselves (those are the held-out check).
@@ -199,7 +197,7 @@ def profile_from_params(base: hardware.HardwareProfile, x: np.ndarray) -> hardwa
         gemm_tile_rel=(1.0, v["tile_rel_1"], v["tile_rel_2"]), hbm_eff=v["hbm_eff"],
         gemm_blend_p=v["gemm_blend_p"], gemm_launch_us=v["gemm_launch_us"],
         gemm_throttle=v["gemm_throttle"], gemm_throttle_ms=v["gemm_throttle_ms"],
-        hbm_latency_us=v["hbm_latency_us"], gemm_streamk_rel=0.0)
+        hbm_latency_us=v["hbm_latency_us"], gemm_streamk_rel=v["gemm_streamk_rel"])
 
 
 def overrides_from_params(x: np.ndarray) -> dict:
@@ -208,7 +206,7 @@ def overrides_from_params(x: np.ndarray) -> dict:
             "gemm_tile_rel": [1.0, v["tile_rel_1"], v["tile_rel_2"]], "hbm_eff": v["hbm_eff"],
             "gemm_blend_p": v["gemm_blend_p"], "gemm_launch_us": v["gemm_launch_us"],
             "gemm_throttle": v["gemm_throttle"], "gemm_throttle_ms": v["gemm_throttle_ms"],
-            "hbm_latency_us": v["hbm_latency_us"], "gemm_streamk_rel": 0.0}
+            "hbm_latency_us": v["hbm_latency_us"], "gemm_streamk_rel": v["gemm_streamk_rel"]}
 
 
 def _loss(x, base, shapes, measured_log, dtype_name):
@@ -261,9 +259,9 @@ def fit(base: hardware.HardwareProfile, grid: list[dict], dtype_name: str) -> tu
     shapes = [(r["m"], r["n"], r["k"]) for r in grid]
     measured_log = np.log([r["measured_ms"] for r in grid])
     f = lambda x: _loss(x, base, shapes, measured_log, dtype_name)  # noqa: E731
-    starts = [np.array([0.8, 128, 0.85, 0.65, 0.8, 3.0, 6.0, 0.1, 1.0, 0.0]),
-              np.array([0.75, 512, 0.7, 0.5, 0.7, 2.0, 10.0, 0.0, 0.3, 5.0]),
-              np.array([0.9, 32, 0.95, 0.8, 0.9, 6.0, 3.0, 0.15, 3.0, 2.0])]
+    starts = [np.array([0.8, 128, 0.85, 0.65, 0.8, 3.0, 6.0, 0.1, 1.0, 0.0, 0.8]),
+              np.array([0.75, 512, 0.7, 0.5, 0.7, 2.0, 10.0, 0.0, 0.3, 5.0, 0.6]),
+              np.array([0.9, 32, 0.95, 0.8, 0.9, 6.0, 3.0, 0.15, 3.0, 2.0, 0.9])]
     best_x, best_f = None, math.inf
     for x0 in starts:
         x, fx = nelder_mead(f, x0, step=np.abs(x0) * 0.2 + 0.05)

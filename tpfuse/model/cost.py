@@ -11,11 +11,9 @@ overhead::
 time at the burst rate) multiplies F_eff: long GEMMs run at power-limited clocks.
 ``util`` is wave quantization plus the padding of a partial tile; the library (cuBLAS or our
 persistent kernel) is assumed to pick the best of a few tile shapes and split-K factors, the
-smaller tiles paying ``rel``; split-K competes at any tile count (splitting a grid of more tiles
-than SMs evens out its last wave), and ``k' = k / split`` makes small K (and deep splits) lose
-efficiency (prologue and epilogue of a tile are not amortised).  An optional stream-K variant of
-each tile (``util`` = padding only, at ``gemm_streamk_rel``; 0 = off, the default and what
-``benchmarks/calibrate_gemm.py`` now writes) is kept for profiles that set it.
+smaller tiles paying ``rel``, or a stream-K kernel of a tile (``util`` = padding only, at
+``gemm_streamk_rel``); ``k' = k / split`` makes small K lose efficiency (prologue and
+epilogue of a tile are not amortised).
 
 Transfer: ``alpha + bytes / B_eff`` where ``B_eff`` depends on who moves the bytes: NCCL (ring,
 its SMs; ``p2p`` = NCCL send/recv issued step by step from Python), the copy engine (no SMs) or
@@ -110,10 +108,7 @@ def _gemm_time_ms(m, n, k, dtype, hw, sms, hbm_share, launch) -> float:
     for (tile_m, tile_n), rel in zip(TILE_SHAPES, hw.gemm_tile_rel):
         tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n)
         for split in SPLIT_K:
-            # split-K competes at any tile count: a split of a full grid evens out its last
-            # wave (e.g. 224 tiles = 1.7 waves -> 448 slices = 3.4 waves), at the K-efficiency of
-            # the shorter slice; the library picks it where that wins
-            if split > 1 and k // split < _MIN_K_PER_SPLIT:
+            if split > 1 and (k // split < _MIN_K_PER_SPLIT or tiles >= sms):
                 continue
             k_split = max(k / split, 1.0)
             waves = math.ceil(tiles * split / sms)

@@ -62,12 +62,9 @@ class HardwareProfile:
     ``gemm_tile_rel``) and by ``1 - gemm_throttle * t0 / (t0 + gemm_throttle_ms)`` for long
     kernels (power-limited clocks), blended with the HBM roofline ``bytes / (hbm * hbm_eff)`` by
     a p-norm of order ``gemm_blend_p``, plus ``gemm_launch_us``; the HBM bound has a fixed ramp
-    ``hbm_latency_us`` (a memory-bound GEMM fills and drains its stream of loads); split-K
-    {1, 2, 4} competes at any tile count.  Those ten numbers are what
-    ``benchmarks/calibrate_gemm.py`` fits.  An optional stream-K variant of each tile (no wave
-    quantization) at ``gemm_streamk_rel`` of its rate is off (0) unless a profile sets it: the
-    calibration no longer fits it (the grid did not pin it down; split-K at any tile count
-    replaced it, 2026-11-30).
+    ``hbm_latency_us`` (a memory-bound GEMM fills and drains its stream of loads), and a stream-K
+    variant of each tile (no wave quantization) runs at ``gemm_streamk_rel`` of its rate.  Those
+    eleven numbers are what ``benchmarks/calibrate_gemm.py`` fits.
     """
 
     name: str
