@@ -29,11 +29,17 @@ def _ptxas():
     return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
 
 
-@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
-def test_offline_sm90_compile_uses_wgmma_and_tma_without_spills():
+def _offline_tools():
+    """(compile_kernel, sass_of) of benchmarks/kernel_offline.py; skips under the interpreter."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("compiling needs Triton's compiler, not the interpreter")
     from kernel_offline import compile_kernel, sass_of
+    return compile_kernel, sass_of
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
+def test_offline_sm90_compile_uses_wgmma_and_tma_without_spills():
+    compile_kernel, sass_of = _offline_tools()
     cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=6)
     kern = compile_kernel(512, 3584, 4096, cfg)
     sass, res = sass_of(kern.asm["cubin"])
@@ -47,9 +53,7 @@ def test_offline_epilogue_hook_through_tma_keeps_a_staging_buffer_of_its_own():
     # The hook's TMA stores sit at the top level of the tile loop, so Triton's TMA-store
     # pipelining gives them the plain kernel's own staging buffer (shared memory as without
     # the hook) instead of the pipeline's buffers, and no pointer stores are left.
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("compiling needs Triton's compiler, not the interpreter")
-    from kernel_offline import compile_kernel, sass_of
+    compile_kernel, sass_of = _offline_tools()
     cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
     plain = compile_kernel(4096, 4096, 1792, cfg)
     hooked = compile_kernel(4096, 4096, 1792, cfg, epilogue=True, tile_order=2, epi_tma=8)

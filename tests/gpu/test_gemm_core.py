@@ -244,12 +244,18 @@ def test_split_k_is_bitwise_stable_when_slices_race():
     assert _tile_counters_are_zero()
 
 
-@pytest.mark.parametrize("tma", ["1", "0"])
-def test_split_k_with_epilogue_hook_several_generations(tma, monkeypatch):
+def _k_shared_epilogue(config, tma, seed, monkeypatch):
+    """Epilogue hook over generations with tiles whose K is shared out (split-K, stream-K):
+    128-row chunks take TMA stores (unless TPFUSE_EPI_TMA=0), 131-row ones pointer stores."""
     monkeypatch.setenv("TPFUSE_EPI_TMA", tma)
     chunk_m = 128 if tma == "1" else 131
-    _epilogue_over_generations(4 * chunk_m, 2048, 1536, chunk_m, dataclasses.replace(SK_256, split_k=3),
-                               start_chunk=1, seed=10, after=_tile_counters_are_zero, expect_tma=tma == "1")
+    _epilogue_over_generations(4 * chunk_m, 2048, 1536, chunk_m, config, start_chunk=1, seed=seed,
+                               after=_tile_counters_are_zero, expect_tma=tma == "1")
+
+
+@pytest.mark.parametrize("tma", ["1", "0"])
+def test_split_k_with_epilogue_hook_several_generations(tma, monkeypatch):
+    _k_shared_epilogue(dataclasses.replace(SK_256, split_k=3), tma, 10, monkeypatch)
 
 
 def test_split_k_with_wait_hook_signals_preset():
@@ -292,10 +298,7 @@ def test_stream_k_matches_reference(mode, base, shape, b_layout, dtype):
 
 @pytest.mark.parametrize("tma", ["1", "0"])
 def test_stream_k_with_epilogue_hook_several_generations(tma, monkeypatch):
-    monkeypatch.setenv("TPFUSE_EPI_TMA", tma)
-    chunk_m = 128 if tma == "1" else 131
-    _epilogue_over_generations(4 * chunk_m, 2048, 1536, chunk_m, dataclasses.replace(SK_256, stream_k=1),
-                               start_chunk=1, seed=18, after=_tile_counters_are_zero, expect_tma=tma == "1")
+    _k_shared_epilogue(dataclasses.replace(SK_256, stream_k=1), tma, 18, monkeypatch)
 
 
 def test_stream_k_with_wait_hook_signals_preset():
