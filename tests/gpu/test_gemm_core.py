@@ -206,6 +206,18 @@ def _tile_counters_are_zero():
 
 # (509, 3000, 1000): 16-byte aligned rows -> TMA on Hopper; K = 3000 is 23.4 steps of 128.
 # (128, 4091, 771): misaligned rows -> plain-pointer path.
+def _calls_in_a_row(m, k, n, dtype, b_layout, cfg, seeds):
+    """One call per seed, each checked against the reference with the tile counters back at
+    zero after it; returns the last call's (a, b, out)."""
+    for seed in seeds:
+        a, b, ref = _operands(m, k, n, dtype, b_layout, seed=seed)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        gc.matmul(a, b, out=out, config=cfg)
+        _assert_close(out, ref, dtype)
+        assert _tile_counters_are_zero()
+    return a, b, out
+
+
 @pytest.mark.parametrize("split_k,base,shape,b_layout,dtype", [
     (2, SK_128, (509, 3000, 1000), "weight_t", torch.bfloat16),
     (3, SK_256, (509, 3000, 1000), "row_major", torch.bfloat16),
@@ -216,12 +228,7 @@ def _tile_counters_are_zero():
 def test_split_k_matches_reference(split_k, base, shape, b_layout, dtype):
     m, k, n = shape
     cfg = dataclasses.replace(base, split_k=split_k)
-    for seed in (5, 6):   # several calls in a row: tile counters must be back at zero
-        a, b, ref = _operands(m, k, n, dtype, b_layout, seed=seed)
-        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-        gc.matmul(a, b, out=out, config=cfg)
-        _assert_close(out, ref, dtype)
-        assert _tile_counters_are_zero()
+    a, b, out = _calls_in_a_row(m, k, n, dtype, b_layout, cfg, seeds=(5, 6))
     again = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
     gc.matmul(a, b, out=again, config=cfg)
     torch.cuda.synchronize()
@@ -258,13 +265,18 @@ def test_split_k_with_epilogue_hook_several_generations(tma, monkeypatch):
     _k_shared_epilogue(dataclasses.replace(SK_256, split_k=3), tma, 10, monkeypatch)
 
 
-def test_split_k_with_wait_hook_signals_preset():
-    a, b, ref = _operands(4 * 131, 2048, 1536, torch.bfloat16, "weight_t", seed=14)
+def _k_shared_wait(config, seed):
+    """Wait hook with signals pre-set (all >= generation 4) on tiles whose K is shared out."""
+    a, b, ref = _operands(4 * 131, 2048, 1536, torch.bfloat16, "weight_t", seed=seed)
     signal = torch.tensor([4, 9, 4, 5], dtype=torch.int32, device="cuda")
     out = torch.full((4 * 131, 1536), float("nan"), device="cuda", dtype=torch.bfloat16)
-    gc.matmul(a, b, out=out, config=dataclasses.replace(SK_128, split_k=4), tile_order="round",
-              start_chunk=2, wait=gc.WaitSpec(signal, 4, 131, timeout_ns=2_000_000_000))
+    gc.matmul(a, b, out=out, config=config, tile_order="round", start_chunk=2,
+              wait=gc.WaitSpec(signal, 4, 131, timeout_ns=2_000_000_000))
     _assert_close(out, ref, torch.bfloat16)
+
+
+def test_split_k_with_wait_hook_signals_preset():
+    _k_shared_wait(dataclasses.replace(SK_128, split_k=4), seed=14)
 
 
 # ---- stream-K ------------------------------------------------------------------------------
@@ -283,12 +295,7 @@ def test_stream_k_matches_reference(mode, base, shape, b_layout, dtype):
     cfg = dataclasses.replace(base, stream_k=mode)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert gc.stream_k_tiles(-(-m // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N), sms, mode) > 0
-    for seed in (16, 17):   # several calls in a row: tile counters must be back at zero
-        a, b, ref = _operands(m, k, n, dtype, b_layout, seed=seed)
-        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-        gc.matmul(a, b, out=out, config=cfg)
-        _assert_close(out, ref, dtype)
-        assert _tile_counters_are_zero()
+    a, b, out = _calls_in_a_row(m, k, n, dtype, b_layout, cfg, seeds=(16, 17))
     for _ in range(20):   # segments finish in another order on every run; the sum's order is fixed
         again = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
         gc.matmul(a, b, out=again, config=cfg)
@@ -302,12 +309,7 @@ def test_stream_k_with_epilogue_hook_several_generations(tma, monkeypatch):
 
 
 def test_stream_k_with_wait_hook_signals_preset():
-    a, b, ref = _operands(4 * 131, 2048, 1536, torch.bfloat16, "weight_t", seed=19)
-    signal = torch.tensor([4, 9, 4, 5], dtype=torch.int32, device="cuda")
-    out = torch.full((4 * 131, 1536), float("nan"), device="cuda", dtype=torch.bfloat16)
-    gc.matmul(a, b, out=out, config=dataclasses.replace(SK_128, stream_k=1), tile_order="round",
-              start_chunk=2, wait=gc.WaitSpec(signal, 4, 131, timeout_ns=2_000_000_000))
-    _assert_close(out, ref, torch.bfloat16)
+    _k_shared_wait(dataclasses.replace(SK_128, stream_k=1), seed=19)
 
 
 def test_tune_skips_a_config_that_does_not_compile(tmp_path, monkeypatch):
