@@ -689,12 +689,15 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
     use_asm = (device.type == "cuda" and not _interpreting()
                and os.environ.get("TPFUSE_SIGNAL_ASM", "1") != "0")
     c_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[a.dtype]
-    epi_tma = _epilogue_tma_dests(epilogue, use_tma, num_chunks, cfg.BLOCK_M)
+    epi_tma = _epilogue_tma_dests(epilogue, use_tma and cfg.tma_store, num_chunks, cfg.BLOCK_M)
     constexprs = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.GROUP_M, cfg.EPI_SUBTILE,
                   TILE_ORDERS.index(tile_order), bool(use_tma), b_kmajor, c_dtype,
                   wait is not None, epilogue is not None, use_asm, cfg.flatten, cfg.warp_specialize,
                   _interpreting(), epilogue.align_elems if epilogue is not None else 0, cfg.split_k,
-                  sk_tiles > 0, epi_tma, cfg.tma_store)
+                  sk_tiles > 0, epi_tma, cfg.tma_store,
+                  _epi_count_mode(use_asm and cfg.split_k == 1 and sk_tiles == 0 and not cfg.warp_specialize
+                                  and (num_chunks == 1 or chunk_m % cfg.BLOCK_M == 0))
+                  if epilogue is not None else 1)
     return _Plan(m, n, k, b_kmajor, bool(use_tma), cfg, grid, chunk_m or 1, num_chunks, start_chunk,
                  use_asm, constexprs, cfg.num_warps, cfg.num_stages, num_tiles, sk_tiles, epi_tma)
 
@@ -702,11 +705,34 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
 _MAX_TMA_DESTS = 8   # one kernel argument each; more chunks store through pointers
 
 
-def _epilogue_tma_dests(epilogue, use_tma, num_chunks, block_m) -> int:
-    """How many TMA descriptors the epilogue hook stores through (0: pointer stores). TMA
-    needs every tile inside one chunk (chunk_m a multiple of BLOCK_M): a tile's rows in a later
-    chunk would need a negative TMA row coordinate, which stores do not take."""
-    if (epilogue is None or not use_tma or len(epilogue.dests) < num_chunks
+def _epi_count_mode(eligible_async: bool = True) -> int:
+    """How the epilogue hook counts stored tiles (kernel constexpr EPI_COUNT).
+
+    3: release at GPU scope whose result is read a tile later (no warp waits for the atomic),
+    where every tile lies in one chunk, on CUDA (inline PTX), without split-K, stream-K or
+    warp specialization (``eligible_async``); 1: acq_rel at GPU scope, read at once. The
+    default (``TPFUSE_EPI_COUNT`` unset or ``auto``) takes 3 where it can, else 1. Diagnostics:
+    ``=gpu`` forces 1; ``=sys`` 2 (system scope); ``=none`` 0: no count and no publication, so
+    no signal is ever set -- for timing only. See ``_count_and_publish`` in
+    tpfuse/kernels/gemm.py."""
+    mode = os.environ.get("TPFUSE_EPI_COUNT", "auto")
+    modes = {"none": 0, "gpu": 1, "sys": 2, "auto": 3 if eligible_async else 1}
+    if mode not in modes:
+        raise ValueError(f"TPFUSE_EPI_COUNT={mode!r}; use 'auto' (default), 'gpu', 'sys', or 'none' "
+                         "(timing diagnostic: signals are never published)")
+    if mode == "none":
+        _warn_once("tpfuse.gemm_core: TPFUSE_EPI_COUNT=none: the epilogue hook publishes no "
+                   "signals (timing diagnostic)")
+    return modes[mode]
+
+
+def _epilogue_tma_dests(epilogue, tma_store, num_chunks, block_m) -> int:
+    """How many TMA descriptors the epilogue hook stores through (0: pointer stores).
+    ``tma_store``: a TMA-path launch whose config stores by TMA (``tma_store=False`` configs
+    gave the staging buffer's shared memory to the pipeline). TMA needs every tile inside one
+    chunk (chunk_m a multiple of BLOCK_M): a tile's rows in a later chunk would need a negative
+    TMA row coordinate, which stores do not take."""
+    if (epilogue is None or not tma_store or len(epilogue.dests) < num_chunks
             or not 0 < num_chunks <= _MAX_TMA_DESTS or epilogue.align_elems == 0
             or (num_chunks > 1 and epilogue.chunk_m % block_m)
             or os.environ.get("TPFUSE_EPI_TMA", "1") == "0"):
@@ -831,7 +857,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
                config, tile_order, chunk_m, start_chunk, wait is not None and wait.chunk_m,
                epilogue is not None and (epilogue.chunk_m, epilogue.align_elems, len(epilogue.dests)),
                use_tma, os.environ.get("TRITON_INTERPRET"), os.environ.get("TPFUSE_SIGNAL_ASM"),
-               os.environ.get("TPFUSE_EPI_TMA"))
+               os.environ.get("TPFUSE_EPI_TMA"), os.environ.get("TPFUSE_EPI_COUNT"))
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):   # not tensors / unhashable: full validation says why
         key, plan = None, None

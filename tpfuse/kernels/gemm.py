@@ -48,7 +48,8 @@ column slices of the tile per store), communication chunk (chunk_m rows, num_chu
 import triton
 import triton.language as tl
 
-from .signals import bulk_writes_done, publish, record_timeout, wait_geq
+from .signals import (bulk_writes_done, count_release_async, publish, publish_if_last, record_timeout,
+                      wait_geq)
 
 
 @triton.jit
@@ -178,8 +179,19 @@ def _sum_partials(ws_tile, SUB_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N
 
 @triton.jit
 def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
-                       BLOCK_M: tl.constexpr, EPI_TMA: tl.constexpr):
-    """Count one stored tile in every chunk it touches; the chunk's last tile publishes it."""
+                       BLOCK_M: tl.constexpr, EPI_TMA: tl.constexpr, EPI_COUNT: tl.constexpr):
+    """Count one stored tile in every chunk it touches; the chunk's last tile publishes it.
+
+    The count is acq_rel at GPU scope: every program counting lives on this GPU, and the
+    publishing program's system-scope release is cumulative (PTX memory model: causality order
+    runs through the GPU-scope release/acquire pairs of the count into the system-scope pair
+    of the signal), so a peer that acquires the signal sees every tile of the chunk, wherever
+    its stores went. EPI_COUNT: 1 = that GPU-scope count; 2 = system scope
+    (TPFUSE_EPI_COUNT=sys: every tile pays a MEMBAR.SYS the CTA waits for); 0 = no count and
+    no publication (TPFUSE_EPI_COUNT=none: a timing diagnostic only); 3 (the default where the
+    host allows it) takes _count_async / _resolve_count instead."""
+    if EPI_COUNT == 0:
+        return
     if EPI_TMA > 0:
         if c_hi >= c_lo:
             # The tile went out by TMA (async proxy): wait until its writes are done, not only
@@ -188,9 +200,11 @@ def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
     # Every thread's stores of the tile happen before the release chain below.
     tl.debug_barrier()
     for cc in range(c_lo, c_hi + 1):
-        row_end = tl.minimum((cc + 1) * chunk_m, M)
-        tiles_in_chunk = ((row_end - 1) // BLOCK_M - (cc * chunk_m) // BLOCK_M + 1) * num_pid_n
-        done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="sys")
+        tiles_in_chunk = _tiles_in_chunk(cc, M, chunk_m, num_pid_n, BLOCK_M)
+        if EPI_COUNT == 2:
+            done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="sys")
+        else:
+            done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="gpu")
         if done == tiles_in_chunk - 1:
             # Last tile of chunk cc: this program has acquired every other tile's release,
             # so its release publishes the whole chunk.
@@ -198,6 +212,40 @@ def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
             if status == 0:
                 sig = tl.load(signal_ptrs + cc).to(tl.pointer_type(tl.int32))
                 publish(sig, epi_gen)
+
+
+@triton.jit
+def _tiles_in_chunk(cc, M, chunk_m, num_pid_n, BLOCK_M: tl.constexpr):
+    row_end = tl.minimum((cc + 1) * chunk_m, M)
+    return ((row_end - 1) // BLOCK_M - (cc * chunk_m) // BLOCK_M + 1) * num_pid_n
+
+
+@triton.jit
+def _count_async(pend_lo, pend_hi, counters, EPI_TMA: tl.constexpr):
+    """EPI_COUNT=3: count the stored tile of chunk ``pend_lo`` (tiles never straddle chunks
+    here; ``pend_hi < pend_lo``: nothing to count) with a release that nobody waits for.
+    Returns (chunk or -1, thread 0's old count) for :func:`_resolve_count` a tile later."""
+    q = tl.full((), -1, tl.int32)
+    old = tl.full((), 0, tl.int32)
+    if pend_hi >= pend_lo:
+        if EPI_TMA > 0:
+            bulk_writes_done()
+        tl.debug_barrier()   # every thread's stores of the tile happen before the release
+        old = count_release_async(counters + pend_lo)
+        q = pend_lo
+    return q, old
+
+
+@triton.jit
+def _resolve_count(q, old, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
+                   BLOCK_M: tl.constexpr):
+    """Publish chunk ``q`` if the count :func:`_count_async` made for it was its last tile."""
+    if q >= 0:
+        last = _tiles_in_chunk(q, M, chunk_m, num_pid_n, BLOCK_M) - 1
+        # addresses as int64: the asm's operands are broadcast together, and pointers to int32
+        # and to int64 do not mix
+        publish_if_last((counters + q).to(tl.int64), (signal_ptrs + q).to(tl.int64), old, last, epi_gen,
+                        (status == 0).to(tl.int32))
 
 
 @triton.jit
@@ -302,7 +350,7 @@ def gemm_kernel(
     WAIT: tl.constexpr, EPILOGUE: tl.constexpr, USE_ASM: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_FP32: tl.constexpr,
     DEST_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr, STREAM_K: tl.constexpr,
-    EPI_TMA: tl.constexpr, TMA_STORE: tl.constexpr,
+    EPI_TMA: tl.constexpr, TMA_STORE: tl.constexpr, EPI_COUNT: tl.constexpr,
 ):
     start_pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -322,6 +370,8 @@ def gemm_kernel(
     verified = tl.full((), 0, tl.int64)  # WAIT: bit c set once signal[c] >= wait_gen was seen
     pend_lo = tl.full((), 0, tl.int32)   # EPILOGUE: chunks of the previous tile, counted late
     pend_hi = tl.full((), -1, tl.int32)
+    q_chunk = tl.full((), -1, tl.int32)  # EPI_COUNT=3: chunk counted a tile ago, result unread
+    q_old = tl.full((), 0, tl.int32)
 
     if STREAM_K:
         num_work = num_tiles - sk_tiles   # whole tiles first; the last sk_tiles after the loop
@@ -361,8 +411,15 @@ def gemm_kernel(
             if EPILOGUE:
                 # Count the previous tile now: its stores have drained during this tile's main
                 # loop, so the release below costs no wait (publication is one tile later).
-                _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                                   epi_gen, status, BLOCK_M, EPI_TMA)
+                if EPI_COUNT == 3:
+                    # ... and read the count's result a tile later still, so no warp waits
+                    # for the atomic's round trip (publication two tiles later)
+                    _resolve_count(q_chunk, q_old, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                                   epi_gen, status, BLOCK_M)
+                    q_chunk, q_old = _count_async(pend_lo, pend_hi, counters, EPI_TMA)
+                else:
+                    _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                                       epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT)
                 pend_lo = c_lo
                 pend_hi = c_hi
             _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
@@ -371,7 +428,7 @@ def gemm_kernel(
         else:
             if EPILOGUE:   # the previous stored tile, as above
                 _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                                   epi_gen, status, BLOCK_M, EPI_TMA)
+                                   epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT)
             # Partial to this slice's slot; every thread's stores happen before the release.
             ws_tile = ws + tile_id.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
             offs_ws = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -447,7 +504,7 @@ def gemm_kernel(
                             DOT_FP32)
             if EPILOGUE:   # the previous stored tile, counted late as in the loop above
                 _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                                   epi_gen, status, BLOCK_M, EPI_TMA)
+                                   epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT)
             if (k_lo == 0) & (k_hi == k_tiles):
                 _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
                            chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
@@ -496,5 +553,12 @@ def gemm_kernel(
                                         dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 1,
                                         C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
     if EPILOGUE:
-        _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                           epi_gen, status, BLOCK_M, EPI_TMA)
+        if EPI_COUNT == 3:
+            _resolve_count(q_chunk, q_old, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
+                           status, BLOCK_M)
+            q_chunk, q_old = _count_async(pend_lo, pend_hi, counters, EPI_TMA)
+            _resolve_count(q_chunk, q_old, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
+                           status, BLOCK_M)
+        else:
+            _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                               epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT)
