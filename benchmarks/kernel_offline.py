@@ -35,7 +35,7 @@ NOT_SPECIALIZED = {"chunk_m", "num_chunks", "start_chunk", "wait_gen", "wait_tim
 
 
 def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_order: int = 0,
-                   wait: bool = False, sk_tiles: int = 0, epi_tma: int = 0):
+                   wait: bool = False, sk_tiles: int = 0, epi_tma: int = 0, epi_count: int = 1):
     """triton.compile of gemm_kernel for bf16 ``a[m, k] @ weight[n, k].t()`` (TMA path);
     ``epi_tma`` > 0: the epilogue hook stores through that many TMA descriptors (chunks of
     ``m // epi_tma`` rows)."""
@@ -68,7 +68,7 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
                 EPILOGUE=epilogue, USE_ASM=True, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
                 DOT_FP32=False, DEST_ALIGNED=8 if epilogue else 0, SPLIT_K=cfg.split_k,
                 STREAM_K=bool(cfg.stream_k), EPI_TMA=epi_tma,
-                TMA_STORE=cfg.tma_store)
+                TMA_STORE=cfg.tma_store, EPI_COUNT=epi_count)
     names = km.gemm_kernel.arg_names
     sig, attrs = {}, {}
     for i, name in enumerate(names):

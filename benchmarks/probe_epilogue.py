@@ -1,14 +1,24 @@
-"""Cost of the epilogue hook alone: owner tile order with and without the hook, interleaved
-CUDA-graph timings (L2 flushed before each call), for a few shapes. The hook runs twice: as
-``matmul`` picks it (TMA stores, one descriptor per destination, when it can) and with pointer
-stores (the spec without its ``dests``). A diagnostic; needs a GPU.
+"""Cost of the epilogue hook alone: the owner tile order with and without the hook, interleaved
+CUDA-graph timings (L2 flushed before each call). The hook runs in several variants: as
+``matmul`` picks it (TMA stores through one descriptor per destination where it can, per-tile
+count at GPU scope whose result is read a tile later), with the count's result read at once
+(``TPFUSE_EPI_COUNT=gpu``), at system scope (``=sys``), with no
+count at all (``=none``: stores only, no signal published), with one chunk (one destination,
+but also another tile order than the 8-chunk baseline), and with pointer stores (the spec
+without its ``dests``). A diagnostic; needs a GPU.
 
     python3 benchmarks/probe_epilogue.py [--rounds 7] [--config 128x256x64:num_stages=3]
+    python3 benchmarks/probe_epilogue.py --bench benchmarks/results/gemm_core_h200.json --phases train prefill
+    ncu ... python3 benchmarks/probe_epilogue.py --bench ... --only 8B-fc2-prefill --once
+
+With ``--bench`` each shape (rows of those phases) runs with the config that benchmark chose.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -24,52 +34,108 @@ from tpfuse import gemm_core as gc  # noqa: E402
 from profile_kernels import graph_ms, parse_spec  # noqa: E402
 
 SHAPES = ((16384, 4096, 1792), (4096, 3584, 4096), (16384, 8192, 3584), (2048, 4096, 1792))
+# name -> (chunks: None = --chunks, environment, pointer stores)
+VARIANTS = {"epi": (None, {}, False),
+            "epi_gpu_count": (None, {"TPFUSE_EPI_COUNT": "gpu"}, False),
+            "epi_sys_count": (None, {"TPFUSE_EPI_COUNT": "sys"}, False),
+            "epi_no_count": (None, {"TPFUSE_EPI_COUNT": "none"}, False),   # publishes nothing
+            "epi_1chunk": (1, {}, False),
+            "epi_ptr": (None, {}, True)}
+
+
+def _with_env(env: dict, fn):
+    """fn run with ``env`` set (plans are keyed by these variables, so each gets its own)."""
+    def call():
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return call
+
+
+def _cases(args):
+    """(m, n, k, config, label) per shape."""
+    if not args.bench:
+        cfg = parse_spec(args.config)
+        return [(m, n, k, cfg, args.config) for m, n, k in SHAPES]
+    rows = json.loads(Path(args.bench).read_text())["rows"]
+    return [(r["m"], r["n"], r["k"], gc.GemmConfig(**r["config"]), r["name"])
+            for r in rows if r.get("phase") in args.phases]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--config", default="128x256x64")
+    ap.add_argument("--bench", help="a benchmarks/gemm_core.py JSON: its shapes and chosen configs")
+    ap.add_argument("--phases", nargs="+", default=["train", "prefill"])
     ap.add_argument("--chunks", type=int, default=8)
-    ap.add_argument("--epi-config", default="", help="config of the hooked call (default: --config)")
+    ap.add_argument("--variants", nargs="+", default=["epi", "epi_gpu_count", "epi_no_count", "epi_ptr"],
+                    choices=list(VARIANTS))
+    ap.add_argument("--once", action="store_true",
+                    help="run each variant once after a warm-up and time nothing (for ncu)")
+    ap.add_argument("--only", nargs="*", default=[], help="labels (or MxNxK) of the shapes to run")
     args = ap.parse_args(argv)
-    cfg = parse_spec(args.config)
-    epi_cfg = parse_spec(args.epi_config) if args.epi_config else cfg
-    for m, n, k in SHAPES:
+    summary = []
+    for m, n, k, cfg, label in _cases(args):
+        if args.only and label not in args.only and f"{m}x{n}x{k}" not in args.only:
+            continue
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5).t()
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        chunk_m = -(-m // args.chunks)
-        dests = [out[c * chunk_m:(c + 1) * chunk_m] for c in range(args.chunks)]
-        sig = torch.zeros(args.chunks, dtype=torch.int32, device="cuda")
-        epi = gc.EpilogueSpec.from_tensors(dests, sig, 7, chunk_m)
-        epi_ptr = dataclasses.replace(epi, dests=())   # no descriptors: pointer stores
         ref = torch.matmul(a, b)
+        chunk_m = -(-m // args.chunks)
         fns = {"owner": lambda: gc.matmul(a, b, out=out, config=cfg, tile_order="owner", start_chunk=1,
-                                          chunk_m=chunk_m),
-               "owner+epi": lambda: gc.matmul(a, b, config=epi_cfg, tile_order="owner", start_chunk=1,
-                                              epilogue=epi),
-               "owner+epi_ptr": lambda: gc.matmul(a, b, config=epi_cfg, tile_order="owner", start_chunk=1,
-                                                  epilogue=epi_ptr)}
+                                          chunk_m=chunk_m)}
+        sigs = {}
+        for name in args.variants:
+            chunks, env, pointer = VARIANTS[name]
+            chunks = chunks or args.chunks
+            cm = -(-m // chunks)
+            sig = sigs[name] = torch.zeros(chunks, dtype=torch.int32, device="cuda")
+            epi = gc.EpilogueSpec.from_tensors([out[c * cm:(c + 1) * cm] for c in range(chunks)], sig, 7, cm)
+            if pointer:
+                epi = dataclasses.replace(epi, dests=())
+            fns[name] = _with_env(env, lambda epi=epi, chunks=chunks: gc.matmul(
+                a, b, config=cfg, tile_order="owner", start_chunk=min(1, chunks - 1), epilogue=epi))
         for name, fn in fns.items():
             out.fill_(float("nan"))
-            sig.zero_()
+            if name in sigs:
+                sigs[name].zero_()
             fn()
             torch.cuda.synchronize()
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            assert err < 2e-2, (name, err)
-            if name != "owner":
-                assert bool((sig == 7).all()), sig.tolist()
+            assert err < 2e-2, (label, name, err)
+            if name in sigs and VARIANTS[name][1].get("TPFUSE_EPI_COUNT") != "none":
+                assert bool((sigs[name] == 7).all()), (label, name, sigs[name].tolist())
+        if args.once:
+            torch.cuda.synchronize()
+            for fn in fns.values():
+                fn()
+            torch.cuda.synchronize()
+            print(f"{label}: ran {', '.join(fns)} once each", flush=True)
+            continue
         t = {name: [] for name in fns}
         for r in range(args.rounds):
             for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
                 t[name].append(graph_ms(fns[name]))
-        over = {name: statistics.median(e / o for e, o in zip(t[name], t["owner"])) - 1
-                for name in ("owner+epi", "owner+epi_ptr")}
-        print(f"{m}x{n}x{k} {args.config} / {args.epi_config or args.config}: owner {statistics.median(t['owner']) * 1e3:8.1f} us  "
-              f"owner+epi {statistics.median(t['owner+epi']) * 1e3:8.1f} us  hook {100 * over['owner+epi']:+.1f} %  "
-              f"(pointer stores {statistics.median(t['owner+epi_ptr']) * 1e3:8.1f} us  "
-              f"{100 * over['owner+epi_ptr']:+.1f} %)", flush=True)
+        over = {name: statistics.median(e / o for e, o in zip(t[name], t["owner"])) - 1 for name in args.variants}
+        summary.append((label, over))
+        print(f"{label} {m}x{n}x{k}: owner {statistics.median(t['owner']) * 1e3:8.1f} us  "
+              + "  ".join(f"{name} {statistics.median(t[name]) * 1e3:8.1f} us ({100 * over[name]:+.1f} %)"
+                          for name in args.variants), flush=True)
+    if args.once:
+        return 0
+    print("hook overhead against the owner order alone, median of paired rounds:")
+    print(f"{'shape':24s}" + "".join(f"{name:>15s}" for name in args.variants))
+    for label, over in summary:
+        print(f"{label:24s}" + "".join(f"{100 * over[name]:+14.1f}%" for name in args.variants))
     return 0
 
 

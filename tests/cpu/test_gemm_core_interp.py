@@ -290,8 +290,10 @@ def test_wait_hook_with_signals_preset():
     assert signal.tolist() == [5, 7, 5, 9, 5], "a wait must not write the signal"
 
 
-@pytest.mark.parametrize("per_chunk_signals,split_k", [(False, 1), (True, 1), (False, 2), (True, 3)])
-def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, split_k):
+@pytest.mark.parametrize("per_chunk_signals,split_k,count_scope",
+                         [(False, 1, "gpu"), (True, 1, "sys"), (False, 2, "sys"), (True, 3, "gpu")])
+def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, split_k, count_scope, monkeypatch):
+    monkeypatch.setenv("TPFUSE_EPI_COUNT", count_scope)
     m, k, n, chunk_m = 100, 40, 45, 27          # 4 chunks: 27, 27, 27, 19 rows
     num_chunks = 4
     dests = [torch.full((chunk_m + 3, n), float("nan"), dtype=torch.bfloat16) for _ in range(num_chunks)]
@@ -485,7 +487,7 @@ def test_epilogue_takes_tma_descriptors_only_where_they_fit(monkeypatch):
     assert spec.align_elems == 8 and len(spec.dests) == 4
     assert gc._epilogue_tma_dests(spec, True, 4, 8) == 4
     assert gc._epilogue_tma_dests(spec, True, 4, 16) == 0        # 40-row chunks, 16-row tiles straddle
-    assert gc._epilogue_tma_dests(spec, False, 4, 8) == 0        # plain-pointer launch
+    assert gc._epilogue_tma_dests(spec, False, 4, 8) == 0        # plain-pointer launch or tma_store=False
     assert gc._epilogue_tma_dests(dataclasses.replace(spec, dests=()), True, 4, 8) == 0
     assert gc._epilogue_tma_dests(dataclasses.replace(spec, align_elems=0), True, 4, 8) == 0
     assert gc._epilogue_tma_dests(None, True, 4, 8) == 0

@@ -61,3 +61,33 @@ def test_offline_epilogue_hook_through_tma_keeps_a_staging_buffer_of_its_own():
     assert hooked.metadata.shared == plain.metadata.shared
     assert "UTMASTG" in sass and not re.search(r"\bSTG\.", sass)   # no pointer stores left
     assert "LOCAL:0" in res and "STACK:0" in res
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
+def test_offline_epilogue_counts_tiles_at_gpu_scope_and_publishes_at_system_scope():
+    # Per tile: a GPU-scope fence and count; the system-scope fence only where a chunk's last
+    # tile publishes its signal. TPFUSE_EPI_COUNT=sys (EPI_COUNT=2) fences every tile; the
+    # default where it can (3) counts with a release whose result is read a tile later.
+    compile_kernel, sass_of = _offline_tools()
+    cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+    for mode in (1, 2, 3):
+        kern = compile_kernel(4096, 4096, 1792, cfg, epilogue=True, tile_order=2, epi_tma=8, epi_count=mode)
+        sass, _ = sass_of(kern.asm["cubin"])
+        counts = re.findall(r"ATOMG\.E\.ADD\.STRONG\.(\w+)", sass)
+        publishes = re.findall(r"ATOMG\.E\.EXCH\.STRONG\.SYS|STG\.E\.STRONG\.SYS", sass)
+        assert counts and publishes, sass[:2000]
+        assert set(counts) == ({"SYS"} if mode == 2 else {"GPU"}), counts
+
+
+def test_count_mode_environment_is_checked(monkeypatch):
+    monkeypatch.delenv("TPFUSE_EPI_COUNT", raising=False)
+    assert gc._epi_count_mode(True) == 3 and gc._epi_count_mode(False) == 1
+    for value, mode in (("auto", 3), ("gpu", 1), ("sys", 2)):
+        monkeypatch.setenv("TPFUSE_EPI_COUNT", value)
+        assert gc._epi_count_mode(True) == mode
+    monkeypatch.setenv("TPFUSE_EPI_COUNT", "none")
+    with pytest.warns(UserWarning, match="publishes no signals"):
+        assert gc._epi_count_mode() == 0
+    monkeypatch.setenv("TPFUSE_EPI_COUNT", "device")
+    with pytest.raises(ValueError, match="TPFUSE_EPI_COUNT='device'"):
+        gc._epi_count_mode()

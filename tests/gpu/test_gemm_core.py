@@ -151,6 +151,27 @@ def test_epilogue_routes_and_publishes_several_generations(chunk_m, tma, sub, mo
                                start_chunk=3, seed=0, expect_tma=chunk_m % 128 == 0 and tma == "1")
 
 
+@pytest.mark.parametrize("count", ["auto", "gpu", "sys"])
+@pytest.mark.parametrize("config", [BIG, dataclasses.replace(BIG, num_programs=7), DEEP_PTR],
+                         ids=["big", "7_programs", "pointer_stores"])
+def test_epilogue_count_modes_publish_every_chunk(count, config, monkeypatch):
+    # auto: the count's result is read a tile later (EPI_COUNT=3); 7 programs run ~20 tiles
+    # each, so most counts are resolved inside the tile loop, not at its end.
+    monkeypatch.setenv("TPFUSE_EPI_COUNT", count)
+    modes = []
+
+    def mode():
+        (plan,) = gc._PLANS.values()
+        modes.append(plan.constexprs[-1])
+        return True
+
+    # tma_store=False configs keep pointer stores in the hook too: a TMA store's staging
+    # buffer would not fit beside their deeper pipeline
+    _epilogue_over_generations(8 * 256, 512, 1536, 256, config, start_chunk=2, seed=11, after=mode,
+                               expect_tma=config.tma_store)
+    assert set(modes) == {{"auto": 3, "gpu": 1, "sys": 2}[count]}
+
+
 def test_epilogue_with_more_chunks_than_descriptors_stores_through_pointers():
     _epilogue_over_generations(12 * 96, 512, 1024, 96, BIG, start_chunk=5, seed=3, expect_tma=False)
 
