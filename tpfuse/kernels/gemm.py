@@ -224,7 +224,7 @@ def _tiles_in_chunk(cc, M, chunk_m, num_pid_n, BLOCK_M: tl.constexpr):
 def _count_async(pend_lo, pend_hi, counters, EPI_TMA: tl.constexpr):
     """EPI_COUNT=3: count the stored tile of chunk ``pend_lo`` (tiles never straddle chunks
     here; ``pend_hi < pend_lo``: nothing to count) with a release that nobody waits for.
-    Returns (chunk or -1, thread 0's old count) for :func:`_resolve_count` a tile later."""
+    Returns (chunk or -1, the counting thread's old count) for :func:`_resolve_count` a tile later."""
     q = tl.full((), -1, tl.int32)
     old = tl.full((), 0, tl.int32)
     if pend_hi >= pend_lo:
