@@ -26,10 +26,12 @@ Hooks (constexpr, compiled away when off):
 * ``EPILOGUE``: store the finished tile to the destination of each row's chunk instead of ``c``:
   row ``r`` of chunk ``q`` goes to ``c + dest_offs[q] + (r - q*chunk_m)*stride_dm`` (element
   offsets from a common origin ``c``, so peer buffers work), then count the tile in
-  ``counters[q]`` (acq_rel, sys); the program that counts the chunk's last tile publishes
+  ``counters[q]`` (acq_rel, GPU scope); the program that counts the chunk's last tile publishes
   ``*signal_ptrs[q] = epi_gen`` (release, sys) and resets the counter to zero for the next call.
   A tile is counted after the next tile's main loop, when its stores have drained, so the
-  release costs no stall; the publication comes one tile later.
+  release costs no stall; the publication comes one tile later. Where every tile lies in one
+  chunk (EPI_COUNT=3) the CTA's last thread counts and reads the result a tile later still
+  (``_count_async`` / ``_resolve_count``), so no warp waits for the atomic.
 
 Split-K (``SPLIT_K`` constexpr > 1; 1 compiles the plain path): the work items are
 (tile, k-slice) pairs, slice-major (item ``w`` = slice ``w // num_tiles`` of tile
