@@ -269,6 +269,29 @@ def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_p
 
 
 @triton.jit
+def _tile_start(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk, wait_signal,
+                wait_gen, wait_timeout, err_ptr, status, verified, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, TILE_ORDER: tl.constexpr,
+                WAIT: tl.constexpr, EPILOGUE: tl.constexpr, USE_ASM: tl.constexpr):
+    """A tile's corner, the chunks its rows touch (hooks only) and, with WAIT, its wait hook:
+    (off_m, off_n, c_lo, c_hi, status, verified)."""
+    pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks,
+                                start_chunk, BLOCK_M, GROUP_M, TILE_ORDER)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    if WAIT or EPILOGUE:
+        c_lo = off_m // chunk_m
+        c_hi = (tl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
+    else:
+        c_lo = 0
+        c_hi = 0
+    if WAIT:
+        status, verified = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout,
+                                        err_ptr, status, verified, USE_ASM)
+    return off_m, off_n, c_lo, c_hi, status, verified
+
+
+@triton.jit
 def _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -393,19 +416,10 @@ def gemm_kernel(
             tile_id = work_id - split * num_tiles
             k_lo = (split * k_tiles) // SPLIT_K
             k_hi = ((split + 1) * k_tiles) // SPLIT_K
-        pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks,
-                                    start_chunk, BLOCK_M, GROUP_M, TILE_ORDER)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        if WAIT or EPILOGUE:
-            c_lo = off_m // chunk_m
-            c_hi = (tl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
-        else:
-            c_lo = 0
-            c_hi = 0
-        if WAIT:
-            status, verified = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout,
-                                            err_ptr, status, verified, USE_ASM)
+        off_m, off_n, c_lo, c_hi, status, verified = _tile_start(
+            tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
+            wait_timeout, err_ptr, status, verified, BLOCK_M, BLOCK_N, GROUP_M, TILE_ORDER, WAIT,
+            EPILOGUE, USE_ASM)
         acc = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk,
                         stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32)
 
@@ -488,19 +502,10 @@ def gemm_kernel(
             k_lo = it - sk_idx * k_tiles
             k_hi = tl.minimum(hi - sk_idx * k_tiles, k_tiles)
             tile_id = sk_first + sk_idx
-            pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks,
-                                        start_chunk, BLOCK_M, GROUP_M, TILE_ORDER)
-            off_m = pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-            if WAIT or EPILOGUE:
-                c_lo = off_m // chunk_m
-                c_hi = (tl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
-            else:
-                c_lo = 0
-                c_hi = 0
-            if WAIT:
-                status, verified = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen,
-                                                wait_timeout, err_ptr, status, verified, USE_ASM)
+            off_m, off_n, c_lo, c_hi, status, verified = _tile_start(
+                tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk, wait_signal,
+                wait_gen, wait_timeout, err_ptr, status, verified, BLOCK_M, BLOCK_N, GROUP_M,
+                TILE_ORDER, WAIT, EPILOGUE, USE_ASM)
             acc = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak,
                             stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR,
                             DOT_FP32)
