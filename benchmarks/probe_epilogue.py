@@ -12,6 +12,9 @@ without its ``dests``). A diagnostic; needs a GPU.
     ncu ... python3 benchmarks/probe_epilogue.py --bench ... --only 8B-fc2-prefill --once
 
 With ``--bench`` each shape (rows of those phases) runs with the config that benchmark chose.
+``--wait`` adds the round order and the wait hook (signals pre-set) against it; ``--noflat``
+adds a twin of every kernel with the config's ``flatten`` off (name + ``~``, compared with the
+flattened one), to see what the flattened tile loop buys in one run.
 """
 from __future__ import annotations
 
@@ -81,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--once", action="store_true",
                     help="run each variant once after a warm-up and time nothing (for ncu)")
     ap.add_argument("--only", nargs="*", default=[], help="labels (or MxNxK) of the shapes to run")
+    ap.add_argument("--wait", action="store_true", help="also the round order and the wait hook on it")
+    ap.add_argument("--noflat", action="store_true", help="also every kernel with flatten off")
     args = ap.parse_args(argv)
     summary = []
     for m, n, k, cfg, label in _cases(args):
@@ -91,29 +96,51 @@ def main(argv=None) -> int:
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         ref = torch.matmul(a, b)
         chunk_m = -(-m // args.chunks)
-        fns = {"owner": lambda: gc.matmul(a, b, out=out, config=cfg, tile_order="owner", start_chunk=1,
-                                          chunk_m=chunk_m)}
         sigs = {}
-        for name in args.variants:
-            chunks, env, pointer = VARIANTS[name]
-            chunks = chunks or args.chunks
-            cm = -(-m // chunks)
-            sig = sigs[name] = torch.zeros(chunks, dtype=torch.int32, device="cuda")
-            epi = gc.EpilogueSpec.from_tensors([out[c * cm:(c + 1) * cm] for c in range(chunks)], sig, 7, cm)
-            if pointer:
-                epi = dataclasses.replace(epi, dests=())
-            fns[name] = _with_env(env, lambda epi=epi, chunks=chunks: gc.matmul(
-                a, b, config=cfg, tile_order="owner", start_chunk=min(1, chunks - 1), epilogue=epi))
+        wsig = torch.full((args.chunks,), 7, dtype=torch.int32, device="cuda")
+        wait = gc.WaitSpec(wsig, 7, chunk_m, timeout_ns=5_000_000_000, error=gc.new_error_word("cuda"))
+
+        def kernels(cfg, tag=""):
+            fns = {"owner" + tag: lambda: gc.matmul(a, b, out=out, config=cfg, tile_order="owner",
+                                                    start_chunk=1, chunk_m=chunk_m)}
+            for name in args.variants:
+                chunks, env, pointer = VARIANTS[name]
+                chunks = chunks or args.chunks
+                cm = -(-m // chunks)
+                sig = sigs.setdefault(name, torch.zeros(chunks, dtype=torch.int32, device="cuda"))
+                epi = gc.EpilogueSpec.from_tensors([out[c * cm:(c + 1) * cm] for c in range(chunks)], sig, 7, cm)
+                if pointer:
+                    epi = dataclasses.replace(epi, dests=())
+                fns[name + tag] = _with_env(env, lambda epi=epi, chunks=chunks: gc.matmul(
+                    a, b, config=cfg, tile_order="owner", start_chunk=min(1, chunks - 1), epilogue=epi))
+            if args.wait:
+                fns["round" + tag] = lambda: gc.matmul(a, b, out=out, config=cfg, tile_order="round",
+                                                       start_chunk=1, chunk_m=chunk_m)
+                fns["wait" + tag] = lambda: gc.matmul(a, b, out=out, config=cfg, tile_order="round",
+                                                      start_chunk=1, wait=wait, check=False)
+            return fns
+
+        fns = kernels(cfg)
+        # each kernel against its base: the hooks against their tile order alone, and with
+        # --noflat the nested twin against the flattened kernel
+        pairs = {name: "owner" for name in args.variants}
+        if args.wait:
+            pairs["wait"] = "round"
+        if args.noflat and cfg.flatten:
+            twins = kernels(dataclasses.replace(cfg, flatten=False), "~")
+            pairs.update({name: name[:-1] for name in twins})
+            fns.update(twins)
         for name, fn in fns.items():
             out.fill_(float("nan"))
-            if name in sigs:
-                sigs[name].zero_()
+            base = name.rstrip("~")
+            if base in sigs:
+                sigs[base].zero_()
             fn()
             torch.cuda.synchronize()
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             assert err < 2e-2, (label, name, err)
-            if name in sigs and VARIANTS[name][1].get("TPFUSE_EPI_COUNT") != "none":
-                assert bool((sigs[name] == 7).all()), (label, name, sigs[name].tolist())
+            if base in sigs and VARIANTS[base][1].get("TPFUSE_EPI_COUNT") != "none":
+                assert bool((sigs[base] == 7).all()), (label, name, sigs[base].tolist())
         if args.once:
             torch.cuda.synchronize()
             for fn in fns.values():
@@ -125,17 +152,21 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
                 t[name].append(graph_ms(fns[name]))
-        over = {name: statistics.median(e / o for e, o in zip(t[name], t["owner"])) - 1 for name in args.variants}
+        over = {name: statistics.median(e / o for e, o in zip(t[name], t[base])) - 1
+                for name, base in pairs.items()}
         summary.append((label, over))
-        print(f"{label} {m}x{n}x{k}: owner {statistics.median(t['owner']) * 1e3:8.1f} us  "
-              + "  ".join(f"{name} {statistics.median(t[name]) * 1e3:8.1f} us ({100 * over[name]:+.1f} %)"
-                          for name in args.variants), flush=True)
+        print(f"{label} {m}x{n}x{k}: " + "  ".join(f"{name} {statistics.median(t[name]) * 1e3:.1f} us"
+                                                   for name in fns), flush=True)
     if args.once:
         return 0
-    print("hook overhead against the owner order alone, median of paired rounds:")
-    print(f"{'shape':24s}" + "".join(f"{name:>15s}" for name in args.variants))
+    cols = list(dict.fromkeys(name for _, over in summary for name in over))
+    print("overhead of each kernel against its base (median of paired rounds): "
+          + ", ".join(f"{name} vs {name[:-1] if name.endswith('~') else ('round' if name == 'wait' else 'owner')}"
+                      for name in cols))
+    print(f"{'shape':24s}" + "".join(f"{name:>15s}" for name in cols))
     for label, over in summary:
-        print(f"{label:24s}" + "".join(f"{100 * over[name]:+14.1f}%" for name in args.variants))
+        print(f"{label:24s}" + "".join(f"{100 * over[name]:+14.1f}%" if name in over else f"{'-':>15s}"
+                                       for name in cols))
     return 0
 
 

@@ -270,6 +270,38 @@ def test_chunk_rotated_order_finishes_chunks_in_order(m, chunk_m, start):
         assert positions == list(range(positions[0], positions[-1] + 1)) if positions else True
 
 
+def _owner_order_by_search(m, n, chunk_m, start, block_m=16, block_n=16, group_m=2):
+    """The owner order as specified: segment j (chunk (start + j) % num_chunks) covers the
+    rotated M-tile positions from R(j) to R(j+1), found by searching every chunk boundary."""
+    npm, npn = -(-m // block_m), -(-n // block_n)
+    num_chunks = -(-m // chunk_m)
+    t0 = start * chunk_m // block_m
+    bounds = []
+    for j in range(1, num_chunks):
+        c = (start + j) % num_chunks
+        r = -(-(c * chunk_m) // block_m) - t0 + (npm if c < start else 0)
+        bounds.append(min(max(r, 0), npm))
+    seq = []
+    for t in range(npm * npn):
+        lo = max([0] + [r for r in bounds if r * npn <= t])
+        hi = min([npm] + [r for r in bounds if r * npn > t])
+        local, rows = t - lo * npn, hi - lo
+        first = (local // (group_m * npn)) * group_m
+        g = min(rows - first, group_m)
+        seq.append(((lo + first + (local % (group_m * npn)) % g + t0) % npm, (local % (group_m * npn)) // g))
+    return seq
+
+
+@pytest.mark.parametrize("m,chunk_m,block_m", [(130, 33, 16), (128, 16, 16), (160, 20, 16), (100, 7, 16),
+                                               (96, 48, 32), (200, 25, 64), (64, 64, 16)])
+def test_owner_order_closed_form_matches_the_segment_search(m, chunk_m, block_m):
+    # the kernel finds a tile's segment in closed form (no loop, so FLATTEN can fuse the loops)
+    num_chunks = -(-m // chunk_m)
+    for start in sorted({0, min(1, num_chunks - 1), num_chunks // 2, num_chunks - 1}):
+        assert _tile_sequence(m, 48, chunk_m, start, "owner", block_m=block_m) == \
+            _owner_order_by_search(m, 48, chunk_m, start, block_m=block_m), (m, chunk_m, block_m, start)
+
+
 @pytest.mark.parametrize("m,chunk_m,start", [(130, 33, 2), (128, 16, 5)])
 def test_round_order_is_grouped_order_rotated_to_the_start_chunk(m, chunk_m, start):
     grouped = _tile_sequence(m, 48, chunk_m, 0, "grouped")

@@ -29,6 +29,9 @@ BIG = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stage
 SMALL = gc.GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 # TMA loads, pointer stores: the seventh stage takes the staging buffer's shared memory
 DEEP_PTR = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=7, tma_store=False)
+# one loop over (tile, K-step): the next tile's loads, and its wait hook, run ahead of this
+# tile's epilogue
+FLAT = dataclasses.replace(BIG, flatten=True)
 
 
 def _operands(m, k, n, dtype, b_layout, seed=0):
@@ -89,26 +92,63 @@ def test_tile_orders(order, start, flatten, sub):
 
 
 @pytest.mark.parametrize("use_asm", ["1", "0"])
-def test_wait_hook_signals_preset(use_asm, monkeypatch):
+@pytest.mark.parametrize("config", [BIG, FLAT], ids=["nested", "flat"])
+def test_wait_hook_signals_preset(use_asm, config, monkeypatch):
     monkeypatch.setenv("TPFUSE_SIGNAL_ASM", use_asm)
     a, b, ref = _operands(8 * 517, 1024, 1536, torch.bfloat16, "weight_t", seed=3)
     signal = torch.tensor([4, 9, 4, 4, 5, 4, 4, 4], dtype=torch.int32, device="cuda")
     out = torch.full((8 * 517, 1536), float("nan"), device="cuda", dtype=torch.bfloat16)
-    gc.matmul(a, b, out=out, config=BIG, tile_order="round", start_chunk=2,
+    gc.matmul(a, b, out=out, config=config, tile_order="round", start_chunk=2,
               wait=gc.WaitSpec(signal, 4, 517, timeout_ns=2_000_000_000))
     _assert_close(out, ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("config", [BIG, FLAT], ids=["nested", "flat"])
+def test_wait_hook_released_late_reads_only_released_rows(config):
+    # The producer writes A chunk by chunk, last chunk first, after a delay, and raises each
+    # chunk's signal after its rows: a tile that loaded its rows before its wait returned
+    # (e.g. a load hoisted by the pipeliner of the flattened loop) would read the NaN poison.
+    # 64 programs leave SMs free for the producer's kernels.
+    m, k, n, chunk_m = 8 * 512, 1024, 1536, 512
+    src, b, ref = _operands(m, k, n, torch.bfloat16, "weight_t", seed=21)
+    a = torch.full_like(src, float("nan"))
+    signal = torch.zeros(8, dtype=torch.int32, device="cuda")
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    producer = torch.cuda.Stream()
+    with torch.cuda.stream(producer):
+        # load the producer's kernels first: with lazy module loading, loading one while the
+        # GEMM spins waits for the GEMM, which waits for the producer (a timeout, not a test)
+        torch.cuda._sleep(1)
+        a[:chunk_m].copy_(src[:chunk_m])
+        a[:chunk_m].fill_(float("nan"))
+        signal[0:1].fill_(1)   # the same fill as below (a fill with 0 may take another path)
+        signal.zero_()
+    torch.cuda.synchronize()
+    err = gc.new_error_word("cuda")
+    gc.matmul(a, b, out=out, config=dataclasses.replace(config, num_programs=64), tile_order="round",
+              start_chunk=2, wait=gc.WaitSpec(signal, 1, chunk_m, timeout_ns=5_000_000_000, error=err),
+              check=False)   # returns at once: the producer below is what releases it
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(20_000_000)   # ~10 ms: the GEMM is spinning by now
+        for c in reversed(range(8)):
+            a[c * chunk_m:(c + 1) * chunk_m].copy_(src[c * chunk_m:(c + 1) * chunk_m])
+            signal[c:c + 1].fill_(1)
+    torch.cuda.synchronize()
+    gc.check_error_word(err)
+    _assert_close(out, ref, torch.bfloat16)
+
+
 @pytest.mark.parametrize("use_asm", ["1", "0"])
-def test_wait_timeout_is_bounded(use_asm, monkeypatch):
+@pytest.mark.parametrize("config", [BIG, FLAT], ids=["nested", "flat"])
+def test_wait_timeout_is_bounded(use_asm, config, monkeypatch):
     import time
     monkeypatch.setenv("TPFUSE_SIGNAL_ASM", use_asm)
     a, b, _ = _operands(1024, 512, 512, torch.bfloat16, "row_major", seed=4)
     signal = torch.tensor([7, 7, 6, 7], dtype=torch.int32, device="cuda")
     t0 = time.time()
     with pytest.raises(TimeoutError, match=r"rank 3.*chunk=2\] >= generation 7, last value seen 6"):
-        gc.matmul(a, b, config=BIG, wait=gc.WaitSpec(signal, 7, 256, timeout_ns=20_000_000,
-                                                      max_spins=100_000, rank=3))
+        gc.matmul(a, b, config=config, wait=gc.WaitSpec(signal, 7, 256, timeout_ns=20_000_000,
+                                                        max_spins=100_000, rank=3))
     assert time.time() - t0 < 30
 
 
@@ -142,18 +182,21 @@ def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, afte
 
 @pytest.mark.parametrize("chunk_m,tma", [(517, "1"), (512, "1"), (512, "0")])
 @pytest.mark.parametrize("sub", [1, 2])
-def test_epilogue_routes_and_publishes_several_generations(chunk_m, tma, sub, monkeypatch):
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
+def test_epilogue_routes_and_publishes_several_generations(chunk_m, tma, sub, flatten, monkeypatch):
     # 512-row chunks: every tile in one chunk, stored by TMA through its destination's
     # descriptor unless TPFUSE_EPI_TMA=0. 517: tiles straddle two destinations, pointer stores
     # (TMA would need a negative row coordinate).
     monkeypatch.setenv("TPFUSE_EPI_TMA", tma)
-    _epilogue_over_generations(8 * chunk_m, 1024, 1536, chunk_m, dataclasses.replace(BIG, EPI_SUBTILE=sub),
+    cfg = dataclasses.replace(BIG, EPI_SUBTILE=sub, flatten=flatten)
+    _epilogue_over_generations(8 * chunk_m, 1024, 1536, chunk_m, cfg,
                                start_chunk=3, seed=0, expect_tma=chunk_m % 128 == 0 and tma == "1")
 
 
 @pytest.mark.parametrize("count", ["auto", "gpu", "sys"])
-@pytest.mark.parametrize("config", [BIG, dataclasses.replace(BIG, num_programs=7), DEEP_PTR],
-                         ids=["big", "7_programs", "pointer_stores"])
+@pytest.mark.parametrize("config", [BIG, dataclasses.replace(BIG, num_programs=7), DEEP_PTR,
+                                    dataclasses.replace(FLAT, num_programs=7)],
+                         ids=["big", "7_programs", "pointer_stores", "flat_7_programs"])
 def test_epilogue_count_modes_publish_every_chunk(count, config, monkeypatch):
     # auto: the count's result is read a tile later (EPI_COUNT=3); 7 programs run ~20 tiles
     # each, so most counts are resolved inside the tile loop, not at its end.
@@ -282,8 +325,9 @@ def _k_shared_epilogue(config, tma, seed, monkeypatch):
 
 
 @pytest.mark.parametrize("tma", ["1", "0"])
-def test_split_k_with_epilogue_hook_several_generations(tma, monkeypatch):
-    _k_shared_epilogue(dataclasses.replace(SK_256, split_k=3), tma, 10, monkeypatch)
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
+def test_split_k_with_epilogue_hook_several_generations(tma, flatten, monkeypatch):
+    _k_shared_epilogue(dataclasses.replace(SK_256, split_k=3, flatten=flatten), tma, 10, monkeypatch)
 
 
 def _k_shared_wait(config, seed):
@@ -325,8 +369,9 @@ def test_stream_k_matches_reference(mode, base, shape, b_layout, dtype):
 
 
 @pytest.mark.parametrize("tma", ["1", "0"])
-def test_stream_k_with_epilogue_hook_several_generations(tma, monkeypatch):
-    _k_shared_epilogue(dataclasses.replace(SK_256, stream_k=1), tma, 18, monkeypatch)
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
+def test_stream_k_with_epilogue_hook_several_generations(tma, flatten, monkeypatch):
+    _k_shared_epilogue(dataclasses.replace(SK_256, stream_k=1, flatten=flatten), tma, 18, monkeypatch)
 
 
 def test_stream_k_with_wait_hook_signals_preset():

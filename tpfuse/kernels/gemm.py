@@ -50,7 +50,7 @@ column slices of the tile per store), communication chunk (chunk_m rows, num_chu
 import triton
 import triton.language as tl
 
-from .signals import (bulk_writes_done, count_release_async, publish, publish_if_last, record_timeout,
+from .signals import (bulk_writes_done, count_release_async, cta_barrier, publish, publish_if_last, record_timeout,
                       wait_geq)
 
 
@@ -67,6 +67,14 @@ def _grouped(local, rows, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _segment_start(c, start_chunk, t0, chunk_m, num_pid_m, BLOCK_M: tl.constexpr):
+    """Owner order: rotated position of the first M-tile that starts in chunk ``c`` (c != start_chunk)."""
+    r = (c * chunk_m + BLOCK_M - 1) // BLOCK_M - t0
+    r = tl.where(c < start_chunk, r + num_pid_m, r)
+    return tl.minimum(tl.maximum(r, 0), num_pid_m)
+
+
+@triton.jit
 def _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
                  BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, TILE_ORDER: tl.constexpr):
     """Tile id in tile-order space -> (pid_m, pid_n)."""
@@ -78,21 +86,19 @@ def _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_ch
         pos_m, pid_n = _grouped(tile_id, num_pid_m, num_pid_n, GROUP_M)
         pid_m = (pos_m + t0) % num_pid_m
     else:
-        # Rotated M-tile positions p = (pid_m - t0) mod num_pid_m. Segment j (chunk
-        # (start_chunk + j) % num_chunks) covers positions [R(j), R(j+1)): from the tile after
-        # the previous chunk's last tile up to the tile holding this chunk's last row.
+        # Rotated M-tile positions p = (pid_m - t0) mod num_pid_m. Chunk c's segment covers
+        # positions [R(c), R(next chunk)): from the first M-tile that starts in chunk c up to the
+        # one holding its last row, so a tile straddling two chunks runs with the earlier one in
+        # the order; the tile at position 0 runs with start_chunk. Closed form, no loop over
+        # chunks: a loop here would keep Triton from flattening the tile and K loops (FLATTEN).
         t0 = (start_chunk * chunk_m) // BLOCK_M
-        seg_lo = tl.full((), 0, tl.int32)
-        seg_hi = num_pid_m
-        for j in range(1, num_chunks):
-            c = (start_chunk + j) % num_chunks
-            r = (c * chunk_m + BLOCK_M - 1) // BLOCK_M - t0
-            r = tl.where(c < start_chunk, r + num_pid_m, r)
-            r = tl.minimum(tl.maximum(r, 0), num_pid_m)
-            if r * num_pid_n <= tile_id:
-                seg_lo = tl.maximum(seg_lo, r)
-            else:
-                seg_hi = tl.minimum(seg_hi, r)
+        pos = tile_id // num_pid_n
+        first_row = ((pos + t0) % num_pid_m) * BLOCK_M
+        c = tl.where(pos == 0, start_chunk, tl.minimum(first_row // chunk_m, num_chunks - 1))
+        nxt = (c + 1) % num_chunks
+        seg_lo = tl.where(c == start_chunk, 0, _segment_start(c, start_chunk, t0, chunk_m, num_pid_m, BLOCK_M))
+        seg_hi = tl.where(nxt == start_chunk, num_pid_m,
+                          _segment_start(nxt, start_chunk, t0, chunk_m, num_pid_m, BLOCK_M))
         local = tile_id - seg_lo * num_pid_n
         pos_m, pid_n = _grouped(local, seg_hi - seg_lo, num_pid_n, GROUP_M)
         pid_m = (seg_lo + pos_m + t0) % num_pid_m
@@ -181,7 +187,8 @@ def _sum_partials(ws_tile, SUB_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N
 
 @triton.jit
 def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
-                       BLOCK_M: tl.constexpr, EPI_TMA: tl.constexpr, EPI_COUNT: tl.constexpr):
+                       BLOCK_M: tl.constexpr, EPI_TMA: tl.constexpr, EPI_COUNT: tl.constexpr,
+                       USE_ASM: tl.constexpr):
     """Count one stored tile in every chunk it touches; the chunk's last tile publishes it.
 
     The count is acq_rel at GPU scope: every program counting lives on this GPU, and the
@@ -194,26 +201,27 @@ def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
     host allows it) takes _count_async / _resolve_count instead."""
     if EPI_COUNT == 0:
         return
-    if EPI_TMA > 0:
-        if c_hi >= c_lo:
+    # (the loop sits inside an ``if``, so that the tile loop can still be flattened)
+    if c_hi >= c_lo:
+        if EPI_TMA > 0:
             # The tile went out by TMA (async proxy): wait until its writes are done, not only
             # read out of shared memory, and order them before the generic release below.
             bulk_writes_done()
-    # Every thread's stores of the tile happen before the release chain below.
-    tl.debug_barrier()
-    for cc in range(c_lo, c_hi + 1):
-        tiles_in_chunk = _tiles_in_chunk(cc, M, chunk_m, num_pid_n, BLOCK_M)
-        if EPI_COUNT == 2:
-            done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="sys")
-        else:
-            done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="gpu")
-        if done == tiles_in_chunk - 1:
-            # Last tile of chunk cc: this program has acquired every other tile's release,
-            # so its release publishes the whole chunk.
-            tl.atomic_xchg(counters + cc, 0, sem="relaxed", scope="gpu")
-            if status == 0:
-                sig = tl.load(signal_ptrs + cc).to(tl.pointer_type(tl.int32))
-                publish(sig, epi_gen)
+        # Every thread's stores of the tile happen before the release chain below.
+        cta_barrier(USE_ASM)
+        for cc in range(c_lo, c_hi + 1):
+            tiles_in_chunk = _tiles_in_chunk(cc, M, chunk_m, num_pid_n, BLOCK_M)
+            if EPI_COUNT == 2:
+                done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="sys")
+            else:
+                done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="gpu")
+            if done == tiles_in_chunk - 1:
+                # Last tile of chunk cc: this program has acquired every other tile's release,
+                # so its release publishes the whole chunk.
+                tl.atomic_xchg(counters + cc, 0, sem="relaxed", scope="gpu")
+                if status == 0:
+                    sig = tl.load(signal_ptrs + cc).to(tl.pointer_type(tl.int32))
+                    publish(sig, epi_gen)
 
 
 @triton.jit
@@ -232,7 +240,7 @@ def _count_async(pend_lo, pend_hi, counters, EPI_TMA: tl.constexpr):
     if pend_hi >= pend_lo:
         if EPI_TMA > 0:
             bulk_writes_done()
-        tl.debug_barrier()   # every thread's stores of the tile happen before the release
+        cta_barrier(True)   # every thread's stores of the tile happen before the release
         old = count_release_async(counters + pend_lo)
         q = pend_lo
     return q, old
@@ -255,16 +263,18 @@ def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_p
                  USE_ASM: tl.constexpr):
     """WAIT hook of one tile: poll every chunk its rows touch that this program has not yet seen
     ready. Signals only grow within a call, so a chunk seen ready stays ready: bit c of
-    `verified` marks it (chunks >= 62 are polled every time)."""
-    for cc in range(c_lo, c_hi + 1):
-        bit = tl.where(cc < 62, tl.full((), 1, tl.int64) << tl.minimum(cc, 61).to(tl.int64), 0)
-        if ((verified & bit) == 0) & (status == 0):
-            st, seen = wait_geq(wait_signal + cc, wait_gen, wait_timeout, err_ptr, USE_ASM)
-            if st == 1:
-                record_timeout(err_ptr, tile_id, cc, wait_gen, seen)
-            status = st
-            if st == 0:
-                verified = verified | bit
+    `verified` marks it (chunks >= 62 are polled every time). The loop sits inside an ``if``:
+    a second loop directly in the tile loop would keep Triton from flattening it (FLATTEN)."""
+    if status == 0:
+        for cc in range(c_lo, c_hi + 1):
+            bit = tl.where(cc < 62, tl.full((), 1, tl.int64) << tl.minimum(cc, 61).to(tl.int64), 0)
+            if ((verified & bit) == 0) & (status == 0):
+                st, seen = wait_geq(wait_signal + cc, wait_gen, wait_timeout, err_ptr, USE_ASM)
+                if st == 1:
+                    record_timeout(err_ptr, tile_id, cc, wait_gen, seen)
+                status = st
+                if st == 0:
+                    verified = verified | bit
     return status, verified
 
 
@@ -289,6 +299,21 @@ def _tile_start(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chu
         status, verified = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout,
                                         err_ptr, status, verified, USE_ASM)
     return off_m, off_n, c_lo, c_hi, status, verified
+
+
+@triton.jit
+def _carry(x, USE_ASM: tl.constexpr):
+    """``x`` through an opaque move, for a value that the tile loop carries to its next tile and
+    that the epilogue sets from one the prologue computed (``pend_lo = c_lo``). Triton 3.6's
+    loop flattening (FLATTEN) mishandles a loop-carried value that is yielded straight from the
+    prologue: the fused loop updates it on the tile's first K-step instead of its last, so the
+    epilogue would count the current tile instead of the previous one. (It also fails to
+    compile a body that ends in an ``if`` using a value made after the K loop, as the per-chunk
+    TMA stores do; the move after them avoids that too.) No flattening without USE_ASM."""
+    if USE_ASM:
+        x = tl.inline_asm_elementwise("mov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+    return x
 
 
 @triton.jit
@@ -435,16 +460,17 @@ def gemm_kernel(
                     q_chunk, q_old = _count_async(pend_lo, pend_hi, counters, EPI_TMA)
                 else:
                     _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                                       epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT)
-                pend_lo = c_lo
-                pend_hi = c_hi
+                                       epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
             _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
                        chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
                        DEST_ALIGNED, EPI_TMA)
+            if EPILOGUE:   # after the stores (see _carry)
+                pend_lo = _carry(c_lo, USE_ASM)
+                pend_hi = _carry(c_hi, USE_ASM)
         else:
             if EPILOGUE:   # the previous stored tile, as above
                 _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                                   epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT)
+                                   epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
             # Partial to this slice's slot; every thread's stores happen before the release.
             ws_tile = ws + tile_id.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
             offs_ws = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -453,7 +479,7 @@ def gemm_kernel(
             arrived = tl.atomic_add(tile_counters + tile_id, 1, sem="acq_rel", scope="gpu")
             is_last = arrived == SPLIT_K - 1
             if EPILOGUE:
-                pend_lo = c_lo
+                pend_lo = _carry(c_lo, USE_ASM)
                 pend_hi = tl.where(is_last, c_hi, c_lo - 1)   # empty unless this item stores
             if is_last:
                 # Every other slice's release is acquired, so their partials are visible; this
@@ -511,7 +537,7 @@ def gemm_kernel(
                             DOT_FP32)
             if EPILOGUE:   # the previous stored tile, counted late as in the loop above
                 _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                                   epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT)
+                                   epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
             if (k_lo == 0) & (k_hi == k_tiles):
                 _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
                            chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
@@ -568,4 +594,4 @@ def gemm_kernel(
                            status, BLOCK_M)
         else:
             _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                               epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT)
+                               epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)

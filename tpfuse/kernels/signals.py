@@ -110,6 +110,19 @@ def bulk_writes_done():
 
 
 @triton.jit
+def cta_barrier(USE_ASM: tl.constexpr):
+    """Every thread of the CTA waits here, and its memory accesses before are ordered before
+    every thread's accesses after (``bar.sync``). With USE_ASM it is inline PTX: Triton 3.6
+    does not pipeline the loads of a flattened tile loop (FLATTEN) with a ``tl.debug_barrier``
+    in its body."""
+    if USE_ASM:
+        tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        tl.debug_barrier()
+
+
+@triton.jit
 def count_release_async(counter_ptr):
     """The CTA's last thread adds 1 to ``*counter_ptr`` (release, GPU scope) and returns the old
     value without waiting for it: the atomic's round trip overlaps whatever the program does
