@@ -114,10 +114,13 @@ def test_wait_hook_released_late_reads_only_released_rows(config):
     a = torch.full_like(src, float("nan"))
     signal = torch.zeros(8, dtype=torch.int32, device="cuda")
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    producer = torch.cuda.Stream()
+    # Two streams of their own, one after the other from torch's pool: work on the default
+    # stream and on the first pool stream was seen queued behind one another on the H200 (the
+    # producer then never ran while the GEMM spun: a timeout, not a test of the hook).
+    consumer, producer = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(producer):
         # load the producer's kernels first: with lazy module loading, loading one while the
-        # GEMM spins waits for the GEMM, which waits for the producer (a timeout, not a test)
+        # GEMM spins waits for the GEMM, which waits for the producer
         torch.cuda._sleep(1)
         a[:chunk_m].copy_(src[:chunk_m])
         a[:chunk_m].fill_(float("nan"))
@@ -125,9 +128,11 @@ def test_wait_hook_released_late_reads_only_released_rows(config):
         signal.zero_()
     torch.cuda.synchronize()
     err = gc.new_error_word("cuda")
-    gc.matmul(a, b, out=out, config=dataclasses.replace(config, num_programs=64), tile_order="round",
-              start_chunk=2, wait=gc.WaitSpec(signal, 1, chunk_m, timeout_ns=5_000_000_000, error=err),
-              check=False)   # returns at once: the producer below is what releases it
+    torch.cuda.synchronize()
+    with torch.cuda.stream(consumer):
+        gc.matmul(a, b, out=out, config=dataclasses.replace(config, num_programs=64), tile_order="round",
+                  start_chunk=2, wait=gc.WaitSpec(signal, 1, chunk_m, timeout_ns=5_000_000_000, error=err),
+                  check=False)   # returns at once: the producer below is what releases it
     with torch.cuda.stream(producer):
         torch.cuda._sleep(20_000_000)   # ~10 ms: the GEMM is spinning by now
         for c in reversed(range(8)):
