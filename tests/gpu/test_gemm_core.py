@@ -114,30 +114,40 @@ def test_wait_hook_released_late_reads_only_released_rows(config):
     a = torch.full_like(src, float("nan"))
     signal = torch.zeros(8, dtype=torch.int32, device="cuda")
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    # Two streams of their own, one after the other from torch's pool: work on the default
-    # stream and on the first pool stream was seen queued behind one another on the H200 (the
-    # producer then never ran while the GEMM spun: a timeout, not a test of the hook).
     consumer, producer = torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(producer):
-        # load the producer's kernels first: with lazy module loading, loading one while the
-        # GEMM spins waits for the GEMM, which waits for the producer
-        torch.cuda._sleep(1)
-        a[:chunk_m].copy_(src[:chunk_m])
-        a[:chunk_m].fill_(float("nan"))
-        signal[0:1].fill_(1)   # the same fill as below (a fill with 0 may take another path)
-        signal.zero_()
-    torch.cuda.synchronize()
+    cfg = dataclasses.replace(config, num_programs=64)
     err = gc.new_error_word("cuda")
+
+    def call():   # returns at once: the producer is what releases the GEMM
+        with torch.cuda.stream(consumer):
+            gc.matmul(a, b, out=out, config=cfg, tile_order="round", start_chunk=2, check=False,
+                      wait=gc.WaitSpec(signal, gen, chunk_m, timeout_ns=5_000_000_000, error=err))
+
+    # The whole sequence once with every chunk released before the GEMM starts. Without it
+    # the first such run of a process stalled on the H200, whichever variant came first: the
+    # producer did not run while the GEMM spun (a timeout), and the second run passed. Cause
+    # not found (some one-time set-up of these streams or kernels); the checked run is below.
+    gen = 1
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(1)
+        for c in reversed(range(8)):
+            a[c * chunk_m:(c + 1) * chunk_m].copy_(src[c * chunk_m:(c + 1) * chunk_m])
+            signal[c:c + 1].fill_(gen)
     torch.cuda.synchronize()
-    with torch.cuda.stream(consumer):
-        gc.matmul(a, b, out=out, config=dataclasses.replace(config, num_programs=64), tile_order="round",
-                  start_chunk=2, wait=gc.WaitSpec(signal, 1, chunk_m, timeout_ns=5_000_000_000, error=err),
-                  check=False)   # returns at once: the producer below is what releases it
+    call()
+    torch.cuda.synchronize()
+    gc.check_error_word(err)
+    # The checked run: A poisoned again, the next generation, released late.
+    a.fill_(float("nan"))
+    out.fill_(float("nan"))
+    gen = 2
+    torch.cuda.synchronize()
+    call()
     with torch.cuda.stream(producer):
         torch.cuda._sleep(20_000_000)   # ~10 ms: the GEMM is spinning by now
         for c in reversed(range(8)):
             a[c * chunk_m:(c + 1) * chunk_m].copy_(src[c * chunk_m:(c + 1) * chunk_m])
-            signal[c:c + 1].fill_(1)
+            signal[c:c + 1].fill_(gen)
     torch.cuda.synchronize()
     gc.check_error_word(err)
     _assert_close(out, ref, torch.bfloat16)
