@@ -79,6 +79,40 @@ def test_offline_epilogue_counts_tiles_at_gpu_scope_and_publishes_at_system_scop
         assert set(counts) == ({"SYS"} if mode == 2 else {"GPU"}), counts
 
 
+def _enclosing_loops(ttgir: str, op: str) -> int:
+    """How many scf.for loops enclose the first ``op`` line of a TTGIR dump (by indentation)."""
+    lines = ttgir.splitlines()
+    at = next(i for i, line in enumerate(lines) if op in line)
+    depth, indent = 0, len(lines[at]) - len(lines[at].lstrip())
+    for line in reversed(lines[:at]):
+        ind = len(line) - len(line.lstrip())
+        if ind < indent and line.strip():
+            indent = ind
+            depth += "scf.for" in line
+    return depth
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
+def test_offline_hooked_kernels_flatten_into_one_pipelined_loop():
+    # flatten=True: Triton fuses the tile and K loops only when the tile loop holds exactly
+    # one loop, and pipelines the fused loop only without a tl.debug_barrier in it. The
+    # hooks and the round/owner orders must keep both (docs/gemm_core.md, "Flattened tile loop").
+    compile_kernel, _ = _offline_tools()
+    flat = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, flatten=True)
+    plain = compile_kernel(4096, 4096, 1792, flat).asm["ttgir"]
+    nested = compile_kernel(4096, 4096, 1792, gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                                                            num_warps=8, num_stages=3)).asm["ttgir"]
+    loads = plain.count("async_tma_copy_global_to_local")
+    assert _enclosing_loops(plain, "warp_group_dot") == 1 and _enclosing_loops(nested, "warp_group_dot") == 2
+    for name, kw in [("wait", dict(wait=True, tile_order=1)),
+                     ("owner", dict(tile_order=2)),
+                     ("epilogue, TMA stores, count read later", dict(epilogue=True, tile_order=2, epi_tma=8, epi_count=3)),
+                     ("epilogue, pointer stores, plain count", dict(epilogue=True, tile_order=2, epi_count=1))]:
+        ttgir = compile_kernel(4096, 4096, 1792, flat, **kw).asm["ttgir"]
+        assert _enclosing_loops(ttgir, "warp_group_dot") == 1, f"{name}: tile loop not flattened"
+        assert ttgir.count("async_tma_copy_global_to_local") == loads, f"{name}: loads not pipelined"
+
+
 def test_count_mode_environment_is_checked(monkeypatch):
     monkeypatch.delenv("TPFUSE_EPI_COUNT", raising=False)
     assert gc._epi_count_mode(True) == 3 and gc._epi_count_mode(False) == 1

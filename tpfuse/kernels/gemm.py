@@ -46,6 +46,13 @@ through the usual epilogue (hooks included) and resets the counter to zero for t
 
 Three granularities stay separate: CTA tile (BLOCK_M/N/K), epilogue subtile (EPI_SUBTILE
 column slices of the tile per store), communication chunk (chunk_m rows, num_chunks).
+
+FLATTEN (configs with ``flatten=True``): Triton fuses the tile loop and the K loop into one
+pipelined loop, so the next tile's loads (and its prologue: coordinates, wait hook) run ahead of
+this tile's epilogue. It does so only when the tile loop holds exactly one loop and no
+``tl.debug_barrier``: hence the owner order's closed form, the hooks' chunk loops inside an
+``if``, ``cta_barrier`` and ``_carry`` (docs/gemm_core.md, "Flattened tile loop"; CPU test
+``test_offline_hooked_kernels_flatten_into_one_pipelined_loop``).
 """
 import triton
 import triton.language as tl
