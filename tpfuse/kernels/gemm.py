@@ -193,11 +193,10 @@ def _sum_partials(ws_tile, SUB_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N
 
 
 @triton.jit
-def _count_and_publish(c_lo, c_hi, k, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
+def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
                        BLOCK_M: tl.constexpr, EPI_TMA: tl.constexpr, EPI_COUNT: tl.constexpr,
                        USE_ASM: tl.constexpr):
-    """Count ``k`` stored tiles in every chunk they touch (k > 1 only for tiles of one chunk,
-    see the batching in gemm_kernel); the count that completes a chunk publishes it.
+    """Count one stored tile in every chunk it touches; the chunk's last tile publishes it.
 
     The count is acq_rel at GPU scope: every program counting lives on this GPU, and the
     publishing program's system-scope release is cumulative (PTX memory model: causality order
@@ -220,10 +219,10 @@ def _count_and_publish(c_lo, c_hi, k, M, chunk_m, num_pid_n, counters, signal_pt
         for cc in range(c_lo, c_hi + 1):
             tiles_in_chunk = _tiles_in_chunk(cc, M, chunk_m, num_pid_n, BLOCK_M)
             if EPI_COUNT == 2:
-                done = tl.atomic_add(counters + cc, k, sem="acq_rel", scope="sys")
+                done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="sys")
             else:
-                done = tl.atomic_add(counters + cc, k, sem="acq_rel", scope="gpu")
-            if done == tiles_in_chunk - k:
+                done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="gpu")
+            if done == tiles_in_chunk - 1:
                 # Last tile of chunk cc: this program has acquired every other tile's release,
                 # so its release publishes the whole chunk.
                 tl.atomic_xchg(counters + cc, 0, sem="relaxed", scope="gpu")
@@ -239,8 +238,8 @@ def _tiles_in_chunk(cc, M, chunk_m, num_pid_n, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _count_async(pend_lo, pend_hi, k, counters, EPI_TMA: tl.constexpr):
-    """EPI_COUNT=3: count ``k`` stored tiles of chunk ``pend_lo`` (tiles never straddle chunks
+def _count_async(pend_lo, pend_hi, counters, EPI_TMA: tl.constexpr):
+    """EPI_COUNT=3: count the stored tile of chunk ``pend_lo`` (tiles never straddle chunks
     here; ``pend_hi < pend_lo``: nothing to count) with a release that nobody waits for.
     Returns (chunk or -1, the counting thread's old count) for :func:`_resolve_count` a tile later."""
     q = tl.full((), -1, tl.int32)
@@ -248,19 +247,18 @@ def _count_async(pend_lo, pend_hi, k, counters, EPI_TMA: tl.constexpr):
     if pend_hi >= pend_lo:
         if EPI_TMA > 0:
             bulk_writes_done()
-        cta_barrier(True)   # every thread's stores of the tiles happen before the release
-        old = count_release_async(counters + pend_lo, k)
+        cta_barrier(True)   # every thread's stores of the tile happen before the release
+        old = count_release_async(counters + pend_lo)
         q = pend_lo
     return q, old
 
 
 @triton.jit
-def _resolve_count(q, old, k, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
+def _resolve_count(q, old, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
                    BLOCK_M: tl.constexpr):
-    """Publish chunk ``q`` if the count of ``k`` tiles :func:`_count_async` made for it
-    completed it."""
+    """Publish chunk ``q`` if the count :func:`_count_async` made for it was its last tile."""
     if q >= 0:
-        last = _tiles_in_chunk(q, M, chunk_m, num_pid_n, BLOCK_M) - k
+        last = _tiles_in_chunk(q, M, chunk_m, num_pid_n, BLOCK_M) - 1
         # addresses as int64: the asm's operands are broadcast together, and pointers to int32
         # and to int64 do not mix
         publish_if_last((counters + q).to(tl.int64), (signal_ptrs + q).to(tl.int64), old, last, epi_gen,
@@ -429,10 +427,8 @@ def gemm_kernel(
     verified = tl.full((), 0, tl.int64)  # WAIT: bit c set once signal[c] >= wait_gen was seen
     pend_lo = tl.full((), 0, tl.int32)   # EPILOGUE: chunks of the previous tile, counted late
     pend_hi = tl.full((), -1, tl.int32)
-    pend_k = tl.full((), 1, tl.int32)    # EPILOGUE: how many stored tiles of that one chunk
     q_chunk = tl.full((), -1, tl.int32)  # EPI_COUNT=3: chunk counted a tile ago, result unread
     q_old = tl.full((), 0, tl.int32)
-    q_k = tl.full((), 1, tl.int32)
 
     if STREAM_K:
         num_work = num_tiles - sk_tiles   # whole tiles first; the last sk_tiles after the loop
@@ -461,36 +457,27 @@ def gemm_kernel(
 
         if SPLIT_K == 1:
             if EPILOGUE:
-                # Count the previous tiles now: their stores have drained during this tile's
-                # main loop, so the release below costs no wait (publication is one tile
-                # later). A tile of the same single chunk as the pending ones joins them
-                # instead (one count of k tiles when the program leaves the chunk: fewer
-                # atomics where a program runs several tiles of a chunk in a row).
-                join = (c_lo == c_hi) & (pend_lo == pend_hi) & (pend_lo == c_lo)
-                count_hi = tl.where(join, pend_lo - 1, pend_hi)   # empty: nothing counted now
+                # Count the previous tile now: its stores have drained during this tile's main
+                # loop, so the release below costs no wait (publication is one tile later).
                 if EPI_COUNT == 3:
                     # ... and read the count's result a tile later still, so no warp waits
                     # for the atomic's round trip (publication two tiles later)
-                    _resolve_count(q_chunk, q_old, q_k, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                    _resolve_count(q_chunk, q_old, M, chunk_m, num_pid_n, counters, signal_ptrs,
                                    epi_gen, status, BLOCK_M)
-                    q_chunk, q_old = _count_async(pend_lo, count_hi, pend_k, counters, EPI_TMA)
-                    # (not returned through _count_async's if: with k coming out of it, the
-                    # flattened loop was not pipelined, 1 stage instead of 3)
-                    q_k = _carry(pend_k, USE_ASM)
+                    q_chunk, q_old = _count_async(pend_lo, pend_hi, counters, EPI_TMA)
                 else:
-                    _count_and_publish(pend_lo, count_hi, pend_k, M, chunk_m, num_pid_n, counters,
-                                       signal_ptrs, epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
+                    _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                                       epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
             _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
                        chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
                        DEST_ALIGNED, EPI_TMA)
             if EPILOGUE:   # after the stores (see _carry)
-                pend_k = tl.where(join, pend_k + 1, 1)
                 pend_lo = _carry(c_lo, USE_ASM)
                 pend_hi = _carry(c_hi, USE_ASM)
         else:
-            if EPILOGUE:   # the previous stored tile, as above (never more than one here)
-                _count_and_publish(pend_lo, pend_hi, pend_k, M, chunk_m, num_pid_n, counters,
-                                   signal_ptrs, epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
+            if EPILOGUE:   # the previous stored tile, as above
+                _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                                   epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
             # Partial to this slice's slot; every thread's stores happen before the release.
             ws_tile = ws + tile_id.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
             offs_ws = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -499,7 +486,6 @@ def gemm_kernel(
             arrived = tl.atomic_add(tile_counters + tile_id, 1, sem="acq_rel", scope="gpu")
             is_last = arrived == SPLIT_K - 1
             if EPILOGUE:
-                pend_k = tl.full((), 1, tl.int32)
                 pend_lo = _carry(c_lo, USE_ASM)
                 pend_hi = tl.where(is_last, c_hi, c_lo - 1)   # empty unless this item stores
             if is_last:
@@ -556,10 +542,9 @@ def gemm_kernel(
             acc = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak,
                             stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR,
                             DOT_FP32)
-            if EPILOGUE:   # the previous stored tile(s), counted late as in the loop above
-                _count_and_publish(pend_lo, pend_hi, pend_k, M, chunk_m, num_pid_n, counters,
-                                   signal_ptrs, epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
-                pend_k = tl.full((), 1, tl.int32)
+            if EPILOGUE:   # the previous stored tile, counted late as in the loop above
+                _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                                   epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
             if (k_lo == 0) & (k_hi == k_tiles):
                 _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
                            chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
@@ -609,12 +594,11 @@ def gemm_kernel(
                                         C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
     if EPILOGUE:
         if EPI_COUNT == 3:
-            _resolve_count(q_chunk, q_old, q_k, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
+            _resolve_count(q_chunk, q_old, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
                            status, BLOCK_M)
-            q_chunk, q_old = _count_async(pend_lo, pend_hi, pend_k, counters, EPI_TMA)
-            q_k = pend_k
-            _resolve_count(q_chunk, q_old, q_k, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
+            q_chunk, q_old = _count_async(pend_lo, pend_hi, counters, EPI_TMA)
+            _resolve_count(q_chunk, q_old, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
                            status, BLOCK_M)
         else:
-            _count_and_publish(pend_lo, pend_hi, pend_k, M, chunk_m, num_pid_n, counters, signal_ptrs,
+            _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
                                epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)

@@ -123,8 +123,8 @@ def cta_barrier(USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def count_release_async(counter_ptr, k):
-    """The CTA's last thread adds ``k`` to ``*counter_ptr`` (release, GPU scope) and returns the old
+def count_release_async(counter_ptr):
+    """The CTA's last thread adds 1 to ``*counter_ptr`` (release, GPU scope) and returns the old
     value without waiting for it: the atomic's round trip overlaps whatever the program does
     before it reads the result (:func:`publish_if_last`, a tile later). Other threads get -1.
     Not thread 0: warp 0 issues the TMA loads and stores, and an atomic in flight there held
@@ -133,8 +133,8 @@ def count_release_async(counter_ptr, k):
         "{\n\t.reg .pred first;\n\t.reg .u32 tid, last;\n\tmov.u32 tid, %tid.x;\n\t"
         "mov.u32 last, %ntid.x;\n\tsub.u32 last, last, 1;\n\t"
         "setp.eq.u32 first, tid, last;\n\tmov.u32 $0, -1;\n\t"
-        "@first atom.release.gpu.global.add.u32 $0, [$1], $2;\n\t}",
-        "=r,l,r", [counter_ptr, k], dtype=tl.int32, is_pure=False, pack=1)
+        "@first atom.release.gpu.global.add.u32 $0, [$1], 1;\n\t}",
+        "=r,l", [counter_ptr], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
