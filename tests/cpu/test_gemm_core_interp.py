@@ -352,6 +352,33 @@ def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, split_k, count_
             assert torch.isnan(d[rows:]).all(), f"dest {c} written past its chunk"
 
 
+@pytest.mark.parametrize("count_scope", ["gpu", "sys"])
+@pytest.mark.parametrize("programs,chunk_m", [(3, 32), (5, 24), (2, 128)])
+def test_epilogue_publishes_with_many_tiles_per_program(programs, chunk_m, count_scope, monkeypatch):
+    # Few programs, each running several tiles of a chunk in a row (24-row chunks: some tiles
+    # straddle two chunks; one 128-row chunk: every program's tiles in it), over two
+    # generations: every chunk published, counters back at zero, rows routed.
+    monkeypatch.setenv("TPFUSE_EPI_COUNT", count_scope)
+    m, k, n = 128, 32, 64
+    num_chunks = -(-m // chunk_m)
+    dests = [torch.full((chunk_m, n), float("nan"), dtype=torch.bfloat16) for _ in range(num_chunks)]
+    signals = torch.zeros(num_chunks, dtype=torch.int32)
+    spec = None
+    for generation in (1, 2):
+        a, b, ref = _operands(m, k, n, torch.bfloat16, "row_major", seed=40 + generation)
+        for d in dests:
+            d.fill_(float("nan"))
+        spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m,
+                                            counters=spec.counters if spec else None)
+        cfg = dataclasses.replace(CFG, num_programs=programs)
+        gc.matmul(a, b, config=cfg, tile_order="owner", start_chunk=num_chunks - 1, epilogue=spec)
+        assert signals.tolist() == [generation] * num_chunks
+        assert spec.counters.tolist() == [0] * num_chunks
+        for c, d in enumerate(dests):
+            rows = min(chunk_m, m - c * chunk_m)
+            _assert_close(d[:rows], ref[c * chunk_m:c * chunk_m + rows], torch.bfloat16)
+
+
 def test_wait_timeout_raises_with_chunk_and_generation():
     a, b, _ = _operands(64, 32, 32, torch.bfloat16, "row_major", seed=4)
     signal = torch.tensor([3, 3, 2, 3], dtype=torch.int32)      # chunk 2 never reaches 3
