@@ -182,22 +182,8 @@ def test_stream_k_with_hooks():
               wait=gc.WaitSpec(signal, generation=5, chunk_m=27, max_spins=10))
     _assert_close(out, ref, torch.bfloat16)
     # epilogue hook, owner order, all tiles shared out: chunks routed and published, twice
-    m, k, n, chunk_m = 100, 40, 45, 27
-    dests = [torch.full((chunk_m, n), float("nan"), dtype=torch.bfloat16) for _ in range(4)]
-    signals = torch.zeros(4, dtype=torch.int32)
-    spec = None
-    for generation in (1, 2):
-        a, b, ref = _operands(m, k, n, torch.bfloat16, "row_major", seed=33 + generation)
-        for d in dests:
-            d.fill_(float("nan"))
-        spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m,
-                                            counters=spec.counters if spec else None)
-        gc.matmul(a, b, config=dataclasses.replace(CFG, num_programs=29, stream_k=2), tile_order="owner",
-                  start_chunk=1, epilogue=spec)
-        assert signals.tolist() == [generation] * 4 and spec.counters.tolist() == [0] * 4
-        for c, d in enumerate(dests):
-            rows = min(chunk_m, m - c * chunk_m)
-            _assert_close(d[:rows], ref[c * chunk_m:c * chunk_m + rows], torch.bfloat16)
+    _epilogue_over_generations(100, 40, 45, 27, dataclasses.replace(CFG, num_programs=29, stream_k=2),
+                               start_chunk=1, seed=33)
     # a failed wait publishes nothing
     wait = gc.WaitSpec(torch.zeros(4, dtype=torch.int32), generation=1, chunk_m=16, max_spins=5)
     signals = torch.zeros(4, dtype=torch.int32)
@@ -352,31 +338,37 @@ def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, split_k, count_
             assert torch.isnan(d[rows:]).all(), f"dest {c} written past its chunk"
 
 
-@pytest.mark.parametrize("count_scope", ["gpu", "sys"])
-@pytest.mark.parametrize("programs,chunk_m", [(3, 32), (5, 24), (2, 128)])
-def test_epilogue_publishes_with_many_tiles_per_program(programs, chunk_m, count_scope, monkeypatch):
-    # Few programs, each running several tiles of a chunk in a row (24-row chunks: some tiles
-    # straddle two chunks; one 128-row chunk: every program's tiles in it), over two
-    # generations: every chunk published, counters back at zero, rows routed.
-    monkeypatch.setenv("TPFUSE_EPI_COUNT", count_scope)
-    m, k, n = 128, 32, 64
+def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed):
+    """Route each chunk of ``a @ b`` (owner order) to a destination of its own over two
+    generations: every chunk published, counters back at zero, each destination exact and
+    untouched past its rows."""
     num_chunks = -(-m // chunk_m)
     dests = [torch.full((chunk_m, n), float("nan"), dtype=torch.bfloat16) for _ in range(num_chunks)]
     signals = torch.zeros(num_chunks, dtype=torch.int32)
     spec = None
     for generation in (1, 2):
-        a, b, ref = _operands(m, k, n, torch.bfloat16, "row_major", seed=40 + generation)
+        a, b, ref = _operands(m, k, n, torch.bfloat16, "row_major", seed=seed + generation)
         for d in dests:
             d.fill_(float("nan"))
         spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m,
                                             counters=spec.counters if spec else None)
-        cfg = dataclasses.replace(CFG, num_programs=programs)
-        gc.matmul(a, b, config=cfg, tile_order="owner", start_chunk=num_chunks - 1, epilogue=spec)
+        gc.matmul(a, b, config=config, tile_order="owner", start_chunk=start_chunk, epilogue=spec)
         assert signals.tolist() == [generation] * num_chunks
         assert spec.counters.tolist() == [0] * num_chunks
         for c, d in enumerate(dests):
             rows = min(chunk_m, m - c * chunk_m)
             _assert_close(d[:rows], ref[c * chunk_m:c * chunk_m + rows], torch.bfloat16)
+            assert torch.isnan(d[rows:]).all(), f"dest {c} written past its chunk"
+
+
+@pytest.mark.parametrize("count_scope", ["gpu", "sys"])
+@pytest.mark.parametrize("programs,chunk_m", [(3, 32), (5, 24), (2, 128)])
+def test_epilogue_publishes_with_many_tiles_per_program(programs, chunk_m, count_scope, monkeypatch):
+    # Few programs, each running several tiles of a chunk in a row (24-row chunks: some tiles
+    # straddle two chunks; one 128-row chunk: every program's tiles in it)
+    monkeypatch.setenv("TPFUSE_EPI_COUNT", count_scope)
+    _epilogue_over_generations(128, 32, 64, chunk_m, dataclasses.replace(CFG, num_programs=programs),
+                               start_chunk=-(-128 // chunk_m) - 1, seed=40)
 
 
 def test_wait_timeout_raises_with_chunk_and_generation():
