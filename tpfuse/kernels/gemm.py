@@ -57,8 +57,8 @@ this tile's epilogue. It does so only when the tile loop holds exactly one loop 
 import triton
 import triton.language as tl
 
-from .signals import (bulk_writes_done, count_release_async, cta_barrier, publish, publish_if_last, record_timeout,
-                      wait_geq)
+from .signals import (bulk_writes_done, count_release_async, cta_barrier, publish, publish_if_last,
+                      record_timeout, wait_geq)
 
 
 @triton.jit
