@@ -329,13 +329,14 @@ def main(argv=None):
 def summarize(rows):
     ratios = [r["ratio"] for r in rows]
     big = [r for r in rows if r["phase"] in ("train", "prefill")]
-    out = {"geomean_ratio": math.exp(sum(map(math.log, ratios)) / len(ratios)),
-           "min_ratio": min(ratios), "min_ratio_shape": min(rows, key=lambda r: r["ratio"])["name"]}
-    if all("graph_ratio" in r for r in rows):
+    out = {}
+    if all("graph_ratio" in r for r in rows):   # first: the targets are judged on kernel time
         g = [r["graph_ratio"] for r in rows]
         out["graph_geomean_ratio"] = math.exp(sum(map(math.log, g)) / len(g))
         out["graph_min_ratio"] = min(g)
         out["graph_min_ratio_shape"] = min(rows, key=lambda r: r["graph_ratio"])["name"]
+    out.update({"geomean_ratio": math.exp(sum(map(math.log, ratios)) / len(ratios)),
+                "min_ratio": min(ratios), "min_ratio_shape": min(rows, key=lambda r: r["ratio"])["name"]})
     for key in ("wait", "epilogue", "wait_graph", "epilogue_graph", "wait_hook", "epilogue_hook",
                 "wait_hook_graph", "epilogue_hook_graph", "round_order_graph", "owner_order_graph"):
         vals = [r[f"{key}_overhead"] for r in big if f"{key}_overhead" in r]
