@@ -666,7 +666,7 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
         return _Plan(m, n, k, b_kmajor, False, cfg, (0,), chunk_m or 1, num_chunks, start_chunk,
                      False, (), cfg.num_warps, cfg.num_stages)
 
-    triton, tl, _ = _triton()
+    triton, tl, km = _triton()
     c_out = None if epilogue is not None else out
     if use_tma is None:
         use_tma, why = _tma_ok(device, a, b, c_out, b_kmajor)
@@ -695,7 +695,8 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
                   wait is not None, epilogue is not None, use_asm, cfg.flatten, cfg.warp_specialize,
                   _interpreting(), epilogue.align_elems if epilogue is not None else 0, cfg.split_k,
                   sk_tiles > 0, epi_tma, cfg.tma_store,
-                  _epi_count_mode(use_asm and cfg.split_k == 1 and sk_tiles == 0 and not cfg.warp_specialize
+                  _epi_count_mode((use_asm or _interpreting()) and cfg.split_k == 1 and sk_tiles == 0
+                                  and not cfg.warp_specialize and num_chunks <= km.MAX_POLLED_CHUNKS.value
                                   and (num_chunks == 1 or chunk_m % cfg.BLOCK_M == 0))
                   if epilogue is not None else 1)
     return _Plan(m, n, k, b_kmajor, bool(use_tma), cfg, grid, chunk_m or 1, num_chunks, start_chunk,

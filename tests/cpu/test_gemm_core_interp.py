@@ -361,14 +361,29 @@ def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed):
             assert torch.isnan(d[rows:]).all(), f"dest {c} written past its chunk"
 
 
-@pytest.mark.parametrize("count_scope", ["gpu", "sys"])
+@pytest.mark.parametrize("count_scope", ["auto", "gpu", "sys"])
 @pytest.mark.parametrize("programs,chunk_m", [(3, 32), (5, 24), (2, 128)])
 def test_epilogue_publishes_with_many_tiles_per_program(programs, chunk_m, count_scope, monkeypatch):
     # Few programs, each running several tiles of a chunk in a row (24-row chunks: some tiles
-    # straddle two chunks; one 128-row chunk: every program's tiles in it)
+    # straddle two chunks; one 128-row chunk: every program's tiles in it).
+    # auto takes EPI_COUNT=3 where every tile lies in one chunk: counts that return nothing, a
+    # poller per chunk, handoff at the poller's end. The interpreter runs the programs one after
+    # the other, which takes each way a chunk gets published: with 3 programs and 32-row chunks,
+    # chunk 1's poller (program 1) finds it complete inside its tile loop, chunks 0, 2 and 3
+    # are handed off incomplete and published by a later program's end; with 2 programs and one
+    # chunk, the handoff itself finds the count complete.
     monkeypatch.setenv("TPFUSE_EPI_COUNT", count_scope)
+    modes = set()
+    real_launch = gc._launch
+
+    def launch(plan, *args, **kwargs):
+        modes.add(plan.constexprs[-1])
+        return real_launch(plan, *args, **kwargs)
+
+    monkeypatch.setattr(gc, "_launch", launch)
     _epilogue_over_generations(128, 32, 64, chunk_m, dataclasses.replace(CFG, num_programs=programs),
                                start_chunk=-(-128 // chunk_m) - 1, seed=40)
+    assert modes == {{"auto": 3 if chunk_m % 16 == 0 else 1, "gpu": 1, "sys": 2}[count_scope]}
 
 
 def test_wait_timeout_raises_with_chunk_and_generation():

@@ -65,18 +65,25 @@ def test_offline_epilogue_hook_through_tma_keeps_a_staging_buffer_of_its_own():
 
 @pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
 def test_offline_epilogue_counts_tiles_at_gpu_scope_and_publishes_at_system_scope():
-    # Per tile: a GPU-scope fence and count; the system-scope fence only where a chunk's last
-    # tile publishes its signal. TPFUSE_EPI_COUNT=sys (EPI_COUNT=2) fences every tile; the
-    # default where it can (3) counts with a release whose result is read a tile later.
+    # Per tile: a GPU-scope fence and count; the system-scope fence only where a chunk's
+    # signal is published. TPFUSE_EPI_COUNT=sys (EPI_COUNT=2) fences every tile. The default
+    # where it can (3) counts with a RED, an atomic that returns nothing, so ptxas has no result
+    # register to wait for at the tile loop's next iteration; its only returning atomic is the
+    # poller's handoff (HANDOFF = 1 << 24).
     compile_kernel, sass_of = _offline_tools()
     cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
     for mode in (1, 2, 3):
         kern = compile_kernel(4096, 4096, 1792, cfg, epilogue=True, tile_order=2, epi_tma=8, epi_count=mode)
         sass, _ = sass_of(kern.asm["cubin"])
-        counts = re.findall(r"ATOMG\.E\.ADD\.STRONG\.(\w+)", sass)
+        atoms = re.findall(r"ATOMG\.E\.ADD\.STRONG\.(\w+)", sass)
+        reds = re.findall(r"REDG\.E\.ADD\.STRONG\.(\w+)", sass)
         publishes = re.findall(r"ATOMG\.E\.EXCH\.STRONG\.SYS|STG\.E\.STRONG\.SYS", sass)
-        assert counts and publishes, sass[:2000]
-        assert set(counts) == ({"SYS"} if mode == 2 else {"GPU"}), counts
+        assert publishes, sass[:2000]
+        if mode == 3:
+            assert reds and set(reds) == {"GPU"} and set(atoms) == {"GPU"}, (reds, atoms)
+            assert "0x1000000" in kern.asm["ptx"].replace("16777216", "0x1000000")
+        else:
+            assert atoms and not reds and set(atoms) == ({"SYS"} if mode == 2 else {"GPU"}), atoms
 
 
 def _enclosing_loops(ttgir: str, op: str) -> int:
@@ -106,7 +113,7 @@ def test_offline_hooked_kernels_flatten_into_one_pipelined_loop():
     assert _enclosing_loops(plain, "warp_group_dot") == 1 and _enclosing_loops(nested, "warp_group_dot") == 2
     for name, kw in [("wait", dict(wait=True, tile_order=1)),
                      ("owner", dict(tile_order=2)),
-                     ("epilogue, TMA stores, count read later", dict(epilogue=True, tile_order=2, epi_tma=8, epi_count=3)),
+                     ("epilogue, TMA stores, counts that return nothing", dict(epilogue=True, tile_order=2, epi_tma=8, epi_count=3)),
                      ("epilogue, pointer stores, plain count", dict(epilogue=True, tile_order=2, epi_count=1))]:
         ttgir = compile_kernel(4096, 4096, 1792, flat, **kw).asm["ttgir"]
         assert _enclosing_loops(ttgir, "warp_group_dot") == 1, f"{name}: tile loop not flattened"

@@ -213,8 +213,9 @@ def test_epilogue_routes_and_publishes_several_generations(chunk_m, tma, sub, fl
                                     dataclasses.replace(FLAT, num_programs=7)],
                          ids=["big", "7_programs", "pointer_stores", "flat_7_programs"])
 def test_epilogue_count_modes_publish_every_chunk(count, config, monkeypatch):
-    # auto: the count's result is read a tile later (EPI_COUNT=3); 7 programs run ~20 tiles
-    # each, so most counts are resolved inside the tile loop, not at its end.
+    # auto: counts that return nothing, a poller per chunk (EPI_COUNT=3); 7 programs run ~20
+    # tiles each, so most chunks are published by their poller inside the tile loop, the rest
+    # by a handoff at the end.
     monkeypatch.setenv("TPFUSE_EPI_COUNT", count)
     modes = []
 

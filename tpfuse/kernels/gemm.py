@@ -57,8 +57,11 @@ this tile's epilogue. It does so only when the tile loop holds exactly one loop 
 import triton
 import triton.language as tl
 
-from .signals import (bulk_writes_done, count_release_async, cta_barrier, publish, publish_if_last,
-                      record_timeout, wait_geq)
+# EPI_COUNT=3 is taken with at most this many chunks (the end of a program checks them all at once)
+MAX_POLLED_CHUNKS = tl.constexpr(64)
+
+from .signals import (bulk_writes_done, count_release_red, cta_barrier, handoff_publish, poll_publish,
+                      publish, publish_handed_off, record_timeout, wait_geq)
 
 
 @triton.jit
@@ -238,31 +241,73 @@ def _tiles_in_chunk(cc, M, chunk_m, num_pid_n, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _count_async(pend_lo, pend_hi, counters, EPI_TMA: tl.constexpr):
+def _count_red(pend_lo, pend_hi, counters, EPI_TMA: tl.constexpr, USE_ASM: tl.constexpr):
     """EPI_COUNT=3: count the stored tile of chunk ``pend_lo`` (tiles never straddle chunks
-    here; ``pend_hi < pend_lo``: nothing to count) with a release that nobody waits for.
-    Returns (chunk or -1, the counting thread's old count) for :func:`_resolve_count` a tile later."""
-    q = tl.full((), -1, tl.int32)
-    old = tl.full((), 0, tl.int32)
+    here; ``pend_hi < pend_lo``: nothing to count) with a release that returns nothing, so
+    no warp waits for it."""
     if pend_hi >= pend_lo:
         if EPI_TMA > 0:
             bulk_writes_done()
-        cta_barrier(True)   # every thread's stores of the tile happen before the release
-        old = count_release_async(counters + pend_lo)
-        q = pend_lo
-    return q, old
+        cta_barrier(USE_ASM)   # every thread's stores of the tile happen before the release
+        count_release_red(counters + pend_lo, USE_ASM)
 
 
 @triton.jit
-def _resolve_count(q, old, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
-                   BLOCK_M: tl.constexpr):
-    """Publish chunk ``q`` if the count :func:`_count_async` made for it was its last tile."""
-    if q >= 0:
-        last = _tiles_in_chunk(q, M, chunk_m, num_pid_n, BLOCK_M) - 1
-        # addresses as int64: the asm's operands are broadcast together, and pointers to int32
-        # and to int64 do not mix
-        publish_if_last((counters + q).to(tl.int64), (signal_ptrs + q).to(tl.int64), old, last, epi_gen,
-                        (status == 0).to(tl.int32))
+def _poll_chunk(q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status, BLOCK_M: tl.constexpr,
+                USE_ASM: tl.constexpr):
+    """EPI_COUNT=3: poll chunk ``q`` (-1: none) once and publish it if its count is complete;
+    returns -1 once published, else ``q`` (see :func:`poll_publish`)."""
+    return poll_publish(q, counters + q, signal_ptrs + q,
+                        _tiles_in_chunk(q, M, chunk_m, num_pid_n, BLOCK_M), epi_gen,
+                        (status == 0).to(tl.int32), USE_ASM)
+
+
+@triton.jit
+def _handoff_chunk(q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status, BLOCK_M: tl.constexpr,
+                   USE_ASM: tl.constexpr):
+    """EPI_COUNT=3: stop polling chunk ``q`` (-1: none); see :func:`handoff_publish`."""
+    handoff_publish(q, counters + q, signal_ptrs + q,
+                    _tiles_in_chunk(q, M, chunk_m, num_pid_n, BLOCK_M), epi_gen,
+                    (status == 0).to(tl.int32), USE_ASM)
+
+
+@triton.jit
+def _take_poll(pend_poll, pend_lo, poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
+               BLOCK_M: tl.constexpr, USE_ASM: tl.constexpr):
+    """EPI_COUNT=3, after counting the previous tile: if it was its chunk's poll tile, poll that
+    chunk from now on (a chunk still polled is handed off first: rare, a program with few
+    tiles per chunk gets there only with very few programs). Returns the chunk to poll.
+    Selects, not branches: with USE_ASM only the last thread's ``poll_q`` is meaningful."""
+    _handoff_chunk(tl.where(pend_poll != 0, poll_q, -1), M, chunk_m, num_pid_n, counters, signal_ptrs,
+                   epi_gen, status, BLOCK_M, USE_ASM)
+    return tl.where(pend_poll != 0, pend_lo, poll_q)
+
+
+@triton.jit
+def _end_counts(poll_q, M, chunk_m, num_chunks, num_pid_n, counters, signal_ptrs, epi_gen, status,
+                BLOCK_M: tl.constexpr, USE_ASM: tl.constexpr):
+    """EPI_COUNT=3, at the program's end, after its last count: hand off the chunk it still
+    polls, then publish every chunk whose count is complete with its poller gone. Whichever of
+    a chunk's last count and its handoff comes later in the counter's coherence order sees the
+    other: the handoff's atomic returns the complete count, or the program that made the last
+    count reads HANDOFF here after the CTA barrier below. Nobody spins, so programs need not be
+    co-resident (MPS, other kernels on the GPU)."""
+    _handoff_chunk(poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status, BLOCK_M, USE_ASM)
+    # the last thread's counts and handoff happen before every thread's reads below
+    cta_barrier(USE_ASM)
+    cs = tl.arange(0, MAX_POLLED_CHUNKS)
+    publish_handed_off(counters + cs, signal_ptrs + cs,
+                       _tiles_in_chunk(cs, M, chunk_m, num_pid_n, BLOCK_M), (cs < num_chunks).to(tl.int32),
+                       epi_gen, (status == 0).to(tl.int32), USE_ASM)
+
+
+@triton.jit
+def _is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """1 for the tile whose program polls chunk ``c_lo`` (EPI_COUNT=3): the chunk's last M-tile
+    row, last column -- the chunk's last tile in the owner and grouped orders, so by the time
+    its program polls, the chunk's other tiles have mostly been counted."""
+    last_row = tl.minimum((c_lo + 1) * chunk_m, M) - 1
+    return ((off_n // BLOCK_N == num_pid_n - 1) & (off_m // BLOCK_M == last_row // BLOCK_M)).to(tl.int32)
 
 
 @triton.jit
@@ -427,8 +472,8 @@ def gemm_kernel(
     verified = tl.full((), 0, tl.int64)  # WAIT: bit c set once signal[c] >= wait_gen was seen
     pend_lo = tl.full((), 0, tl.int32)   # EPILOGUE: chunks of the previous tile, counted late
     pend_hi = tl.full((), -1, tl.int32)
-    q_chunk = tl.full((), -1, tl.int32)  # EPI_COUNT=3: chunk counted a tile ago, result unread
-    q_old = tl.full((), 0, tl.int32)
+    pend_poll = tl.full((), 0, tl.int32)  # EPI_COUNT=3: the previous tile is its chunk's poll tile
+    poll_q = tl.full((), -1, tl.int32)    # EPI_COUNT=3: chunk this program polls (-1: none)
 
     if STREAM_K:
         num_work = num_tiles - sk_tiles   # whole tiles first; the last sk_tiles after the loop
@@ -460,11 +505,14 @@ def gemm_kernel(
                 # Count the previous tile now: its stores have drained during this tile's main
                 # loop, so the release below costs no wait (publication is one tile later).
                 if EPI_COUNT == 3:
-                    # ... and read the count's result a tile later still, so no warp waits
-                    # for the atomic's round trip (publication two tiles later)
-                    _resolve_count(q_chunk, q_old, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                                   epi_gen, status, BLOCK_M)
-                    q_chunk, q_old = _count_async(pend_lo, pend_hi, counters, EPI_TMA)
+                    # ... with a release that returns nothing, so no warp waits for it. The
+                    # program that stored a chunk's poll tile polls the chunk once per tile from
+                    # the next tile on and publishes it when complete (_end_counts after the loop).
+                    poll_q = _poll_chunk(poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
+                                         status, BLOCK_M, USE_ASM)
+                    _count_red(pend_lo, pend_hi, counters, EPI_TMA, USE_ASM)
+                    poll_q = _take_poll(pend_poll, pend_lo, poll_q, M, chunk_m, num_pid_n, counters,
+                                        signal_ptrs, epi_gen, status, BLOCK_M, USE_ASM)
                 else:
                     _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
                                        epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
@@ -474,6 +522,9 @@ def gemm_kernel(
             if EPILOGUE:   # after the stores (see _carry)
                 pend_lo = _carry(c_lo, USE_ASM)
                 pend_hi = _carry(c_hi, USE_ASM)
+                if EPI_COUNT == 3:
+                    pend_poll = _carry(_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N),
+                                       USE_ASM)
         else:
             if EPILOGUE:   # the previous stored tile, as above
                 _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
@@ -594,11 +645,11 @@ def gemm_kernel(
                                         C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
     if EPILOGUE:
         if EPI_COUNT == 3:
-            _resolve_count(q_chunk, q_old, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
-                           status, BLOCK_M)
-            q_chunk, q_old = _count_async(pend_lo, pend_hi, counters, EPI_TMA)
-            _resolve_count(q_chunk, q_old, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
-                           status, BLOCK_M)
+            _count_red(pend_lo, pend_hi, counters, EPI_TMA, USE_ASM)
+            poll_q = _take_poll(pend_poll, pend_lo, poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                                epi_gen, status, BLOCK_M, USE_ASM)
+            _end_counts(poll_q, M, chunk_m, num_chunks, num_pid_n, counters, signal_ptrs, epi_gen, status,
+                        BLOCK_M, USE_ASM)
         else:
             _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
                                epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)

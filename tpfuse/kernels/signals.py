@@ -122,35 +122,106 @@ def cta_barrier(USE_ASM: tl.constexpr):
         tl.debug_barrier()
 
 
-@triton.jit
-def count_release_async(counter_ptr):
-    """The CTA's last thread adds 1 to ``*counter_ptr`` (release, GPU scope) and returns the old
-    value without waiting for it: the atomic's round trip overlaps whatever the program does
-    before it reads the result (:func:`publish_if_last`, a tile later). Other threads get -1.
-    Not thread 0: warp 0 issues the TMA loads and stores, and an atomic in flight there held
-    them up (H200: ~1.5 us per tile against about half that from the last warp)."""
-    return tl.inline_asm_elementwise(
-        "{\n\t.reg .pred first;\n\t.reg .u32 tid, last;\n\tmov.u32 tid, %tid.x;\n\t"
-        "mov.u32 last, %ntid.x;\n\tsub.u32 last, last, 1;\n\t"
-        "setp.eq.u32 first, tid, last;\n\tmov.u32 $0, -1;\n\t"
-        "@first atom.release.gpu.global.add.u32 $0, [$1], 1;\n\t}",
-        "=r,l", [counter_ptr], dtype=tl.int32, is_pure=False, pack=1)
+# EPI_COUNT=3 (tpfuse/kernels/gemm.py): a chunk's counter holds its count of stored tiles, plus
+# HANDOFF once the chunk's poller has stopped polling it (at most once per launch).
+HANDOFF = tl.constexpr(1 << 24)
+
+# Inline PTX of the EPI_COUNT=3 primitives below. "me": the CTA's last thread (not warp 0, which
+# issues the TMA loads and stores), or where the asm works per element, a valid element.
+_LAST = ("{\n\t.reg .pred me, done, pub;\n\t.reg .u32 tid, last, seen;\n\t.reg .u64 sig;\n\t"
+         "mov.u32 tid, %tid.x;\n\tmov.u32 last, %ntid.x;\n\tsub.u32 last, last, 1;\n\t"
+         "setp.eq.u32 me, tid, last;\n\t")
+# once ``done`` (and ``ok`` != 0: pub): publish generation $5 to the int32 at the address in $3
+_PUBLISH = ("setp.ne.and.s32 pub, $6, 0, done;\n\t"
+            "@pub ld.global.u64 sig, [$3];\n\t@pub st.release.sys.global.b32 [sig], $5;\n\t")
+_RED_ASM = tl.constexpr(_LAST + "@me red.release.gpu.global.add.u32 [$1], 1;\n\tmov.u32 $0, 0;\n\t}")
+_POLL_ASM = tl.constexpr(
+    _LAST + "setp.ge.and.s32 me, $1, 0, me;\n\tmov.u32 $0, $1;\n\t"
+    "@me ld.relaxed.gpu.global.u32 seen, [$2];\n\tsetp.eq.and.u32 done, seen, $4, me;\n\t"
+    "@done fence.acq_rel.gpu;\n\t@done st.relaxed.gpu.global.b32 [$2], 0;\n\t@done mov.u32 $0, -1;\n\t"
+    + _PUBLISH + "}")
+_HANDOFF_ASM = tl.constexpr(
+    _LAST + "setp.ge.and.s32 me, $1, 0, me;\n\t"
+    f"@me atom.acq_rel.gpu.global.add.u32 seen, [$2], {HANDOFF.value};\n\t"
+    "setp.eq.and.u32 done, seen, $4, me;\n\t@done st.relaxed.gpu.global.b32 [$2], 0;\n\t"
+    + _PUBLISH + "mov.u32 $0, 0;\n\t}")
+_END_ASM = tl.constexpr(
+    _LAST + "setp.ne.s32 me, $1, 0;\n\t@me ld.relaxed.gpu.global.u32 seen, [$2];\n\t"
+    "setp.eq.and.u32 done, seen, $4, me;\n\t"
+    "@done fence.acq_rel.gpu;\n\t@done st.relaxed.gpu.global.b32 [$2], 0;\n\t"
+    + _PUBLISH + "mov.u32 $0, 0;\n\t}")
 
 
 @triton.jit
-def publish_if_last(counter_ptr, signal_slot, old, last, generation, ok):
-    """The CTA's last thread, with ``old`` from its :func:`count_release_async` on ``counter_ptr``: when
-    ``old == last`` every other count of the chunk came first, so it acquires them (a fence
-    after the atomic: PTX's acquire pattern), resets the counter for the next launch and, if
-    ``ok`` != 0, publishes ``generation`` (release, system scope) to the int32 whose address is
-    stored at ``signal_slot`` (read only then, so no other thread waits for that load)."""
-    return tl.inline_asm_elementwise(
-        "{\n\t.reg .pred is_last, do_pub;\n\t.reg .u32 tid, last;\n\t.reg .u64 sig;\n\t"
-        "mov.u32 tid, %tid.x;\n\tmov.u32 last, %ntid.x;\n\tsub.u32 last, last, 1;\n\t"
-        "setp.eq.u32 is_last, tid, last;\n\t"
-        "setp.eq.and.s32 is_last, $3, $4, is_last;\n\t"
-        "@is_last fence.acq_rel.gpu;\n\t@is_last st.relaxed.gpu.global.b32 [$1], 0;\n\t"
-        "setp.ne.and.s32 do_pub, $6, 0, is_last;\n\t@do_pub ld.global.u64 sig, [$2];\n\t"
-        "@do_pub st.release.sys.global.b32 [sig], $5;\n\tmov.u32 $0, 0;\n\t}",
-        "=r,l,l,r,r,r,r", [counter_ptr, signal_slot, old, last, generation, ok],
-        dtype=tl.int32, is_pure=False, pack=1)
+def count_release_red(counter_ptr, USE_ASM: tl.constexpr):
+    """Add 1 to ``*counter_ptr`` with release semantics at GPU scope, returning nothing.
+
+    With USE_ASM it is the CTA's last thread's ``red.release.gpu``: no register waits for the
+    round trip. A returning atomic does not do: inside the tile loop ptxas waits for its result
+    register at the loop's next iteration, whenever the result is read (on the H200 ~1 us per
+    tile, most of the epilogue hook's cost; ``benchmarks/results/probes_2026-11-30d``)."""
+    if USE_ASM:
+        tl.inline_asm_elementwise(_RED_ASM, "=r,l", [counter_ptr], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def poll_publish(q, counter_ptr, signal_slot, target, generation, ok, USE_ASM: tl.constexpr):
+    """Poll chunk ``q`` (``-1``: none) once: when ``*counter_ptr == target`` every tile of the
+    chunk was counted, so (acquire) reset the counter for the next launch and, if ``ok`` != 0,
+    publish ``generation`` (release, system scope) to the int32 whose address is stored at
+    ``signal_slot``. Returns -1 once published, else ``q``. With USE_ASM only the CTA's last
+    thread polls and its result is the one that counts (other threads get ``q`` back: pass it
+    only back in here or to :func:`handoff_publish`, never branch on it)."""
+    if USE_ASM:
+        res = tl.inline_asm_elementwise(
+            _POLL_ASM, "=r,r,l,l,r,r,r", [q, counter_ptr.to(tl.int64), signal_slot.to(tl.int64), target, generation, ok],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        res = q
+        if q >= 0:
+            if tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") == target:
+                tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+                if ok != 0:
+                    publish(tl.load(signal_slot).to(tl.pointer_type(tl.int32)), generation)
+                res = -1
+    return res
+
+
+@triton.jit
+def handoff_publish(q, counter_ptr, signal_slot, target, generation, ok, USE_ASM: tl.constexpr):
+    """The poller of chunk ``q`` (``-1``: none) stops polling it: add HANDOFF to its counter
+    (acq_rel, GPU scope). If the count was already complete this publishes as
+    :func:`poll_publish` does; otherwise the count completes later and the program that
+    completes it sees HANDOFF in :func:`publish_handed_off` at its end. The atomic returns, so
+    its round trip is waited for: call it at the end of the tile loop, or rarely inside it."""
+    if USE_ASM:
+        tl.inline_asm_elementwise(
+            _HANDOFF_ASM, "=r,r,l,l,r,r,r", [q, counter_ptr.to(tl.int64), signal_slot.to(tl.int64), target, generation, ok],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        if q >= 0:
+            if tl.atomic_add(counter_ptr, HANDOFF, sem="acq_rel", scope="gpu") == target:
+                tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+                if ok != 0:
+                    publish(tl.load(signal_slot).to(tl.pointer_type(tl.int32)), generation)
+
+
+@triton.jit
+def publish_handed_off(counter_ptrs, signal_slots, targets, valid, generation, ok, USE_ASM: tl.constexpr):
+    """At a program's end, after its last count: for every chunk (vectors, one element per
+    chunk; ``valid`` == 0 skips one) whose counter reads ``target + HANDOFF`` -- complete, its
+    poller gone -- acquire, reset the counter and publish as :func:`poll_publish` does. A chunk
+    may be published twice this way, with the same generation."""
+    if USE_ASM:
+        tl.inline_asm_elementwise(
+            _END_ASM, "=r,r,l,l,r,r,r",
+            [valid, counter_ptrs.to(tl.int64), signal_slots.to(tl.int64), targets + HANDOFF, generation, ok],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        seen = tl.atomic_add(counter_ptrs, 0, mask=valid != 0, sem="acquire", scope="gpu")
+        done = (valid != 0) & (seen == targets + HANDOFF)
+        tl.atomic_xchg(counter_ptrs, 0, mask=done, sem="relaxed", scope="gpu")
+        sig = tl.load(signal_slots, mask=done & (ok != 0), other=0).to(tl.pointer_type(tl.int32))
+        tl.atomic_xchg(sig, generation, mask=done & (ok != 0), sem="release", scope="sys")
