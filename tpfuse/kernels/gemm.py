@@ -61,7 +61,7 @@ import triton.language as tl
 MAX_POLLED_CHUNKS = tl.constexpr(64)
 
 from .signals import (bulk_writes_done, count_release_red, cta_barrier, handoff_publish, poll_publish,
-                      publish, publish_handed_off, record_timeout, wait_geq)
+                      poll_read, publish, publish_handed_off, record_timeout, wait_geq)
 
 
 @triton.jit
@@ -253,11 +253,12 @@ def _count_red(pend_lo, pend_hi, counters, EPI_TMA: tl.constexpr, USE_ASM: tl.co
 
 
 @triton.jit
-def _poll_chunk(q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status, BLOCK_M: tl.constexpr,
+def _poll_chunk(q, seen, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status, BLOCK_M: tl.constexpr,
                 USE_ASM: tl.constexpr):
-    """EPI_COUNT=3: poll chunk ``q`` (-1: none) once and publish it if its count is complete;
-    returns -1 once published, else ``q`` (see :func:`poll_publish`)."""
-    return poll_publish(q, counters + q, signal_ptrs + q,
+    """EPI_COUNT=3: publish chunk ``q`` (-1: none) if ``seen`` (its counter as
+    :func:`poll_read` found it) says its count is complete; returns -1 once published, else
+    ``q`` (see :func:`poll_publish`)."""
+    return poll_publish(q, seen, counters + q, signal_ptrs + q,
                         _tiles_in_chunk(q, M, chunk_m, num_pid_n, BLOCK_M), epi_gen,
                         (status == 0).to(tl.int32), USE_ASM)
 
@@ -287,14 +288,15 @@ def _take_poll(pend_poll, pend_lo, poll_q, M, chunk_m, num_pid_n, counters, sign
 def _end_counts(poll_q, M, chunk_m, num_chunks, num_pid_n, counters, signal_ptrs, epi_gen, status,
                 BLOCK_M: tl.constexpr, USE_ASM: tl.constexpr):
     """EPI_COUNT=3, at the program's end, after its last count: hand off the chunk it still
-    polls, then publish every chunk whose count is complete with its poller gone. Whichever of
+    polls, and publish every chunk whose count is complete with its poller gone. Whichever of
     a chunk's last count and its handoff comes later in the counter's coherence order sees the
     other: the handoff's atomic returns the complete count, or the program that made the last
     count reads HANDOFF here after the CTA barrier below. Nobody spins, so programs need not be
     co-resident (MPS, other kernels on the GPU)."""
-    _handoff_chunk(poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status, BLOCK_M, USE_ASM)
-    # the last thread's counts and handoff happen before every thread's reads below
+    # the last thread's counts happen before every thread's reads below
     cta_barrier(USE_ASM)
+    # the handoff (last thread) and the other threads' reads run side by side
+    _handoff_chunk(poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status, BLOCK_M, USE_ASM)
     cs = tl.arange(0, MAX_POLLED_CHUNKS)
     publish_handed_off(counters + cs, signal_ptrs + cs,
                        _tiles_in_chunk(cs, M, chunk_m, num_pid_n, BLOCK_M), (cs < num_chunks).to(tl.int32),
@@ -508,9 +510,10 @@ def gemm_kernel(
                     # ... with a release that returns nothing, so no warp waits for it. The
                     # program that stored a chunk's poll tile polls the chunk once per tile from
                     # the next tile on and publishes it when complete (_end_counts after the loop).
-                    poll_q = _poll_chunk(poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
-                                         status, BLOCK_M, USE_ASM)
+                    seen = poll_read(poll_q, counters + poll_q, USE_ASM)   # read across the count
                     _count_red(pend_lo, pend_hi, counters, EPI_TMA, USE_ASM)
+                    poll_q = _poll_chunk(poll_q, seen, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
+                                         status, BLOCK_M, USE_ASM)
                     poll_q = _take_poll(pend_poll, pend_lo, poll_q, M, chunk_m, num_pid_n, counters,
                                         signal_ptrs, epi_gen, status, BLOCK_M, USE_ASM)
                 else:

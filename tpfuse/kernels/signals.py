@@ -135,9 +135,10 @@ _LAST = ("{\n\t.reg .pred me, done, pub;\n\t.reg .u32 tid, last, seen;\n\t.reg .
 _PUBLISH = ("setp.ne.and.s32 pub, $6, 0, done;\n\t"
             "@pub ld.global.u64 sig, [$3];\n\t@pub st.release.sys.global.b32 [sig], $5;\n\t")
 _RED_ASM = tl.constexpr(_LAST + "@me red.release.gpu.global.add.u32 [$1], 1;\n\tmov.u32 $0, 0;\n\t}")
+_POLL_READ_ASM = tl.constexpr(
+    _LAST + "setp.ge.and.s32 me, $1, 0, me;\n\tmov.u32 $0, -1;\n\t@me ld.relaxed.gpu.global.u32 $0, [$2];\n\t}")
 _POLL_ASM = tl.constexpr(
-    _LAST + "setp.ge.and.s32 me, $1, 0, me;\n\tmov.u32 $0, $1;\n\t"
-    "@me ld.relaxed.gpu.global.u32 seen, [$2];\n\tsetp.eq.and.u32 done, seen, $4, me;\n\t"
+    _LAST + "setp.ge.and.s32 me, $1, 0, me;\n\tmov.u32 $0, $1;\n\tsetp.eq.and.u32 done, $7, $4, me;\n\t"
     "@done fence.acq_rel.gpu;\n\t@done st.relaxed.gpu.global.b32 [$2], 0;\n\t@done mov.u32 $0, -1;\n\t"
     + _PUBLISH + "}")
 _HANDOFF_ASM = tl.constexpr(
@@ -167,22 +168,39 @@ def count_release_red(counter_ptr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def poll_publish(q, counter_ptr, signal_slot, target, generation, ok, USE_ASM: tl.constexpr):
-    """Poll chunk ``q`` (``-1``: none) once: when ``*counter_ptr == target`` every tile of the
-    chunk was counted, so (acquire) reset the counter for the next launch and, if ``ok`` != 0,
-    publish ``generation`` (release, system scope) to the int32 whose address is stored at
-    ``signal_slot``. Returns -1 once published, else ``q``. With USE_ASM only the CTA's last
-    thread polls and its result is the one that counts (other threads get ``q`` back: pass it
-    only back in here or to :func:`handoff_publish`, never branch on it)."""
+def poll_read(q, counter_ptr, USE_ASM: tl.constexpr):
+    """Read the counter of chunk ``q`` (``-1``: none; then -1) for :func:`poll_publish`: issued
+    early, its round trip overlaps what the program does before that. With USE_ASM only the
+    CTA's last thread reads (the others get -1)."""
+    if USE_ASM:
+        seen = tl.inline_asm_elementwise(_POLL_READ_ASM, "=r,r,l", [q, counter_ptr.to(tl.int64)],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        seen = tl.full((), -1, tl.int32)
+        if q >= 0:
+            seen = tl.atomic_add(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return seen
+
+
+@triton.jit
+def poll_publish(q, seen, counter_ptr, signal_slot, target, generation, ok, USE_ASM: tl.constexpr):
+    """Chunk ``q`` (``-1``: none) whose counter :func:`poll_read` read as ``seen``: when that is
+    ``target`` every tile of the chunk was counted, so (acquire: a fence after the read) reset
+    the counter for the next launch and, if ``ok`` != 0, publish ``generation`` (release,
+    system scope) to the int32 whose address is stored at ``signal_slot``. Returns -1 once
+    published, else ``q``. With USE_ASM only the CTA's last thread's result counts (the other
+    threads get ``q`` back: pass it only back in here or to :func:`handoff_publish`, never
+    branch on it)."""
     if USE_ASM:
         res = tl.inline_asm_elementwise(
-            _POLL_ASM, "=r,r,l,l,r,r,r", [q, counter_ptr.to(tl.int64), signal_slot.to(tl.int64), target, generation, ok],
+            _POLL_ASM, "=r,r,l,l,r,r,r,r",
+            [q, counter_ptr.to(tl.int64), signal_slot.to(tl.int64), target, generation, ok, seen],
             dtype=tl.int32, is_pure=False, pack=1)
     else:
         res = q
         if q >= 0:
-            if tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") == target:
-                tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+            if seen == target:
+                tl.atomic_xchg(counter_ptr, 0, sem="acq_rel", scope="gpu")   # acquire, then reset
                 if ok != 0:
                     publish(tl.load(signal_slot).to(tl.pointer_type(tl.int32)), generation)
                 res = -1
