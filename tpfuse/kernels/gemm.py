@@ -30,8 +30,11 @@ Hooks (constexpr, compiled away when off):
   ``*signal_ptrs[q] = epi_gen`` (release, sys) and resets the counter to zero for the next call.
   A tile is counted after the next tile's main loop, when its stores have drained, so the
   release costs no stall; the publication comes one tile later. Where every tile lies in one
-  chunk (EPI_COUNT=3) the CTA's last thread counts and reads the result a tile later still
-  (``_count_async`` / ``_resolve_count``), so no warp waits for the atomic.
+  chunk (EPI_COUNT=3) the count is a ``red.release.gpu`` that returns nothing (ptxas waits for
+  a returning atomic's result at the loop's next iteration), and the program that stored the
+  chunk's poll tile polls the chunk once per tile and publishes it; at its end it hands the
+  chunk off, and every program's end publishes handed-off chunks whose count is complete
+  (``_count_red``, ``_poll_chunk``, ``_take_poll``, ``_end_counts``).
 
 Split-K (``SPLIT_K`` constexpr > 1; 1 compiles the plain path): the work items are
 (tile, k-slice) pairs, slice-major (item ``w`` = slice ``w // num_tiles`` of tile
@@ -208,7 +211,7 @@ def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
     its stores went. EPI_COUNT: 1 = that GPU-scope count; 2 = system scope
     (TPFUSE_EPI_COUNT=sys: every tile pays a MEMBAR.SYS the CTA waits for); 0 = no count and
     no publication (TPFUSE_EPI_COUNT=none: a timing diagnostic only); 3 (the default where the
-    host allows it) takes _count_async / _resolve_count instead."""
+    host allows it) takes _count_red / _poll_chunk / _take_poll / _end_counts instead."""
     if EPI_COUNT == 0:
         return
     # (the loop sits inside an ``if``, so that the tile loop can still be flattened)
