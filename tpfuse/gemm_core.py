@@ -697,6 +697,7 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
                   sk_tiles > 0, epi_tma, cfg.tma_store,
                   _epi_count_mode((use_asm or _interpreting()) and cfg.split_k == 1 and sk_tiles == 0
                                   and not cfg.warp_specialize and num_chunks <= km.MAX_POLLED_CHUNKS.value
+                                  and num_tiles < km.MAX_COUNTED_TILES.value
                                   and (num_chunks == 1 or chunk_m % cfg.BLOCK_M == 0))
                   if epilogue is not None else 1)
     return _Plan(m, n, k, b_kmajor, bool(use_tma), cfg, grid, chunk_m or 1, num_chunks, start_chunk,

@@ -60,11 +60,13 @@ this tile's epilogue. It does so only when the tile loop holds exactly one loop 
 import triton
 import triton.language as tl
 
-# EPI_COUNT=3 is taken with at most this many chunks (the end of a program checks them all at once)
-MAX_POLLED_CHUNKS = tl.constexpr(64)
+from .signals import (HANDOFF, bulk_writes_done, count_release_red, cta_barrier, handoff_publish,
+                      poll_publish, poll_read, publish, publish_handed_off, record_timeout, wait_geq)
 
-from .signals import (bulk_writes_done, count_release_red, cta_barrier, handoff_publish, poll_publish,
-                      poll_read, publish, publish_handed_off, record_timeout, wait_geq)
+# EPI_COUNT=3 is taken with at most this many chunks (the end of a program checks them all at
+# once) and fewer tiles than this in all (a chunk's count must stay below its HANDOFF bit)
+MAX_POLLED_CHUNKS = tl.constexpr(64)
+MAX_COUNTED_TILES = HANDOFF
 
 
 @triton.jit
