@@ -1,8 +1,8 @@
 """Cost of the epilogue hook alone: the owner tile order with and without the hook, interleaved
 CUDA-graph timings (L2 flushed before each call). The hook runs in several variants: as
 ``matmul`` picks it (TMA stores through one descriptor per destination where it can, per-tile
-count at GPU scope whose result is read a tile later), with the count's result read at once
-(``TPFUSE_EPI_COUNT=gpu``), at system scope (``=sys``), with no
+count at GPU scope that returns nothing, one poller per chunk), with the returning count read
+at once (``TPFUSE_EPI_COUNT=gpu``), at system scope (``=sys``), with no
 count at all (``=none``: stores only, no signal published), with one chunk (one destination,
 but also another tile order than the 8-chunk baseline), and with pointer stores (the spec
 without its ``dests``). A diagnostic; needs a GPU.
