@@ -714,8 +714,8 @@ def _epi_count_mode(eligible_async: bool = True) -> int:
     chunk publishing it, handoff at the poller's end; where every tile lies in one chunk, on
     CUDA (inline PTX) or in the interpreter, without split-K, stream-K or warp
     specialization, with at most 64 chunks (``eligible_async``); 1: acq_rel at GPU scope,
-    read at once, the chunk's last count publishing it. The
-    default (``TPFUSE_EPI_COUNT`` unset or ``auto``) takes 3 where it can, else 1. Diagnostics:
+    read at once, the chunk's last count publishing it. The default (``TPFUSE_EPI_COUNT``
+    unset or ``auto``) takes 3 where it can, else 1. Diagnostics:
     ``=gpu`` forces 1; ``=sys`` 2 (system scope); ``=none`` 0: no count and no publication, so
     no signal is ever set -- for timing only. See ``_count_and_publish`` in
     tpfuse/kernels/gemm.py."""

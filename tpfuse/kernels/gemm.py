@@ -61,7 +61,8 @@ import triton
 import triton.language as tl
 
 from .signals import (HANDOFF, bulk_writes_done, count_release_red, cta_barrier, handoff_publish,
-                      poll_publish, poll_read, publish, publish_handed_off, record_timeout, wait_geq)
+                      poll_publish, poll_read, publish_handed_off, record_timeout, reset_and_publish,
+                      wait_geq)
 
 # EPI_COUNT=3 is taken with at most this many chunks (the end of a program checks them all at
 # once) and fewer tiles than this in all (a chunk's count must stay below its HANDOFF bit)
@@ -218,12 +219,7 @@ def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
         return
     # (the loop sits inside an ``if``, so that the tile loop can still be flattened)
     if c_hi >= c_lo:
-        if EPI_TMA > 0:
-            # The tile went out by TMA (async proxy): wait until its writes are done, not only
-            # read out of shared memory, and order them before the generic release below.
-            bulk_writes_done()
-        # Every thread's stores of the tile happen before the release chain below.
-        cta_barrier(USE_ASM)
+        _tile_stores_done(EPI_TMA, USE_ASM)
         for cc in range(c_lo, c_hi + 1):
             tiles_in_chunk = _tiles_in_chunk(cc, M, chunk_m, num_pid_n, BLOCK_M)
             if EPI_COUNT == 2:
@@ -233,10 +229,17 @@ def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
             if done == tiles_in_chunk - 1:
                 # Last tile of chunk cc: this program has acquired every other tile's release,
                 # so its release publishes the whole chunk.
-                tl.atomic_xchg(counters + cc, 0, sem="relaxed", scope="gpu")
-                if status == 0:
-                    sig = tl.load(signal_ptrs + cc).to(tl.pointer_type(tl.int32))
-                    publish(sig, epi_gen)
+                reset_and_publish(counters + cc, signal_ptrs + cc, epi_gen, status == 0)
+
+
+@triton.jit
+def _tile_stores_done(EPI_TMA: tl.constexpr, USE_ASM: tl.constexpr):
+    """Before a tile's count: every thread's stores of the tile happen before the release that
+    follows. A tile that went out by TMA (async proxy) is first waited for until its writes are
+    done, not only read out of shared memory, and ordered before the generic release."""
+    if EPI_TMA > 0:
+        bulk_writes_done()
+    cta_barrier(USE_ASM)
 
 
 @triton.jit
@@ -251,9 +254,7 @@ def _count_red(pend_lo, pend_hi, counters, EPI_TMA: tl.constexpr, USE_ASM: tl.co
     here; ``pend_hi < pend_lo``: nothing to count) with a release that returns nothing, so
     no warp waits for it."""
     if pend_hi >= pend_lo:
-        if EPI_TMA > 0:
-            bulk_writes_done()
-        cta_barrier(USE_ASM)   # every thread's stores of the tile happen before the release
+        _tile_stores_done(EPI_TMA, USE_ASM)
         count_release_red(counters + pend_lo, USE_ASM)
 
 

@@ -101,6 +101,16 @@ def publish(flag_ptr, generation):
 
 
 @triton.jit
+def reset_and_publish(counter_ptr, signal_slot, generation, publish_it):
+    """A chunk whose count is complete (and acquired): reset its counter to 0 for the next
+    launch and, if ``publish_it``, publish ``generation`` to the int32 whose address is stored at
+    ``signal_slot``."""
+    tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    if publish_it:
+        publish(tl.load(signal_slot).to(tl.pointer_type(tl.int32)), generation)
+
+
+@triton.jit
 def bulk_writes_done():
     """Wait until this thread's TMA (bulk async) stores have written global memory, then order
     them (async proxy) before this thread's later generic-proxy accesses, e.g. a release."""
@@ -178,7 +188,7 @@ def poll_read(q, counter_ptr, USE_ASM: tl.constexpr):
     else:
         seen = tl.full((), -1, tl.int32)
         if q >= 0:
-            seen = tl.atomic_add(counter_ptr, 0, sem="relaxed", scope="gpu")
+            seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     return seen
 
 
@@ -200,9 +210,7 @@ def poll_publish(q, seen, counter_ptr, signal_slot, target, generation, ok, USE_
         res = q
         if q >= 0:
             if seen == target:
-                tl.atomic_xchg(counter_ptr, 0, sem="acq_rel", scope="gpu")   # acquire, then reset
-                if ok != 0:
-                    publish(tl.load(signal_slot).to(tl.pointer_type(tl.int32)), generation)
+                reset_and_publish(counter_ptr, signal_slot, generation, ok != 0)
                 res = -1
     return res
 
@@ -221,9 +229,7 @@ def handoff_publish(q, counter_ptr, signal_slot, target, generation, ok, USE_ASM
     else:
         if q >= 0:
             if tl.atomic_add(counter_ptr, HANDOFF, sem="acq_rel", scope="gpu") == target:
-                tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-                if ok != 0:
-                    publish(tl.load(signal_slot).to(tl.pointer_type(tl.int32)), generation)
+                reset_and_publish(counter_ptr, signal_slot, generation, ok != 0)
 
 
 @triton.jit
