@@ -118,36 +118,33 @@ def test_wait_hook_released_late_reads_only_released_rows(config):
     cfg = dataclasses.replace(config, num_programs=64)
     err = gc.new_error_word("cuda")
 
-    def call():   # returns at once: the producer is what releases the GEMM
+    def call(gen):   # returns at once: the producer is what releases the GEMM
         with torch.cuda.stream(consumer):
             gc.matmul(a, b, out=out, config=cfg, tile_order="round", start_chunk=2, check=False,
                       wait=gc.WaitSpec(signal, gen, chunk_m, timeout_ns=5_000_000_000, error=err))
+
+    def release(gen, delay_cycles):   # on the producer stream: A chunk by chunk, each then signalled
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(delay_cycles)
+            for c in reversed(range(8)):
+                a[c * chunk_m:(c + 1) * chunk_m].copy_(src[c * chunk_m:(c + 1) * chunk_m])
+                signal[c:c + 1].fill_(gen)
 
     # The whole sequence once with every chunk released before the GEMM starts. Without it
     # the first such run of a process stalled on the H200, whichever variant came first: the
     # producer did not run while the GEMM spun (a timeout), and the second run passed. Cause
     # not found (some one-time set-up of these streams or kernels); the checked run is below.
-    gen = 1
-    with torch.cuda.stream(producer):
-        torch.cuda._sleep(1)
-        for c in reversed(range(8)):
-            a[c * chunk_m:(c + 1) * chunk_m].copy_(src[c * chunk_m:(c + 1) * chunk_m])
-            signal[c:c + 1].fill_(gen)
+    release(1, 1)
     torch.cuda.synchronize()
-    call()
+    call(1)
     torch.cuda.synchronize()
     gc.check_error_word(err)
     # The checked run: A poisoned again, the next generation, released late.
     a.fill_(float("nan"))
     out.fill_(float("nan"))
-    gen = 2
     torch.cuda.synchronize()
-    call()
-    with torch.cuda.stream(producer):
-        torch.cuda._sleep(20_000_000)   # ~10 ms: the GEMM is spinning by now
-        for c in reversed(range(8)):
-            a[c * chunk_m:(c + 1) * chunk_m].copy_(src[c * chunk_m:(c + 1) * chunk_m])
-            signal[c:c + 1].fill_(gen)
+    call(2)
+    release(2, 20_000_000)   # ~10 ms: the GEMM is spinning by now
     torch.cuda.synchronize()
     gc.check_error_word(err)
     _assert_close(out, ref, torch.bfloat16)
