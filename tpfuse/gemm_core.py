@@ -695,7 +695,7 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
                   wait is not None, epilogue is not None, use_asm, cfg.flatten, cfg.warp_specialize,
                   _interpreting(), epilogue.align_elems if epilogue is not None else 0, cfg.split_k,
                   sk_tiles > 0, epi_tma, cfg.tma_store,
-                  _epi_count_mode((use_asm or _interpreting()) and cfg.split_k == 1 and sk_tiles == 0
+                  _epi_count_mode((use_asm or _interpreting()) and cfg.split_k == 1
                                   and not cfg.warp_specialize and num_chunks <= km.MAX_POLLED_CHUNKS.value
                                   and num_tiles < km.MAX_COUNTED_TILES.value
                                   and (num_chunks == 1 or chunk_m % cfg.BLOCK_M == 0))
@@ -712,9 +712,9 @@ def _epi_count_mode(eligible_async: bool = True) -> int:
 
     3: a release at GPU scope that returns nothing (no warp waits for it), one poller per
     chunk publishing it, handoff at the poller's end; where every tile lies in one chunk, on
-    CUDA (inline PTX) or in the interpreter, without split-K, stream-K or warp
-    specialization, with at most 64 chunks (``eligible_async``); 1: acq_rel at GPU scope,
-    read at once, the chunk's last count publishing it. The default (``TPFUSE_EPI_COUNT``
+    CUDA (inline PTX) or in the interpreter, without split-K or warp specialization, with at
+    most 64 chunks (``eligible_async``); 1: acq_rel at GPU scope, read at once, the chunk's
+    last count publishing it. The default (``TPFUSE_EPI_COUNT``
     unset or ``auto``) takes 3 where it can, else 1. Diagnostics:
     ``=gpu`` forces 1; ``=sys`` 2 (system scope); ``=none`` 0: no count and no publication, so
     no signal is ever set -- for timing only. See ``_count_and_publish`` in

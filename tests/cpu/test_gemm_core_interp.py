@@ -195,6 +195,19 @@ def test_stream_k_with_hooks():
     assert signals.tolist() == [0, 0, 0, 0], "garbage chunks must never be signalled ready"
 
 
+@pytest.mark.parametrize("programs,stream_k", [(5, 1), (7, 2), (29, 2)])
+def test_stream_k_epilogue_counts_that_return_nothing(programs, stream_k, monkeypatch):
+    # 24 tiles in 32-row chunks (every tile in one chunk): EPI_COUNT=3 with stream-K. The tiles
+    # shared out by K-steps (4, 10, all 24) are stored and counted by whichever segment sums
+    # them; with 29 programs every chunk's poll tile is one of those.
+    monkeypatch.delenv("TPFUSE_EPI_COUNT", raising=False)
+    modes = _record_count_modes(monkeypatch)
+    cfg = dataclasses.replace(CFG, num_programs=programs, stream_k=stream_k)
+    assert gc.stream_k_tiles(24, programs, stream_k) > 0, "the case must exercise stream-K"
+    _epilogue_over_generations(128, 40, 45, 32, cfg, start_chunk=1, seed=37)
+    assert modes == {3}
+
+
 def _probe_tile_order(out_ptr, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
                       BLOCK_M: "tl.constexpr", GROUP_M: "tl.constexpr", TILE_ORDER: "tl.constexpr"):
     for t in range(0, num_pid_m * num_pid_n):
@@ -361,6 +374,19 @@ def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed):
             assert torch.isnan(d[rows:]).all(), f"dest {c} written past its chunk"
 
 
+def _record_count_modes(monkeypatch) -> set:
+    """The EPI_COUNT constexpr of every launch from now on (the plan's last constexpr)."""
+    modes = set()
+    real_launch = gc._launch
+
+    def launch(plan, *args, **kwargs):
+        modes.add(plan.constexprs[-1])
+        return real_launch(plan, *args, **kwargs)
+
+    monkeypatch.setattr(gc, "_launch", launch)
+    return modes
+
+
 @pytest.mark.parametrize("count_scope", ["auto", "gpu", "sys"])
 @pytest.mark.parametrize("programs,chunk_m", [(3, 32), (5, 24), (2, 128)])
 def test_epilogue_publishes_with_many_tiles_per_program(programs, chunk_m, count_scope, monkeypatch):
@@ -373,14 +399,7 @@ def test_epilogue_publishes_with_many_tiles_per_program(programs, chunk_m, count
     # are handed off incomplete and published by a later program's end; with 2 programs and one
     # chunk, the handoff itself finds the count complete.
     monkeypatch.setenv("TPFUSE_EPI_COUNT", count_scope)
-    modes = set()
-    real_launch = gc._launch
-
-    def launch(plan, *args, **kwargs):
-        modes.add(plan.constexprs[-1])
-        return real_launch(plan, *args, **kwargs)
-
-    monkeypatch.setattr(gc, "_launch", launch)
+    modes = _record_count_modes(monkeypatch)
     _epilogue_over_generations(128, 32, 64, chunk_m, dataclasses.replace(CFG, num_programs=programs),
                                start_chunk=-(-128 // chunk_m) - 1, seed=40)
     assert modes == {{"auto": 3 if chunk_m % 16 == 0 else 1, "gpu": 1, "sys": 2}[count_scope]}

@@ -291,6 +291,21 @@ def _take_poll(pend_poll, pend_lo, poll_q, M, chunk_m, num_pid_n, counters, sign
 
 
 @triton.jit
+def _count_and_poll(pend_lo, pend_hi, pend_poll, poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                    epi_gen, status, BLOCK_M: tl.constexpr, EPI_TMA: tl.constexpr, USE_ASM: tl.constexpr):
+    """EPI_COUNT=3, once per tile after the tile loop's main loop: count the previous stored
+    tile (``pend_*``), then poll the chunk this program polls and publish it if complete.
+    The program that stored a chunk's poll tile polls the chunk once per tile from its next
+    tile on (_end_counts after the loop hands it off). Returns the chunk polled from now on."""
+    seen = poll_read(poll_q, counters + poll_q, USE_ASM)   # read across the count
+    _count_red(pend_lo, pend_hi, counters, EPI_TMA, USE_ASM)
+    poll_q = _poll_chunk(poll_q, seen, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
+                         status, BLOCK_M, USE_ASM)
+    return _take_poll(pend_poll, pend_lo, poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
+                      status, BLOCK_M, USE_ASM)
+
+
+@triton.jit
 def _end_counts(poll_q, M, chunk_m, num_chunks, num_pid_n, counters, signal_ptrs, epi_gen, status,
                 BLOCK_M: tl.constexpr, USE_ASM: tl.constexpr):
     """EPI_COUNT=3, at the program's end, after its last count: hand off the chunk it still
@@ -513,15 +528,10 @@ def gemm_kernel(
                 # Count the previous tile now: its stores have drained during this tile's main
                 # loop, so the release below costs no wait (publication is one tile later).
                 if EPI_COUNT == 3:
-                    # ... with a release that returns nothing, so no warp waits for it. The
-                    # program that stored a chunk's poll tile polls the chunk once per tile from
-                    # the next tile on and publishes it when complete (_end_counts after the loop).
-                    seen = poll_read(poll_q, counters + poll_q, USE_ASM)   # read across the count
-                    _count_red(pend_lo, pend_hi, counters, EPI_TMA, USE_ASM)
-                    poll_q = _poll_chunk(poll_q, seen, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
-                                         status, BLOCK_M, USE_ASM)
-                    poll_q = _take_poll(pend_poll, pend_lo, poll_q, M, chunk_m, num_pid_n, counters,
-                                        signal_ptrs, epi_gen, status, BLOCK_M, USE_ASM)
+                    # ... with a release that returns nothing, so no warp waits for it.
+                    poll_q = _count_and_poll(pend_lo, pend_hi, pend_poll, poll_q, M, chunk_m, num_pid_n,
+                                             counters, signal_ptrs, epi_gen, status, BLOCK_M, EPI_TMA,
+                                             USE_ASM)
                 else:
                     _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
                                        epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
@@ -603,8 +613,13 @@ def gemm_kernel(
                             stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR,
                             DOT_FP32)
             if EPILOGUE:   # the previous stored tile, counted late as in the loop above
-                _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                                   epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
+                if EPI_COUNT == 3:
+                    poll_q = _count_and_poll(pend_lo, pend_hi, pend_poll, poll_q, M, chunk_m, num_pid_n,
+                                             counters, signal_ptrs, epi_gen, status, BLOCK_M, EPI_TMA,
+                                             USE_ASM)
+                else:
+                    _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                                       epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
             if (k_lo == 0) & (k_hi == k_tiles):
                 _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
                            chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
@@ -612,6 +627,8 @@ def gemm_kernel(
                 if EPILOGUE:
                     pend_lo = c_lo
                     pend_hi = c_hi
+                    if EPI_COUNT == 3:
+                        pend_poll = _is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N)
             else:
                 slot = tl.where(it == lo, 0, 1)
                 ws_slot = ws + (start_pid.to(tl.int64) * 2 + slot) * (BLOCK_M * BLOCK_N)
@@ -623,6 +640,9 @@ def gemm_kernel(
                 if EPILOGUE:
                     pend_lo = c_lo
                     pend_hi = tl.where(is_last, c_hi, c_lo - 1)   # empty unless this one stores
+                    if EPI_COUNT == 3:
+                        pend_poll = tl.where(is_last, _is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n,
+                                                                    BLOCK_M, BLOCK_N), 0)
                 if is_last:
                     # Every other segment's release is acquired, so their partials are visible.
                     tl.atomic_xchg(tile_counters + tile_id, 0, sem="relaxed", scope="gpu")
