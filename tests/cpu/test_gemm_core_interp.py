@@ -394,10 +394,9 @@ def test_epilogue_publishes_with_many_tiles_per_program(programs, chunk_m, count
     # straddle two chunks; one 128-row chunk: every program's tiles in it).
     # auto takes EPI_COUNT=3 where every tile lies in one chunk: counts that return nothing, a
     # poller per chunk, handoff at the poller's end. The interpreter runs the programs one after
-    # the other, which takes each way a chunk gets published: with 3 programs and 32-row chunks,
-    # chunk 1's poller (program 1) finds it complete inside its tile loop, chunks 0, 2 and 3
-    # are handed off incomplete and published by a later program's end; with 2 programs and one
-    # chunk, the handoff itself finds the count complete.
+    # the other, which takes both ways a chunk gets published: with 3 programs and 32-row
+    # chunks, chunk 1's poller (program 1) finds it complete inside its tile loop; chunks 0, 2
+    # and 3 are handed off incomplete and published at a later program's end.
     monkeypatch.setenv("TPFUSE_EPI_COUNT", count_scope)
     modes = _record_count_modes(monkeypatch)
     _epilogue_over_generations(128, 32, 64, chunk_m, dataclasses.replace(CFG, num_programs=programs),

@@ -207,12 +207,14 @@ def test_epilogue_routes_and_publishes_several_generations(chunk_m, tma, sub, fl
 
 @pytest.mark.parametrize("count", ["auto", "gpu", "sys"])
 @pytest.mark.parametrize("config", [BIG, dataclasses.replace(BIG, num_programs=7), DEEP_PTR,
-                                    dataclasses.replace(FLAT, num_programs=7)],
-                         ids=["big", "7_programs", "pointer_stores", "flat_7_programs"])
+                                    dataclasses.replace(FLAT, num_programs=7),
+                                    dataclasses.replace(BIG, num_programs=7, stream_k=2)],
+                         ids=["big", "7_programs", "pointer_stores", "flat_7_programs", "stream_k_7_programs"])
 def test_epilogue_count_modes_publish_every_chunk(count, config, monkeypatch):
-    # auto: counts that return nothing, a poller per chunk (EPI_COUNT=3); 7 programs run ~20
+    # auto: counts that return nothing, a poller per chunk (EPI_COUNT=3); 7 programs run ~14
     # tiles each, so most chunks are published by their poller inside the tile loop, the rest
-    # by a handoff at the end.
+    # at the programs' ends after the handoff. With stream_k=2 the last 12 of the 96 tiles are
+    # shared out by K-steps and counted by the segment that stores them.
     monkeypatch.setenv("TPFUSE_EPI_COUNT", count)
     modes = []
 

@@ -60,7 +60,7 @@ this tile's epilogue. It does so only when the tile loop holds exactly one loop 
 import triton
 import triton.language as tl
 
-from .signals import (HANDOFF, bulk_writes_done, count_release_red, cta_barrier, handoff_publish,
+from .signals import (HANDOFF, bulk_writes_done, count_release_red, cta_barrier, handoff_red,
                       poll_publish, poll_read, publish_handed_off, record_timeout, reset_and_publish,
                       wait_geq)
 
@@ -259,34 +259,22 @@ def _count_red(pend_lo, pend_hi, counters, EPI_TMA: tl.constexpr, USE_ASM: tl.co
 
 
 @triton.jit
-def _poll_chunk(q, seen, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status, BLOCK_M: tl.constexpr,
+def _poll_chunk(q, seen, sig, M, chunk_m, num_pid_n, counters, epi_gen, status, BLOCK_M: tl.constexpr,
                 USE_ASM: tl.constexpr):
-    """EPI_COUNT=3: publish chunk ``q`` (-1: none) if ``seen`` (its counter as
-    :func:`poll_read` found it) says its count is complete; returns -1 once published, else
+    """EPI_COUNT=3: publish chunk ``q`` (-1: none) to its signal at ``sig`` if ``seen`` (its
+    counter; both as :func:`poll_read` found them) says its count is complete; returns -1 once published, else
     ``q`` (see :func:`poll_publish`)."""
-    return poll_publish(q, seen, counters + q, signal_ptrs + q,
-                        _tiles_in_chunk(q, M, chunk_m, num_pid_n, BLOCK_M), epi_gen,
-                        (status == 0).to(tl.int32), USE_ASM)
+    return poll_publish(q, seen, sig, counters + q, _tiles_in_chunk(q, M, chunk_m, num_pid_n, BLOCK_M),
+                        epi_gen, (status == 0).to(tl.int32), USE_ASM)
 
 
 @triton.jit
-def _handoff_chunk(q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status, BLOCK_M: tl.constexpr,
-                   USE_ASM: tl.constexpr):
-    """EPI_COUNT=3: stop polling chunk ``q`` (-1: none); see :func:`handoff_publish`."""
-    handoff_publish(q, counters + q, signal_ptrs + q,
-                    _tiles_in_chunk(q, M, chunk_m, num_pid_n, BLOCK_M), epi_gen,
-                    (status == 0).to(tl.int32), USE_ASM)
-
-
-@triton.jit
-def _take_poll(pend_poll, pend_lo, poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
-               BLOCK_M: tl.constexpr, USE_ASM: tl.constexpr):
+def _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM: tl.constexpr):
     """EPI_COUNT=3, after counting the previous tile: if it was its chunk's poll tile, poll that
     chunk from now on (a chunk still polled is handed off first: rare, a program with few
     tiles per chunk gets there only with very few programs). Returns the chunk to poll.
     Selects, not branches: with USE_ASM only the last thread's ``poll_q`` is meaningful."""
-    _handoff_chunk(tl.where(pend_poll != 0, poll_q, -1), M, chunk_m, num_pid_n, counters, signal_ptrs,
-                   epi_gen, status, BLOCK_M, USE_ASM)
+    handoff_red(tl.where(pend_poll != 0, poll_q, -1), counters + poll_q, USE_ASM)
     return tl.where(pend_poll != 0, pend_lo, poll_q)
 
 
@@ -297,12 +285,11 @@ def _count_and_poll(pend_lo, pend_hi, pend_poll, poll_q, M, chunk_m, num_pid_n, 
     tile (``pend_*``), then poll the chunk this program polls and publish it if complete.
     The program that stored a chunk's poll tile polls the chunk once per tile from its next
     tile on (_end_counts after the loop hands it off). Returns the chunk polled from now on."""
-    seen = poll_read(poll_q, counters + poll_q, USE_ASM)   # read across the count
+    seen, sig = poll_read(poll_q, counters + poll_q, signal_ptrs + poll_q, USE_ASM)   # read across the count
     _count_red(pend_lo, pend_hi, counters, EPI_TMA, USE_ASM)
-    poll_q = _poll_chunk(poll_q, seen, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
-                         status, BLOCK_M, USE_ASM)
-    return _take_poll(pend_poll, pend_lo, poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
-                      status, BLOCK_M, USE_ASM)
+    poll_q = _poll_chunk(poll_q, seen, sig, M, chunk_m, num_pid_n, counters, epi_gen, status, BLOCK_M,
+                         USE_ASM)
+    return _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM)
 
 
 @triton.jit
@@ -310,14 +297,15 @@ def _end_counts(poll_q, M, chunk_m, num_chunks, num_pid_n, counters, signal_ptrs
                 BLOCK_M: tl.constexpr, USE_ASM: tl.constexpr):
     """EPI_COUNT=3, at the program's end, after its last count: hand off the chunk it still
     polls, and publish every chunk whose count is complete with its poller gone. Whichever of
-    a chunk's last count and its handoff comes later in the counter's coherence order sees the
-    other: the handoff's atomic returns the complete count, or the program that made the last
-    count reads HANDOFF here after the CTA barrier below. Nobody spins, so programs need not be
-    co-resident (MPS, other kernels on the GPU)."""
-    # the last thread's counts happen before every thread's reads below
+    a chunk's last count and its handoff comes later in the counter's coherence order, its
+    program reads "complete + HANDOFF" here after the CTA barrier below (the other one's
+    program may too: a chunk can be published twice, with the same generation). Nobody
+    spins, so programs need not be co-resident (MPS, other kernels on the GPU); and a
+    program's end costs one round trip (the reads), plus a system-scope fence where it
+    publishes."""
+    handoff_red(poll_q, counters + poll_q, USE_ASM)
+    # the last thread's counts and handoff happen before every thread's reads below
     cta_barrier(USE_ASM)
-    # the handoff (last thread) and the other threads' reads run side by side
-    _handoff_chunk(poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status, BLOCK_M, USE_ASM)
     cs = tl.arange(0, MAX_POLLED_CHUNKS)
     publish_handed_off(counters + cs, signal_ptrs + cs,
                        _tiles_in_chunk(cs, M, chunk_m, num_pid_n, BLOCK_M), (cs < num_chunks).to(tl.int32),
@@ -675,8 +663,7 @@ def gemm_kernel(
     if EPILOGUE:
         if EPI_COUNT == 3:
             _count_red(pend_lo, pend_hi, counters, EPI_TMA, USE_ASM)
-            poll_q = _take_poll(pend_poll, pend_lo, poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                                epi_gen, status, BLOCK_M, USE_ASM)
+            poll_q = _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM)
             _end_counts(poll_q, M, chunk_m, num_chunks, num_pid_n, counters, signal_ptrs, epi_gen, status,
                         BLOCK_M, USE_ASM)
         else:

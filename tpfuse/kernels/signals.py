@@ -141,26 +141,29 @@ HANDOFF = tl.constexpr(1 << 24)
 _LAST = ("{\n\t.reg .pred me, done, pub;\n\t.reg .u32 tid, last, seen;\n\t.reg .u64 sig;\n\t"
          "mov.u32 tid, %tid.x;\n\tmov.u32 last, %ntid.x;\n\tsub.u32 last, last, 1;\n\t"
          "setp.eq.u32 me, tid, last;\n\t")
-# once ``done`` (and ``ok`` != 0: pub): publish generation $5 to the int32 at the address in $3
-_PUBLISH = ("setp.ne.and.s32 pub, $6, 0, done;\n\t"
-            "@pub ld.global.u64 sig, [$3];\n\t@pub st.release.sys.global.b32 [sig], $5;\n\t")
+# once ``done`` (the count acquired complete): one fence.acq_rel.sys is both the acquire of that
+# count and the system-scope release of what follows; reset the counter at $2 for the next
+# launch and, if ``ok`` ($6) != 0 (pub), write generation $5 to the int32 at ``sig`` (its address,
+# loaded earlier, alongside the counter's read, so that no round trip is left before the store)
+_PUBLISH = ("setp.ne.and.s32 pub, $6, 0, done;\n\t@done fence.acq_rel.sys;\n\t"
+            "@done st.relaxed.gpu.global.b32 [$2], 0;\n\t@pub st.relaxed.sys.global.b32 [sig], $5;\n\t")
 _RED_ASM = tl.constexpr(_LAST + "@me red.release.gpu.global.add.u32 [$1], 1;\n\tmov.u32 $0, 0;\n\t}")
 _POLL_READ_ASM = tl.constexpr(
-    _LAST + "setp.ge.and.s32 me, $1, 0, me;\n\tmov.u32 $0, -1;\n\t@me ld.relaxed.gpu.global.u32 $0, [$2];\n\t}")
+    _LAST + "setp.ge.and.s32 me, $2, 0, me;\n\tmov.u32 $0, -1;\n\tmov.u64 $1, 0;\n\t"
+    "@me ld.global.u64 $1, [$4];\n\t@me ld.relaxed.gpu.global.u32 $0, [$3];\n\t}")
 _POLL_ASM = tl.constexpr(
-    _LAST + "setp.ge.and.s32 me, $1, 0, me;\n\tmov.u32 $0, $1;\n\tsetp.eq.and.u32 done, $7, $4, me;\n\t"
-    "@done fence.acq_rel.gpu;\n\t@done st.relaxed.gpu.global.b32 [$2], 0;\n\t@done mov.u32 $0, -1;\n\t"
-    + _PUBLISH + "}")
+    _LAST + "setp.ge.and.s32 me, $1, 0, me;\n\tmov.u32 $0, $1;\n\tmov.b64 sig, $3;\n\t"
+    "setp.eq.and.u32 done, $7, $4, me;\n\t" + _PUBLISH + "@done mov.u32 $0, -1;\n\t}")
+# the handoff needs no release and returns nothing: a relaxed RMW still carries every earlier
+# count's release on to the read that finds the count complete (PTX observation order runs
+# through atomic RMWs)
 _HANDOFF_ASM = tl.constexpr(
     _LAST + "setp.ge.and.s32 me, $1, 0, me;\n\t"
-    f"@me atom.acq_rel.gpu.global.add.u32 seen, [$2], {HANDOFF.value};\n\t"
-    "setp.eq.and.u32 done, seen, $4, me;\n\t@done st.relaxed.gpu.global.b32 [$2], 0;\n\t"
-    + _PUBLISH + "mov.u32 $0, 0;\n\t}")
+    f"@me red.relaxed.gpu.global.add.u32 [$2], {HANDOFF.value};\n\tmov.u32 $0, 0;\n\t}}")
 _END_ASM = tl.constexpr(
-    _LAST + "setp.ne.s32 me, $1, 0;\n\t@me ld.relaxed.gpu.global.u32 seen, [$2];\n\t"
-    "setp.eq.and.u32 done, seen, $4, me;\n\t"
-    "@done fence.acq_rel.gpu;\n\t@done st.relaxed.gpu.global.b32 [$2], 0;\n\t"
-    + _PUBLISH + "mov.u32 $0, 0;\n\t}")
+    _LAST + "setp.ne.s32 me, $1, 0;\n\t@me ld.global.u64 sig, [$3];\n\t"
+    "@me ld.relaxed.gpu.global.u32 seen, [$2];\n\t"
+    "setp.eq.and.u32 done, seen, $4, me;\n\t" + _PUBLISH + "mov.u32 $0, 0;\n\t}")
 
 
 @triton.jit
@@ -178,63 +181,65 @@ def count_release_red(counter_ptr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def poll_read(q, counter_ptr, USE_ASM: tl.constexpr):
-    """Read the counter of chunk ``q`` (``-1``: none; then -1) for :func:`poll_publish`: issued
-    early, its round trip overlaps what the program does before that. With USE_ASM only the
-    CTA's last thread reads (the others get -1)."""
+def poll_read(q, counter_ptr, signal_slot, USE_ASM: tl.constexpr):
+    """Read the counter of chunk ``q`` (``-1``: none; then -1) and the address of its signal
+    (stored at ``signal_slot``) for :func:`poll_publish`: issued early, the two round trips
+    overlap each other and what the program does before that. Returns ``(seen, signal
+    address)``. With USE_ASM only the CTA's last thread reads (the others get -1 and 0)."""
     if USE_ASM:
-        seen = tl.inline_asm_elementwise(_POLL_READ_ASM, "=r,r,l", [q, counter_ptr.to(tl.int64)],
-                                         dtype=tl.int32, is_pure=False, pack=1)
+        seen, sig = tl.inline_asm_elementwise(
+            _POLL_READ_ASM, "=r,=l,r,l,l", [q, counter_ptr.to(tl.int64), signal_slot.to(tl.int64)],
+            dtype=(tl.int32, tl.int64), is_pure=False, pack=1)
     else:
         seen = tl.full((), -1, tl.int32)
+        sig = tl.full((), 0, tl.int64)
         if q >= 0:
+            sig = tl.load(signal_slot)
             seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    return seen
+    return seen, sig
 
 
 @triton.jit
-def poll_publish(q, seen, counter_ptr, signal_slot, target, generation, ok, USE_ASM: tl.constexpr):
+def poll_publish(q, seen, sig, counter_ptr, target, generation, ok, USE_ASM: tl.constexpr):
     """Chunk ``q`` (``-1``: none) whose counter :func:`poll_read` read as ``seen``: when that is
     ``target`` every tile of the chunk was counted, so (acquire: a fence after the read) reset
     the counter for the next launch and, if ``ok`` != 0, publish ``generation`` (release,
-    system scope) to the int32 whose address is stored at ``signal_slot``. Returns -1 once
-    published, else ``q``. With USE_ASM only the CTA's last thread's result counts (the other
-    threads get ``q`` back: pass it only back in here or to :func:`handoff_publish`, never
-    branch on it)."""
+    system scope) to the int32 at address ``sig``. Returns -1 once published, else ``q``.
+    With USE_ASM only the CTA's last thread's result counts (the other threads get ``q``
+    back: pass it only back in here or to :func:`handoff_red`, never branch on it)."""
     if USE_ASM:
         res = tl.inline_asm_elementwise(
             _POLL_ASM, "=r,r,l,l,r,r,r,r",
-            [q, counter_ptr.to(tl.int64), signal_slot.to(tl.int64), target, generation, ok, seen],
+            [q, counter_ptr.to(tl.int64), sig, target, generation, ok, seen],
             dtype=tl.int32, is_pure=False, pack=1)
     else:
         res = q
         if q >= 0:
             if seen == target:
-                reset_and_publish(counter_ptr, signal_slot, generation, ok != 0)
+                tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+                if ok != 0:
+                    publish(sig.to(tl.pointer_type(tl.int32)), generation)
                 res = -1
     return res
 
 
 @triton.jit
-def handoff_publish(q, counter_ptr, signal_slot, target, generation, ok, USE_ASM: tl.constexpr):
+def handoff_red(q, counter_ptr, USE_ASM: tl.constexpr):
     """The poller of chunk ``q`` (``-1``: none) stops polling it: add HANDOFF to its counter
-    (acq_rel, GPU scope). If the count was already complete this publishes as
-    :func:`poll_publish` does; otherwise the count completes later and the program that
-    completes it sees HANDOFF in :func:`publish_handed_off` at its end. The atomic returns, so
-    its round trip is waited for: call it at the end of the tile loop, or rarely inside it."""
+    (GPU scope, relaxed; with USE_ASM from the CTA's last thread, returning nothing). Whoever
+    comes later in the counter's coherence order, the chunk's last count or this, reads
+    ``target + HANDOFF`` in :func:`publish_handed_off` at its program's end and publishes."""
     if USE_ASM:
-        tl.inline_asm_elementwise(
-            _HANDOFF_ASM, "=r,r,l,l,r,r,r", [q, counter_ptr.to(tl.int64), signal_slot.to(tl.int64), target, generation, ok],
-            dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(_HANDOFF_ASM, "=r,r,l", [q, counter_ptr.to(tl.int64)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
     else:
         if q >= 0:
-            if tl.atomic_add(counter_ptr, HANDOFF, sem="acq_rel", scope="gpu") == target:
-                reset_and_publish(counter_ptr, signal_slot, generation, ok != 0)
+            tl.atomic_add(counter_ptr, HANDOFF, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def publish_handed_off(counter_ptrs, signal_slots, targets, valid, generation, ok, USE_ASM: tl.constexpr):
-    """At a program's end, after its last count: for every chunk (vectors, one element per
+    """At a program's end, after its last count and handoff (and a CTA barrier): for every chunk (vectors, one element per
     chunk; ``valid`` == 0 skips one) whose counter reads ``target + HANDOFF`` -- complete, its
     poller gone -- acquire, reset the counter and publish as :func:`poll_publish` does. A chunk
     may be published twice this way, with the same generation."""
