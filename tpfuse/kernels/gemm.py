@@ -249,13 +249,13 @@ def _tiles_in_chunk(cc, M, chunk_m, num_pid_n, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _count_red(pend_lo, pend_hi, counters, EPI_TMA: tl.constexpr, USE_ASM: tl.constexpr):
-    """EPI_COUNT=3: count the stored tile of chunk ``pend_lo`` (tiles never straddle chunks
-    here; ``pend_hi < pend_lo``: nothing to count) with a release that returns nothing, so
-    no warp waits for it."""
+def _count_red(pend_lo, pend_hi, pend_n, counters, EPI_TMA: tl.constexpr, USE_ASM: tl.constexpr):
+    """EPI_COUNT=3: count the ``pend_n`` stored tiles of chunk ``pend_lo`` (tiles never
+    straddle chunks here; ``pend_hi < pend_lo``: nothing to count) with a release that returns
+    nothing, so no warp waits for it."""
     if pend_hi >= pend_lo:
         _tile_stores_done(EPI_TMA, USE_ASM)
-        count_release_red(counters + pend_lo, USE_ASM)
+        count_release_red(counters + pend_lo, pend_n, USE_ASM)
 
 
 @triton.jit
@@ -279,14 +279,14 @@ def _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _count_and_poll(pend_lo, pend_hi, pend_poll, poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs,
+def _count_and_poll(pend_lo, pend_hi, pend_n, pend_poll, poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs,
                     epi_gen, status, BLOCK_M: tl.constexpr, EPI_TMA: tl.constexpr, USE_ASM: tl.constexpr):
-    """EPI_COUNT=3, once per tile after the tile loop's main loop: count the previous stored
-    tile (``pend_*``), then poll the chunk this program polls and publish it if complete.
+    """EPI_COUNT=3, once per tile after the tile loop's main loop: count the pending stored
+    tiles (``pend_*``), then poll the chunk this program polls and publish it if complete.
     The program that stored a chunk's poll tile polls the chunk once per tile from its next
     tile on (_end_counts after the loop hands it off). Returns the chunk polled from now on."""
     seen, sig = poll_read(poll_q, counters + poll_q, signal_ptrs + poll_q, USE_ASM)   # read across the count
-    _count_red(pend_lo, pend_hi, counters, EPI_TMA, USE_ASM)
+    _count_red(pend_lo, pend_hi, pend_n, counters, EPI_TMA, USE_ASM)
     poll_q = _poll_chunk(poll_q, seen, sig, M, chunk_m, num_pid_n, counters, epi_gen, status, BLOCK_M,
                          USE_ASM)
     return _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM)
@@ -484,6 +484,7 @@ def gemm_kernel(
     pend_lo = tl.full((), 0, tl.int32)   # EPILOGUE: chunks of the previous tile, counted late
     pend_hi = tl.full((), -1, tl.int32)
     pend_poll = tl.full((), 0, tl.int32)  # EPI_COUNT=3: the previous tile is its chunk's poll tile
+    pend_n = tl.full((), 1, tl.int32)     # EPI_COUNT=3: how many tiles pend_lo's count holds
     poll_q = tl.full((), -1, tl.int32)    # EPI_COUNT=3: chunk this program polls (-1: none)
 
     if STREAM_K:
@@ -516,10 +517,14 @@ def gemm_kernel(
                 # Count the previous tile now: its stores have drained during this tile's main
                 # loop, so the release below costs no wait (publication is one tile later).
                 if EPI_COUNT == 3:
-                    # ... with a release that returns nothing, so no warp waits for it.
-                    poll_q = _count_and_poll(pend_lo, pend_hi, pend_poll, poll_q, M, chunk_m, num_pid_n,
-                                             counters, signal_ptrs, epi_gen, status, BLOCK_M, EPI_TMA,
-                                             USE_ASM)
+                    # ... with a release that returns nothing, so no warp waits for it. Pending
+                    # tiles of this tile's chunk wait for it and are counted with it, a tile
+                    # later (the chunk cannot be complete before this tile is counted anyway):
+                    # one release, and one fence, per run of a program's tiles in one chunk.
+                    merge = (pend_hi >= pend_lo) & (pend_lo == c_lo) & (pend_poll == 0)
+                    poll_q = _count_and_poll(pend_lo, tl.where(merge, pend_lo - 1, pend_hi), pend_n, pend_poll,
+                                             poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
+                                             status, BLOCK_M, EPI_TMA, USE_ASM)
                 else:
                     _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
                                        epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
@@ -532,6 +537,7 @@ def gemm_kernel(
                 if EPI_COUNT == 3:
                     pend_poll = _carry(_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N),
                                        USE_ASM)
+                    pend_n = _carry(tl.where(merge, pend_n + 1, 1), USE_ASM)
         else:
             if EPILOGUE:   # the previous stored tile, as above
                 _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
@@ -602,7 +608,7 @@ def gemm_kernel(
                             DOT_FP32)
             if EPILOGUE:   # the previous stored tile, counted late as in the loop above
                 if EPI_COUNT == 3:
-                    poll_q = _count_and_poll(pend_lo, pend_hi, pend_poll, poll_q, M, chunk_m, num_pid_n,
+                    poll_q = _count_and_poll(pend_lo, pend_hi, pend_n, pend_poll, poll_q, M, chunk_m, num_pid_n,
                                              counters, signal_ptrs, epi_gen, status, BLOCK_M, EPI_TMA,
                                              USE_ASM)
                 else:
@@ -617,6 +623,7 @@ def gemm_kernel(
                     pend_hi = c_hi
                     if EPI_COUNT == 3:
                         pend_poll = _is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N)
+                        pend_n = tl.full((), 1, tl.int32)
             else:
                 slot = tl.where(it == lo, 0, 1)
                 ws_slot = ws + (start_pid.to(tl.int64) * 2 + slot) * (BLOCK_M * BLOCK_N)
@@ -631,6 +638,7 @@ def gemm_kernel(
                     if EPI_COUNT == 3:
                         pend_poll = tl.where(is_last, _is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n,
                                                                     BLOCK_M, BLOCK_N), 0)
+                        pend_n = tl.full((), 1, tl.int32)
                 if is_last:
                     # Every other segment's release is acquired, so their partials are visible.
                     tl.atomic_xchg(tile_counters + tile_id, 0, sem="relaxed", scope="gpu")
@@ -662,7 +670,7 @@ def gemm_kernel(
                                         C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
     if EPILOGUE:
         if EPI_COUNT == 3:
-            _count_red(pend_lo, pend_hi, counters, EPI_TMA, USE_ASM)
+            _count_red(pend_lo, pend_hi, pend_n, counters, EPI_TMA, USE_ASM)
             poll_q = _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM)
             _end_counts(poll_q, M, chunk_m, num_chunks, num_pid_n, counters, signal_ptrs, epi_gen, status,
                         BLOCK_M, USE_ASM)

@@ -147,7 +147,7 @@ _LAST = ("{\n\t.reg .pred me, done, pub;\n\t.reg .u32 tid, last, seen;\n\t.reg .
 # loaded earlier, alongside the counter's read, so that no round trip is left before the store)
 _PUBLISH = ("setp.ne.and.s32 pub, $6, 0, done;\n\t@done fence.acq_rel.sys;\n\t"
             "@done st.relaxed.gpu.global.b32 [$2], 0;\n\t@pub st.relaxed.sys.global.b32 [sig], $5;\n\t")
-_RED_ASM = tl.constexpr(_LAST + "@me red.release.gpu.global.add.u32 [$1], 1;\n\tmov.u32 $0, 0;\n\t}")
+_RED_ASM = tl.constexpr(_LAST + "@me red.release.gpu.global.add.u32 [$1], $2;\n\tmov.u32 $0, 0;\n\t}")
 _POLL_READ_ASM = tl.constexpr(
     _LAST + "setp.ge.and.s32 me, $2, 0, me;\n\tmov.u32 $0, -1;\n\tmov.u64 $1, 0;\n\t"
     "@me ld.global.u64 $1, [$4];\n\t@me ld.relaxed.gpu.global.u32 $0, [$3];\n\t}")
@@ -167,17 +167,17 @@ _END_ASM = tl.constexpr(
 
 
 @triton.jit
-def count_release_red(counter_ptr, USE_ASM: tl.constexpr):
-    """Add 1 to ``*counter_ptr`` with release semantics at GPU scope, returning nothing.
+def count_release_red(counter_ptr, n, USE_ASM: tl.constexpr):
+    """Add ``n`` to ``*counter_ptr`` with release semantics at GPU scope, returning nothing.
 
     With USE_ASM it is the CTA's last thread's ``red.release.gpu``: no register waits for the
     round trip. A returning atomic does not do: inside the tile loop ptxas waits for its result
     register at the loop's next iteration, whenever the result is read (on the H200 ~1 us per
     tile, most of the epilogue hook's cost; ``benchmarks/results/probes_2026-11-30d``)."""
     if USE_ASM:
-        tl.inline_asm_elementwise(_RED_ASM, "=r,l", [counter_ptr], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(_RED_ASM, "=r,l,r", [counter_ptr, n], dtype=tl.int32, is_pure=False, pack=1)
     else:
-        tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+        tl.atomic_add(counter_ptr, n, sem="release", scope="gpu")
 
 
 @triton.jit
