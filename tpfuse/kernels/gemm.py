@@ -262,8 +262,8 @@ def _count_red(pend_lo, pend_hi, pend_n, counters, EPI_TMA: tl.constexpr, USE_AS
 def _poll_chunk(q, seen, sig, M, chunk_m, num_pid_n, counters, epi_gen, status, BLOCK_M: tl.constexpr,
                 USE_ASM: tl.constexpr):
     """EPI_COUNT=3: publish chunk ``q`` (-1: none) to its signal at ``sig`` if ``seen`` (its
-    counter; both as :func:`poll_read` found them) says its count is complete; returns -1 once published, else
-    ``q`` (see :func:`poll_publish`)."""
+    counter; both as :func:`poll_read` found them) says its count is complete; returns -1 once
+    published, else ``q`` (see :func:`poll_publish`)."""
     return poll_publish(q, seen, sig, counters + q, _tiles_in_chunk(q, M, chunk_m, num_pid_n, BLOCK_M),
                         epi_gen, (status == 0).to(tl.int32), USE_ASM)
 
@@ -515,7 +515,7 @@ def gemm_kernel(
         if SPLIT_K == 1:
             if EPILOGUE:
                 # Count the previous tile now: its stores have drained during this tile's main
-                # loop, so the release below costs no wait (publication is one tile later).
+                # loop, so the release below costs no wait (publication is a tile later).
                 if EPI_COUNT == 3:
                     # ... with a release that returns nothing, so no warp waits for it. Pending
                     # tiles of this tile's chunk wait for it and are counted with it, a tile

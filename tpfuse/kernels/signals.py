@@ -239,10 +239,11 @@ def handoff_red(q, counter_ptr, USE_ASM: tl.constexpr):
 
 @triton.jit
 def publish_handed_off(counter_ptrs, signal_slots, targets, valid, generation, ok, USE_ASM: tl.constexpr):
-    """At a program's end, after its last count and handoff (and a CTA barrier): for every chunk (vectors, one element per
-    chunk; ``valid`` == 0 skips one) whose counter reads ``target + HANDOFF`` -- complete, its
-    poller gone -- acquire, reset the counter and publish as :func:`poll_publish` does. A chunk
-    may be published twice this way, with the same generation."""
+    """At a program's end, after its last count and handoff and a CTA barrier: for every chunk
+    (vectors, one element per chunk; ``valid`` == 0 skips one) whose counter reads ``target +
+    HANDOFF`` -- complete, its poller gone -- acquire, reset the counter and publish as
+    :func:`poll_publish` does (with USE_ASM the signal addresses are read beside the counters).
+    A chunk may be published twice this way, with the same generation."""
     if USE_ASM:
         tl.inline_asm_elementwise(
             _END_ASM, "=r,r,l,l,r,r,r",
