@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -49,16 +50,8 @@ VARIANTS = {"epi": (None, {}, False),
 def _with_env(env: dict, fn):
     """fn run with ``env`` set (plans are keyed by these variables, so each gets its own)."""
     def call():
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with mock.patch.dict(os.environ, env):
             return fn()
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     return call
 
 

@@ -214,7 +214,7 @@ def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
     its stores went. EPI_COUNT: 1 = that GPU-scope count; 2 = system scope
     (TPFUSE_EPI_COUNT=sys: every tile pays a MEMBAR.SYS the CTA waits for); 0 = no count and
     no publication (TPFUSE_EPI_COUNT=none: a timing diagnostic only); 3 (the default where the
-    host allows it) takes _count_red / _poll_chunk / _take_poll / _end_counts instead."""
+    host allows it) takes _count_and_poll in the tile loops and _end_counts after them instead."""
     if EPI_COUNT == 0:
         return
     # (the loop sits inside an ``if``, so that the tile loop can still be flattened)
