@@ -38,7 +38,7 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
                    wait: bool = False, sk_tiles: int = 0, epi_tma: int = 0, epi_count: int = 1):
     """triton.compile of gemm_kernel for bf16 ``a[m, k] @ weight[n, k].t()`` (TMA path);
     ``epi_tma`` > 0: the epilogue hook stores through that many TMA descriptors (chunks of
-    ``m // epi_tma`` rows)."""
+    ``m // epi_tma`` rows), or ``EPI_TMA_STACKED`` (9) through one over all of ``c``."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -49,6 +49,7 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
     # the module as sys.modules has it now (a test run may have re-imported it after using
     # the interpreter), not a stale attribute of the package
     km = importlib.import_module("tpfuse.kernels.gemm")
+    stacked = epi_tma == km.EPI_TMA_STACKED.value
 
     bm, bn, bk = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
     a = torch.empty(m, k, dtype=torch.bfloat16)
@@ -60,8 +61,9 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
                 M=m, N=n, K=k, stride_am=k, stride_ak=1, stride_bk=1, stride_bn=k, stride_cm=n, stride_cn=1,
                 chunk_m=m, num_chunks=1, start_chunk=0, wait_signal=i32, wait_gen=0, wait_timeout=0,
                 err_ptr=i32, dest_offs=i64, stride_dm=0, signal_ptrs=i64, counters=i32, epi_gen=0,
-                **{f"epi_d{q}": TensorDescriptor.from_tensor(c[:max(m // epi_tma, 1)], [bm, bn // cfg.EPI_SUBTILE])
-                   if q < epi_tma else None for q in range(8)},
+                **{f"epi_d{q}": TensorDescriptor.from_tensor(c if stacked else c[:max(m // epi_tma, 1)],
+                                                            [bm, bn // cfg.EPI_SUBTILE])
+                   if q < (1 if stacked else epi_tma) else None for q in range(8)},
                 ws=f32, tile_counters=i32, sk_tiles=sk_tiles)
     cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.GROUP_M, EPI_SUBTILE=cfg.EPI_SUBTILE,
                 TILE_ORDER=tile_order, USE_TMA=True, B_KMAJOR=True, C_DTYPE=tl.bfloat16, WAIT=wait,
@@ -110,7 +112,8 @@ def main(argv=None) -> int:
                     help="specs as in benchmarks/profile_kernels.py")
     ap.add_argument("--epilogue", action="store_true", help="epilogue hook on (pointer stores to destinations)")
     ap.add_argument("--epilogue-tma", type=int, default=0, metavar="CHUNKS",
-                    help="with --epilogue: store through CHUNKS TMA descriptors (one per chunk)")
+                    help="with --epilogue: store through CHUNKS TMA descriptors (one per chunk; "
+                         "9: one over stacked destinations)")
     ap.add_argument("--wait", action="store_true", help="wait hook on")
     ap.add_argument("--tile-order", default="grouped", choices=["grouped", "round", "owner"])
     ap.add_argument("--dump", type=Path, help="write TTGIR, PTX and SASS per config here")

@@ -336,7 +336,9 @@ class EpilogueSpec:
     destination tensors, one per chunk, when known (:meth:`from_tensors` keeps them): with them,
     16-byte alignment, at most 8 chunks and ``chunk_m`` a multiple of the tile height, a
     TMA-path launch stores each tile through a TMA descriptor per destination instead of
-    pointer stores (``TPFUSE_EPI_TMA=0`` turns that off).
+    pointer stores; destinations that are consecutive row blocks of one tensor (``out[c *
+    chunk_m:]`` slices) take one descriptor for all chunks, whatever their number and height
+    (``TPFUSE_EPI_TMA=0`` turns both off).
     Build one with :meth:`from_tensors`.
     """
     base: torch.Tensor
@@ -731,17 +733,40 @@ def _epi_count_mode(eligible_async: bool = True) -> int:
 
 
 def _epilogue_tma_dests(epilogue, tma_store, num_chunks, block_m) -> int:
-    """How many TMA descriptors the epilogue hook stores through (0: pointer stores).
-    ``tma_store``: a TMA-path launch whose config stores by TMA (``tma_store=False`` configs
-    gave the staging buffer's shared memory to the pipeline). TMA needs every tile inside one
-    chunk (chunk_m a multiple of BLOCK_M): a tile's rows in a later chunk would need a negative
-    TMA row coordinate, which stores do not take."""
-    if (epilogue is None or not tma_store or len(epilogue.dests) < num_chunks
-            or not 0 < num_chunks <= _MAX_TMA_DESTS or epilogue.align_elems == 0
-            or (num_chunks > 1 and epilogue.chunk_m % block_m)
-            or os.environ.get("TPFUSE_EPI_TMA", "1") == "0"):
+    """How many TMA descriptors the epilogue hook stores through (0: pointer stores), or
+    ``EPI_TMA_STACKED``: one descriptor over destinations that are consecutive row blocks of one
+    tensor (:func:`_stacked`), any number of chunks of any height. ``tma_store``: a TMA-path
+    launch whose config stores by TMA (``tma_store=False`` configs gave the staging buffer's
+    shared memory to the pipeline). Separate destinations need every tile inside one chunk
+    (chunk_m a multiple of BLOCK_M): a tile's rows in a later chunk would need a negative TMA row
+    coordinate, which stores do not take."""
+    if (epilogue is None or not tma_store or len(epilogue.dests) < num_chunks or num_chunks < 1
+            or epilogue.align_elems == 0 or os.environ.get("TPFUSE_EPI_TMA", "1") == "0"):
+        return 0
+    if _stacked(epilogue):
+        return _triton()[2].EPI_TMA_STACKED.value
+    if num_chunks > _MAX_TMA_DESTS or (num_chunks > 1 and epilogue.chunk_m % block_m):
         return 0
     return num_chunks
+
+
+def _stacked(epilogue: "EpilogueSpec") -> bool:
+    """True when ``epilogue.dests`` are two or more consecutive row blocks of one tensor:
+    dests[c] starts ``c * chunk_m`` rows after dests[0] in the same storage, with the same row
+    stride and width (the chunks of one output buffer: a rank's own symmetric buffer, or
+    ``out[c * chunk_m:]`` slices). Row r of ``a @ b`` then goes to row r of that tensor.
+    Decided once per spec."""
+    got = epilogue.__dict__.get("_stacked")   # frozen dataclass: a cache, not a field
+    if got is None:
+        dests = epilogue.dests
+        row_bytes = epilogue.dest_stride * dests[0].element_size() if dests else 0
+        got = len(dests) > 1 and all(
+            d.untyped_storage().data_ptr() == dests[0].untyped_storage().data_ptr()
+            and d.data_ptr() == dests[0].data_ptr() + c * epilogue.chunk_m * row_bytes
+            and d.shape[1] == dests[0].shape[1]
+            for c, d in enumerate(dests))
+        epilogue.__dict__["_stacked"] = got
+    return got
 
 
 def _epilogue_descriptor_args(epilogue, plan) -> tuple:
@@ -751,8 +776,9 @@ def _epilogue_descriptor_args(epilogue, plan) -> tuple:
 
 
 def _epilogue_descriptors(epilogue: "EpilogueSpec", plan: "_Plan") -> tuple:
-    """One TMA descriptor per chunk over that chunk's rows of its destination, kept on the
-    spec (so they live as long as it does) per launch geometry."""
+    """One TMA descriptor per chunk over that chunk's rows of its destination (or, stacked
+    destinations, one over all M rows from the first), kept on the spec (so they live as long
+    as it does) per launch geometry."""
     cfg = plan.cfg
     block = (cfg.BLOCK_M, cfg.BLOCK_N // cfg.EPI_SUBTILE)
     cache = epilogue.__dict__.setdefault("_tma_descs", {})   # frozen dataclass: not a field
@@ -760,13 +786,18 @@ def _epilogue_descriptors(epilogue: "EpilogueSpec", plan: "_Plan") -> tuple:
     descs = cache.get(key)
     if descs is None:
         from triton.tools.tensor_descriptor import TensorDescriptor
+        stacked = plan.epi_tma == _triton()[2].EPI_TMA_STACKED.value
         descs = []
-        for q, d in enumerate(epilogue.dests[:plan.epi_tma]):
+        for q, d in enumerate(epilogue.dests[:plan.num_chunks if stacked else plan.epi_tma]):
             rows = min(plan.chunk_m, plan.m - q * plan.chunk_m)
             if d.shape[0] < rows or d.shape[1] < plan.n:
                 raise ValueError(f"matmul: epilogue.dests[{q}] is {tuple(d.shape)}; chunk {q} needs at least "
                                  f"({rows}, {plan.n})")
-            descs.append(TensorDescriptor(d, [rows, plan.n], [d.stride(0), 1], list(block)))
+            if not stacked:
+                descs.append(TensorDescriptor(d, [rows, plan.n], [d.stride(0), 1], list(block)))
+        if stacked:   # every chunk's rows checked above, so all M rows lie in the storage
+            d0 = epilogue.dests[0]
+            descs.append(TensorDescriptor(d0, [plan.m, plan.n], [d0.stride(0), 1], list(block)))
         descs = cache[key] = tuple(descs)
     return descs
 
@@ -859,7 +890,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
                None if out is None else (out.shape, out.stride(), out.dtype, out.device,
                                          out.data_ptr() % 16 == 0),
                config, tile_order, chunk_m, start_chunk, wait is not None and wait.chunk_m,
-               epilogue is not None and (epilogue.chunk_m, epilogue.align_elems, len(epilogue.dests)),
+               epilogue is not None and (epilogue.chunk_m, epilogue.align_elems, len(epilogue.dests),
+                                         bool(epilogue.dests) and _stacked(epilogue)),
                use_tma, os.environ.get("TRITON_INTERPRET"), os.environ.get("TPFUSE_SIGNAL_ASM"),
                os.environ.get("TPFUSE_EPI_TMA"), os.environ.get("TPFUSE_EPI_COUNT"))
         plan = _PLANS.get(key)

@@ -601,3 +601,40 @@ def test_epilogue_descriptors_cover_each_chunk_and_check_rows():
     plan2 = dataclasses.replace(plan, m=80, num_chunks=2, epi_tma=2)
     with pytest.raises(ValueError, match=r"dests\[1\] is \(10, 64\); chunk 1 needs at least \(40, 64\)"):
         gc._epilogue_descriptors(short, plan2)
+
+
+def test_stacked_destinations_take_one_descriptor_for_every_chunk():
+    # Chunks of one output tensor (out[c * chunk_m:] slices): one descriptor over all M rows,
+    # whatever the number of chunks and their height, since a tile is stored at its own row.
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    stacked = gc._triton()[2].EPI_TMA_STACKED.value
+    out = torch.empty(100, 64, dtype=torch.bfloat16)
+    dests = [out[c * 40:(c + 1) * 40] for c in range(3)]          # the last chunk has 20 rows
+    spec = gc.EpilogueSpec.from_tensors(dests, torch.zeros(3, dtype=torch.int32), 1, 40)
+    assert gc._stacked(spec)
+    assert gc._epilogue_tma_dests(spec, True, 3, 16) == stacked   # 40-row chunks, 16-row tiles
+    assert gc._epilogue_tma_dests(spec, False, 3, 16) == 0
+    wide = torch.empty(9 * 8, 64, dtype=torch.bfloat16)
+    spec9 = gc.EpilogueSpec.from_tensors([wide[c * 8:(c + 1) * 8] for c in range(9)],
+                                         torch.zeros(9, dtype=torch.int32), 1, 8)
+    assert gc._epilogue_tma_dests(spec9, True, 9, 8) == stacked   # more than 8 chunks
+    cfg = gc.GemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, EPI_SUBTILE=2)
+    plan = gc._Plan(100, 64, 32, False, True, cfg, (1, 1, 1), 40, 3, 0, False, (), 4, 1, epi_tma=stacked)
+    (desc,) = gc._epilogue_descriptors(spec, plan)
+    assert list(desc.shape) == [100, 64] and list(desc.block_shape) == [16, 16]
+    assert desc.base.data_ptr() == out.data_ptr() and list(desc.strides) == [64, 1]
+    # not stacked: another order, a gap, other storage, another width
+    sig = torch.zeros(3, dtype=torch.int32)
+    for other in ([dests[1], dests[0], dests[2]],
+                  [out[0:40], out[41:81], out[81:100]],
+                  [dests[0], dests[1].clone(), dests[2]],
+                  [d[:, :32] if c == 1 else d for c, d in enumerate(dests)]):
+        spec_o = gc.EpilogueSpec.from_tensors(other, sig, 1, 40)
+        assert not gc._stacked(spec_o)
+        assert gc._epilogue_tma_dests(spec_o, True, 3, 8) == 3    # per-chunk descriptors
+    # the last chunk's rows must lie in the tensor
+    short = torch.empty(90, 64, dtype=torch.bfloat16)
+    spec_s = gc.EpilogueSpec.from_tensors([short[0:40], short[40:80], short[80:90]], sig, 1, 40)
+    assert gc._stacked(spec_s)
+    with pytest.raises(ValueError, match=r"dests\[2\] is \(10, 64\); chunk 2 needs at least \(20, 64\)"):
+        gc._epilogue_descriptors(spec_s, plan)

@@ -61,6 +61,16 @@ def test_offline_epilogue_hook_through_tma_keeps_a_staging_buffer_of_its_own():
     assert hooked.metadata.shared == plain.metadata.shared
     assert "UTMASTG" in sass and not re.search(r"\bSTG\.", sass)   # no pointer stores left
     assert "LOCAL:0" in res and "STACK:0" in res
+    # stacked destinations (chunks of one tensor): one descriptor, so the plain kernel's one
+    # store path instead of one per chunk
+    stacked = compile_kernel(4096, 4096, 1792, cfg, epilogue=True, tile_order=2,
+                             epi_tma=gc._triton()[2].EPI_TMA_STACKED.value)
+    sass_st, res_st = sass_of(stacked.asm["cubin"])
+    plain_sass, _ = sass_of(plain.asm["cubin"])
+    assert stacked.metadata.shared == plain.metadata.shared
+    assert sass_st.count("UTMASTG") == plain_sass.count("UTMASTG") > 0
+    assert sass.count("UTMASTG") == 8 * plain_sass.count("UTMASTG")
+    assert "LOCAL:0" in res_st and "STACK:0" in res_st
 
 
 @pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")

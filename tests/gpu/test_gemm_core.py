@@ -165,13 +165,19 @@ def test_wait_timeout_is_bounded(use_asm, config, monkeypatch):
 
 
 def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, after=lambda: True,
-                               expect_tma=None):
+                               expect_tma=None, stacked=False):
     """Route every chunk of ``a @ b`` to its own destination over three generations: signals
     published, counters back at zero, each destination exact and untouched past its rows.
-    ``expect_tma``: the plan must (True) or must not (False) store through TMA descriptors."""
+    ``expect_tma``: the plan must (True) or must not (False) store through TMA descriptors.
+    ``stacked``: the destinations are consecutive row blocks of one tensor (one descriptor)."""
     num_chunks = m // chunk_m
-    dests = [torch.full((chunk_m + 5, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-             for _ in range(num_chunks)]
+    if stacked:
+        whole = torch.full((m + 5, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        dests = [whole[c * chunk_m:(c + 1) * chunk_m] for c in range(num_chunks)]
+    else:
+        dests = [torch.full((chunk_m + 5, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                 for _ in range(num_chunks)]
+    n_descs = gc._triton()[2].EPI_TMA_STACKED.value if stacked else num_chunks
     signals = torch.zeros(num_chunks, dtype=torch.int32, device="cuda")
     counters = torch.zeros(num_chunks, dtype=torch.int32, device="cuda")
     for generation in (1, 2, 3):
@@ -184,12 +190,12 @@ def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, afte
         torch.cuda.synchronize()
         if expect_tma is not None:
             (plan,) = gc._PLANS.values()
-            assert plan.epi_tma == (num_chunks if expect_tma else 0), plan.epi_tma
+            assert plan.epi_tma == (n_descs if expect_tma else 0), plan.epi_tma
         assert signals.tolist() == [generation] * num_chunks
         assert counters.tolist() == [0] * num_chunks and after()
         for c, d in enumerate(dests):
             _assert_close(d[:chunk_m], ref[c * chunk_m:(c + 1) * chunk_m], torch.bfloat16)
-            assert torch.isnan(d[chunk_m:]).all()
+            assert torch.isnan(whole[m:] if stacked else d[chunk_m:]).all()
 
 
 @pytest.mark.parametrize("chunk_m,tma", [(517, "1"), (512, "1"), (512, "0")])
@@ -203,6 +209,17 @@ def test_epilogue_routes_and_publishes_several_generations(chunk_m, tma, sub, fl
     cfg = dataclasses.replace(BIG, EPI_SUBTILE=sub, flatten=flatten)
     _epilogue_over_generations(8 * chunk_m, 1024, 1536, chunk_m, cfg,
                                start_chunk=3, seed=0, expect_tma=chunk_m % 128 == 0 and tma == "1")
+
+
+@pytest.mark.parametrize("chunk_m,chunks", [(512, 8), (517, 8), (96, 16)])
+@pytest.mark.parametrize("sub", [1, 2])
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
+def test_epilogue_stacked_destinations_take_one_descriptor(chunk_m, chunks, sub, flatten):
+    # Chunks of one tensor: one TMA descriptor over all rows, for any chunk height (517: tiles
+    # straddle two chunks) and any number of chunks (16), each tile stored at its own row.
+    cfg = dataclasses.replace(BIG, EPI_SUBTILE=sub, flatten=flatten)
+    _epilogue_over_generations(chunks * chunk_m, 1024, 1536, chunk_m, cfg, start_chunk=3, seed=20,
+                               expect_tma=True, stacked=True)
 
 
 @pytest.mark.parametrize("count", ["auto", "gpu", "sys"])

@@ -68,6 +68,10 @@ from .signals import (HANDOFF, bulk_writes_done, count_release_red, cta_barrier,
 # once) and fewer tiles than this in all (a chunk's count must stay below its HANDOFF bit)
 MAX_POLLED_CHUNKS = tl.constexpr(64)
 MAX_COUNTED_TILES = HANDOFF
+# EPI_TMA value for destinations stacked as one tensor's rows (chunk c's destination starts at
+# row c * chunk_m of the first one's): one descriptor, epi_d0, over all M rows, so a tile is
+# stored at its own row as the plain output is (one code path instead of one per chunk)
+EPI_TMA_STACKED = tl.constexpr(9)
 
 
 @triton.jit
@@ -139,7 +143,9 @@ def _epilogue_store(acc, c, off_m, off_n, M, N,
     vals = acc.to(C_DTYPE)
     offs_m = off_m + tl.arange(0, acc.shape[0])
     offs_n = off_n + SUB_IDX * SUB_N + tl.arange(0, SUB_N)
-    if EPILOGUE and EPI_TMA > 0:
+    if EPILOGUE and EPI_TMA == EPI_TMA_STACKED:
+        epi_descs[0].store([off_m, off_n + SUB_IDX * SUB_N], vals)
+    elif EPILOGUE and EPI_TMA > 0:
         # One TMA descriptor per chunk, over that chunk's rows of its destination. The host
         # takes this path only when chunk_m is a multiple of BLOCK_M, so every tile lies in one
         # chunk (a straddling tile would need a negative row coordinate for its later chunk,
@@ -450,7 +456,7 @@ def gemm_kernel(
     # epilogue hook
     dest_offs, stride_dm, signal_ptrs, counters, epi_gen,
     # epilogue hook through TMA: descriptor q (q < EPI_TMA) covers chunk q's rows of its
-    # destination; the unused ones are None (separate arguments: Triton 3.6's launcher does not
+    # destination, or (EPI_TMA_STACKED) epi_d0 covers all M rows; the unused ones are None (separate arguments: Triton 3.6's launcher does not
     # take a tuple of descriptors)
     epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7,
     # split-K: fp32 partials [num_tiles, SPLIT_K, BLOCK_M, BLOCK_N] and int32 [num_tiles] zeros;
