@@ -137,7 +137,10 @@ def hook_specs(s: Shape, out, num_chunks=WORLD_SIZE):
     chunk_m = -(-s.m // num_chunks)
     sig = torch.full((num_chunks,), 7, dtype=torch.int32, device="cuda")
     wait = gc.WaitSpec(sig, 7, chunk_m, timeout_ns=5_000_000_000, error=gc.new_error_word("cuda"))
-    dests = [out[c * chunk_m:(c + 1) * chunk_m] for c in range(num_chunks)]
+    # one allocation per chunk, as peer buffers are in the fused GEMM+RS (slices of one tensor
+    # would take the one-descriptor path of stacked destinations: probe_epilogue.py epi_stacked)
+    dests = [torch.empty(min(chunk_m, s.m - c * chunk_m), s.n, dtype=out.dtype, device=out.device)
+             for c in range(num_chunks)]
     esig = torch.zeros(num_chunks, dtype=torch.int32, device="cuda")
     epi = gc.EpilogueSpec.from_tensors(dests, esig, 7, chunk_m)
     return chunk_m, wait, epi, esig
@@ -204,10 +207,12 @@ def run_shape(s: Shape, dtype, args, log):
         try:
             for _ in range(2):
                 c0.fill_(float("nan"))
+                for d in epi.dests:
+                    d.fill_(float("nan"))
                 esig.zero_()
                 gc.matmul(a0, b0, out=None if "epilogue" in kw else c0, config=best, **kw)
             torch.cuda.synchronize()
-            err = rel_err(c0, ref)
+            err = rel_err(torch.cat(epi.dests) if "epilogue" in kw else c0, ref)
             if "wait" in kw:
                 gc.check_error_word(wait.error)
             if "epilogue" in kw and not bool((esig == 7).all()):

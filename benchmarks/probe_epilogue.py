@@ -1,7 +1,9 @@
 """Cost of the epilogue hook alone: the owner tile order with and without the hook, interleaved
 CUDA-graph timings (L2 flushed before each call). The hook runs in several variants: as
-``matmul`` picks it (TMA stores through one descriptor per destination where it can, per-tile
-count at GPU scope that returns nothing, one poller per chunk), with the returning count read
+``matmul`` picks it for one destination tensor per chunk (as peer buffers are: TMA stores
+through one descriptor per destination where it can, per-tile count at GPU scope that returns
+nothing, one poller per chunk), with the chunks of one tensor as destinations (``epi_stacked``:
+one descriptor for all), with the returning count read
 at once (``TPFUSE_EPI_COUNT=gpu``), at system scope (``=sys``), with no
 count at all (``=none``: stores only, no signal published), with one chunk (one destination,
 but also another tile order than the 8-chunk baseline), and with pointer stores (the spec
@@ -38,13 +40,14 @@ from tpfuse import gemm_core as gc  # noqa: E402
 from profile_kernels import graph_ms, parse_spec  # noqa: E402
 
 SHAPES = ((16384, 4096, 1792), (4096, 3584, 4096), (16384, 8192, 3584), (2048, 4096, 1792))
-# name -> (chunks: None = --chunks, environment, pointer stores)
-VARIANTS = {"epi": (None, {}, False),
-            "epi_gpu_count": (None, {"TPFUSE_EPI_COUNT": "gpu"}, False),
-            "epi_sys_count": (None, {"TPFUSE_EPI_COUNT": "sys"}, False),
-            "epi_no_count": (None, {"TPFUSE_EPI_COUNT": "none"}, False),   # publishes nothing
-            "epi_1chunk": (1, {}, False),
-            "epi_ptr": (None, {}, True)}
+# name -> (chunks: None = --chunks, environment, pointer stores, stacked destinations)
+VARIANTS = {"epi": (None, {}, False, False),
+            "epi_stacked": (None, {}, False, True),
+            "epi_gpu_count": (None, {"TPFUSE_EPI_COUNT": "gpu"}, False, False),
+            "epi_sys_count": (None, {"TPFUSE_EPI_COUNT": "sys"}, False, False),
+            "epi_no_count": (None, {"TPFUSE_EPI_COUNT": "none"}, False, False),   # publishes nothing
+            "epi_1chunk": (1, {}, False, False),
+            "epi_ptr": (None, {}, True, False)}
 
 
 def _with_env(env: dict, fn):
@@ -90,6 +93,7 @@ def main(argv=None) -> int:
         ref = torch.matmul(a, b)
         chunk_m = -(-m // args.chunks)
         sigs = {}
+        sep = {}   # chunks -> separate destination tensors
         wsig = torch.full((args.chunks,), 7, dtype=torch.int32, device="cuda")
         wait = gc.WaitSpec(wsig, 7, chunk_m, timeout_ns=5_000_000_000, error=gc.new_error_word("cuda"))
 
@@ -97,11 +101,16 @@ def main(argv=None) -> int:
             fns = {"owner" + tag: lambda: gc.matmul(a, b, out=out, config=cfg, tile_order="owner",
                                                     start_chunk=1, chunk_m=chunk_m)}
             for name in args.variants:
-                chunks, env, pointer = VARIANTS[name]
+                chunks, env, pointer, stacked = VARIANTS[name]
                 chunks = chunks or args.chunks
                 cm = -(-m // chunks)
                 sig = sigs.setdefault(name, torch.zeros(chunks, dtype=torch.int32, device="cuda"))
-                epi = gc.EpilogueSpec.from_tensors([out[c * cm:(c + 1) * cm] for c in range(chunks)], sig, 7, cm)
+                # one allocation per chunk, as peer buffers are (checked against ``out`` after
+                # copying back), or chunks of ``out`` itself (stacked: one TMA descriptor)
+                dests = ([out[c * cm:(c + 1) * cm] for c in range(chunks)] if stacked else
+                         sep.setdefault(chunks, [torch.empty(min(cm, m - c * cm), n, device="cuda",
+                                                             dtype=torch.bfloat16) for c in range(chunks)]))
+                epi = gc.EpilogueSpec.from_tensors(dests, sig, 7, cm)
                 if pointer:
                     epi = dataclasses.replace(epi, dests=())
                 fns[name + tag] = _with_env(env, lambda epi=epi, chunks=chunks: gc.matmul(
@@ -126,10 +135,15 @@ def main(argv=None) -> int:
         for name, fn in fns.items():
             out.fill_(float("nan"))
             base = name.rstrip("~")
+            separate = base in VARIANTS and not VARIANTS[base][3]
+            for d in sep[VARIANTS[base][0] or args.chunks] if separate else ():
+                d.fill_(float("nan"))
             if base in sigs:
                 sigs[base].zero_()
             fn()
             torch.cuda.synchronize()
+            if separate:   # separate destinations: gather them
+                out.copy_(torch.cat(sep[VARIANTS[base][0] or args.chunks]))
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             assert err < 2e-2, (label, name, err)
             if base in sigs and VARIANTS[base][1].get("TPFUSE_EPI_COUNT") != "none":
