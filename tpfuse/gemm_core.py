@@ -700,7 +700,7 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
                   _epi_count_mode((use_asm or _interpreting()) and cfg.split_k == 1
                                   and not cfg.warp_specialize and num_chunks <= km.MAX_POLLED_CHUNKS.value
                                   and num_tiles < km.MAX_COUNTED_TILES.value
-                                  and (num_chunks == 1 or chunk_m % cfg.BLOCK_M == 0))
+                                  and (num_chunks == 1 or chunk_m % cfg.BLOCK_M == 0), cfg.flatten)
                   if epilogue is not None else 1)
     return _Plan(m, n, k, b_kmajor, bool(use_tma), cfg, grid, chunk_m or 1, num_chunks, start_chunk,
                  use_asm, constexprs, cfg.num_warps, cfg.num_stages, num_tiles, sk_tiles, epi_tma)
@@ -709,23 +709,27 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
 _MAX_TMA_DESTS = 8   # one kernel argument each; more chunks store through pointers
 
 
-def _epi_count_mode(eligible_async: bool = True) -> int:
+def _epi_count_mode(eligible_async: bool = True, in_loop: bool = True) -> int:
     """How the epilogue hook counts stored tiles (kernel constexpr EPI_COUNT).
 
-    3: a release at GPU scope that returns nothing (no warp waits for it), one poller per
-    chunk publishing it, handoff at the poller's end; where every tile lies in one chunk, on
-    CUDA (inline PTX) or in the interpreter, without split-K or warp specialization, with at
-    most 64 chunks (``eligible_async``); 1: acq_rel at GPU scope, read at once, the chunk's
-    last count publishing it. The default (``TPFUSE_EPI_COUNT``
-    unset or ``auto``) takes 3 where it can, else 1. Diagnostics:
-    ``=gpu`` forces 1; ``=sys`` 2 (system scope); ``=none`` 0: no count and no publication, so
-    no signal is ever set -- for timing only. See ``_count_and_publish`` in
+    3: a release at GPU scope that returns nothing (no warp waits for it), made after the next
+    tile's main loop, one poller per chunk publishing it, handoff at the poller's end; where
+    every tile lies in one chunk, on CUDA (inline PTX) or in the interpreter, without split-K or
+    warp specialization, with at most 64 chunks (``eligible_async``); 4: the same with the
+    count made a few K-steps into the next tile's main loop instead, so a chunk is published
+    most of a tile earlier, in flattened tile loops (``in_loop``: in a nested K loop ptxas
+    then serializes the wgmma instructions); 1: acq_rel at GPU scope, read at once, the
+    chunk's last count publishing it. The default (``TPFUSE_EPI_COUNT`` unset or ``auto``)
+    takes 4, else 3, else 1. Diagnostics: ``=epilogue`` 3 where 4 would be taken; ``=gpu``
+    forces 1; ``=sys`` 2 (system scope); ``=none`` 0: no count and no publication, so no
+    signal is ever set -- for timing only. See ``_count_and_publish`` and ``_mainloop`` in
     tpfuse/kernels/gemm.py."""
     mode = os.environ.get("TPFUSE_EPI_COUNT", "auto")
-    modes = {"none": 0, "gpu": 1, "sys": 2, "auto": 3 if eligible_async else 1}
+    modes = {"none": 0, "gpu": 1, "sys": 2, "auto": (4 if in_loop else 3) if eligible_async else 1,
+             "epilogue": 3 if eligible_async else 1}
     if mode not in modes:
-        raise ValueError(f"TPFUSE_EPI_COUNT={mode!r}; use 'auto' (default), 'gpu', 'sys', or 'none' "
-                         "(timing diagnostic: signals are never published)")
+        raise ValueError(f"TPFUSE_EPI_COUNT={mode!r}; use 'auto' (default), 'epilogue', 'gpu', 'sys', or "
+                         "'none' (timing diagnostic: signals are never published)")
     if mode == "none":
         _warn_once("tpfuse.gemm_core: TPFUSE_EPI_COUNT=none: the epilogue hook publishes no "
                    "signals (timing diagnostic)")

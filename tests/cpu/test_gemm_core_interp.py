@@ -195,17 +195,20 @@ def test_stream_k_with_hooks():
     assert signals.tolist() == [0, 0, 0, 0], "garbage chunks must never be signalled ready"
 
 
+@pytest.mark.parametrize("count,flatten,mode", [("auto", True, 4), ("auto", False, 3), ("epilogue", True, 3)])
 @pytest.mark.parametrize("programs,stream_k", [(5, 1), (7, 2), (29, 2)])
-def test_stream_k_epilogue_counts_that_return_nothing(programs, stream_k, monkeypatch):
-    # 24 tiles in 32-row chunks (every tile in one chunk): EPI_COUNT=3 with stream-K. The tiles
-    # shared out by K-steps (4, 10, all 24) are stored and counted by whichever segment sums
-    # them; with 29 programs every chunk's poll tile is one of those.
-    monkeypatch.delenv("TPFUSE_EPI_COUNT", raising=False)
+def test_stream_k_epilogue_counts_that_return_nothing(programs, stream_k, count, flatten, mode, monkeypatch):
+    # 24 tiles in 32-row chunks (every tile in one chunk): counts that return nothing with
+    # stream-K, made inside the next tile's main loop in flattened tile loops (EPI_COUNT=4),
+    # after it otherwise (3). The whole tiles before the shared ones are counted as usual; the
+    # tiles shared out by K-steps (4, 10, all 24) are stored and counted by whichever segment
+    # sums them; with 29 programs every chunk's poll tile is one of those.
+    monkeypatch.setenv("TPFUSE_EPI_COUNT", count)
     modes = _record_count_modes(monkeypatch)
-    cfg = dataclasses.replace(CFG, num_programs=programs, stream_k=stream_k)
+    cfg = dataclasses.replace(CFG, num_programs=programs, stream_k=stream_k, flatten=flatten)
     assert gc.stream_k_tiles(24, programs, stream_k) > 0, "the case must exercise stream-K"
     _epilogue_over_generations(128, 40, 45, 32, cfg, start_chunk=1, seed=37)
-    assert modes == {3}
+    assert modes == {mode}
 
 
 def _probe_tile_order(out_ptr, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
@@ -387,21 +390,23 @@ def _record_count_modes(monkeypatch) -> set:
     return modes
 
 
-@pytest.mark.parametrize("count_scope", ["auto", "gpu", "sys"])
+@pytest.mark.parametrize("count_scope", ["auto", "epilogue", "gpu", "sys"])
 @pytest.mark.parametrize("programs,chunk_m", [(3, 32), (5, 24), (2, 128)])
 def test_epilogue_publishes_with_many_tiles_per_program(programs, chunk_m, count_scope, monkeypatch):
     # Few programs, each running several tiles of a chunk in a row (24-row chunks: some tiles
     # straddle two chunks; one 128-row chunk: every program's tiles in it).
-    # auto takes EPI_COUNT=3 where every tile lies in one chunk: counts that return nothing, a
+    # auto takes EPI_COUNT=4 where every tile lies in one chunk (flattened tile loop): counts
+    # that return nothing, made inside the next tile's main loop (=epilogue: 3, after it), a
     # poller per chunk, handoff at the poller's end. The interpreter runs the programs one after
     # the other, which takes both ways a chunk gets published: with 3 programs and 32-row
     # chunks, chunk 1's poller (program 1) finds it complete inside its tile loop; chunks 0, 2
     # and 3 are handed off incomplete and published at a later program's end.
     monkeypatch.setenv("TPFUSE_EPI_COUNT", count_scope)
     modes = _record_count_modes(monkeypatch)
-    _epilogue_over_generations(128, 32, 64, chunk_m, dataclasses.replace(CFG, num_programs=programs),
+    _epilogue_over_generations(128, 32, 64, chunk_m, dataclasses.replace(CFG, num_programs=programs, flatten=True),
                                start_chunk=-(-128 // chunk_m) - 1, seed=40)
-    assert modes == {{"auto": 3 if chunk_m % 16 == 0 else 1, "gpu": 1, "sys": 2}[count_scope]}
+    aligned = chunk_m % 16 == 0
+    assert modes == {{"auto": 4 if aligned else 1, "epilogue": 3 if aligned else 1, "gpu": 1, "sys": 2}[count_scope]}
 
 
 def test_wait_timeout_raises_with_chunk_and_generation():

@@ -77,19 +77,20 @@ def test_offline_epilogue_hook_through_tma_keeps_a_staging_buffer_of_its_own():
 def test_offline_epilogue_counts_tiles_at_gpu_scope_and_publishes_at_system_scope():
     # Per tile: a GPU-scope fence and count; the system-scope fence only where a chunk's
     # signal is published. TPFUSE_EPI_COUNT=sys (EPI_COUNT=2) fences every tile. The default
-    # where it can (3) counts with a RED, an atomic that returns nothing, so ptxas has no result
-    # register to wait for at the tile loop's next iteration; the poller's handoff (HANDOFF =
-    # 1 << 24) is a RED too, so it has no returning atomic at all.
+    # where it can (4; 3 counts after the next main loop instead of inside it) counts with a
+    # RED, an atomic that returns nothing, so ptxas has no result register to wait for at the
+    # tile loop's next iteration; the poller's handoff (HANDOFF = 1 << 24) is a RED too, so it
+    # has no returning atomic at all.
     compile_kernel, sass_of = _offline_tools()
     cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
-    for mode in (1, 2, 3):
+    for mode in (1, 2, 3, 4):
         kern = compile_kernel(4096, 4096, 1792, cfg, epilogue=True, tile_order=2, epi_tma=8, epi_count=mode)
         sass, _ = sass_of(kern.asm["cubin"])
         atoms = re.findall(r"ATOMG\.E\.ADD\.STRONG\.(\w+)", sass)
         reds = re.findall(r"REDG\.E\.ADD\.STRONG\.(\w+)", sass)
         publishes = re.findall(r"ATOMG\.E\.EXCH\.STRONG\.SYS|STG\.E\.STRONG\.SYS", sass)
         assert publishes, sass[:2000]
-        if mode == 3:
+        if mode >= 3:
             assert reds and set(reds) == {"GPU"} and not atoms, (reds, atoms)
             assert "0x1000000" in kern.asm["ptx"].replace("16777216", "0x1000000")
         else:
@@ -124,18 +125,28 @@ def test_offline_hooked_kernels_flatten_into_one_pipelined_loop():
     for name, kw in [("wait", dict(wait=True, tile_order=1)),
                      ("owner", dict(tile_order=2)),
                      ("epilogue, TMA stores, counts that return nothing", dict(epilogue=True, tile_order=2, epi_tma=8, epi_count=3)),
+                     ("epilogue, stacked TMA stores, counts in the main loop",
+                      dict(epilogue=True, tile_order=2, epi_tma=9, epi_count=4)),
                      ("epilogue, pointer stores, plain count", dict(epilogue=True, tile_order=2, epi_count=1))]:
         ttgir = compile_kernel(4096, 4096, 1792, flat, **kw).asm["ttgir"]
         assert _enclosing_loops(ttgir, "warp_group_dot") == 1, f"{name}: tile loop not flattened"
         assert ttgir.count("async_tma_copy_global_to_local") == loads, f"{name}: loads not pipelined"
+    # the count inside the K-step body (EPI_COUNT=4) leaves the MMAs asynchronous: one wgmma
+    # group in flight, not a wait after each (as ptxas does to a nested K loop with it)
+    _, sass_of = _offline_tools()
+    sass, _ = sass_of(compile_kernel(4096, 4096, 1792, flat, epilogue=True, tile_order=2, epi_tma=9,
+                                     epi_count=4).asm["cubin"])
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
 
 
 def test_count_mode_environment_is_checked(monkeypatch):
     monkeypatch.delenv("TPFUSE_EPI_COUNT", raising=False)
-    assert gc._epi_count_mode(True) == 3 and gc._epi_count_mode(False) == 1
-    for value, mode in (("auto", 3), ("gpu", 1), ("sys", 2)):
+    assert gc._epi_count_mode(True) == 4 and gc._epi_count_mode(False) == 1
+    assert gc._epi_count_mode(True, in_loop=False) == 3   # nested K loops count after it
+    for value, mode in (("auto", 4), ("epilogue", 3), ("gpu", 1), ("sys", 2)):
         monkeypatch.setenv("TPFUSE_EPI_COUNT", value)
         assert gc._epi_count_mode(True) == mode
+        assert gc._epi_count_mode(False) == (1 if mode >= 3 else mode)   # 3 and 4 only where eligible
     monkeypatch.setenv("TPFUSE_EPI_COUNT", "none")
     with pytest.warns(UserWarning, match="publishes no signals"):
         assert gc._epi_count_mode() == 0

@@ -60,7 +60,8 @@ this tile's epilogue. It does so only when the tile loop holds exactly one loop 
 import triton
 import triton.language as tl
 
-from .signals import (HANDOFF, bulk_writes_done, count_release_red, cta_barrier, handoff_red,
+from .signals import (HANDOFF, bulk_writes_done, count_release_red, count_release_red_if, cta_barrier,
+                      cta_barrier_if, handoff_red,
                       poll_publish, poll_read, publish_handed_off, record_timeout, reset_and_publish,
                       wait_geq)
 
@@ -72,6 +73,10 @@ MAX_COUNTED_TILES = HANDOFF
 # row c * chunk_m of the first one's): one descriptor, epi_d0, over all M rows, so a tile is
 # stored at its own row as the plain output is (one code path instead of one per chunk)
 EPI_TMA_STACKED = tl.constexpr(9)
+# EPI_COUNT=4: the previous tile is counted at this K-step of the next tile's main loop (or its
+# last, if it has fewer): late enough for the previous tile's TMA stores to have drained, and
+# with this K-step's MMAs in flight, so the release's fence waits under them
+COUNT_STEP = tl.constexpr(4)
 
 
 @triton.jit
@@ -386,11 +391,39 @@ def _carry(x, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _count_in_loop(now, cnt_lo, cnt_n, poll_q, counters, signal_ptrs, seen, sig,
+                   EPI_TMA: tl.constexpr, USE_ASM: tl.constexpr):
+    """EPI_COUNT=4, in the main loop: if ``now``, count the ``cnt_n`` (0: none) stored tiles of
+    chunk ``cnt_lo`` (as :func:`_count_red`) and read the polled chunk's counter and signal
+    address (as :func:`poll_read`); returns the ``(seen, sig)`` read, else the ones passed in.
+    One ``if`` on ``now``, the rest predicated inside the PTX on ``cnt_n``: Triton 3.6 does not
+    software-pipeline a flattened loop (FLATTEN) whose K-step body holds a nested ``if``, or a
+    comparison of the tile loop's carried values (offline sm_90 compile)."""
+    if now:
+        if EPI_TMA > 0:
+            bulk_writes_done()   # waits for nothing when nothing is left to wait for
+        cta_barrier_if(cnt_n, USE_ASM)
+        count_release_red_if(cnt_n, counters + cnt_lo, cnt_n, USE_ASM)
+        seen, sig = poll_read(poll_q, counters + poll_q, signal_ptrs + poll_q, USE_ASM)
+    return seen, sig
+
+
+@triton.jit
 def _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+              cnt_lo, cnt_n, poll_q, counters, signal_ptrs,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr):
-    """fp32 sum over BLOCK_K steps [k_lo, k_hi) of one tile's A-rows x B-columns."""
+              USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr,
+              COUNT: tl.constexpr, EPI_TMA: tl.constexpr, USE_ASM: tl.constexpr):
+    """fp32 sum over BLOCK_K steps [k_lo, k_hi) of one tile's A-rows x B-columns.
+
+    COUNT (EPI_COUNT=4): at K-step ``k_lo + COUNT_STEP`` (or the last) also count the
+    ``cnt_n`` (0: none) stored tiles of chunk ``cnt_lo``, right after that step's MMAs were
+    issued, and read chunk ``poll_q``'s counter and signal address for the epilogue's
+    :func:`_poll_chunk`. Returns ``(acc, seen, sig)`` (``-1, 0`` without COUNT)."""
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    seen = tl.full((), -1, tl.int32)
+    sig = tl.full((), 0, tl.int64)
+    k_count = tl.minimum(k_lo + COUNT_STEP, k_hi - 1)
     if USE_TMA:
         for ki in range(k_lo, k_hi):
             off_k = ki * BLOCK_K
@@ -400,6 +433,9 @@ def _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, str
             else:
                 b_blk = b.load([off_k, off_n])
             acc = tl.dot(a_blk, b_blk, acc)
+            if COUNT:
+                seen, sig = _count_in_loop(ki == k_count, cnt_lo, cnt_n, poll_q, counters, signal_ptrs, seen, sig,
+                                           EPI_TMA, USE_ASM)
     else:
         offs_k0 = tl.arange(0, BLOCK_K)
         offs_am = off_m + tl.arange(0, BLOCK_M)
@@ -418,7 +454,10 @@ def _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, str
                 a_blk = a_blk.to(tl.float32)
                 b_blk = b_blk.to(tl.float32)
             acc = tl.dot(a_blk, b_blk, acc)
-    return acc
+            if COUNT:
+                seen, sig = _count_in_loop(ki == k_count, cnt_lo, cnt_n, poll_q, counters, signal_ptrs, seen, sig,
+                                           EPI_TMA, USE_ASM)
+    return acc, seen, sig
 
 
 @triton.jit
@@ -491,6 +530,8 @@ def gemm_kernel(
     pend_hi = tl.full((), -1, tl.int32)
     pend_poll = tl.full((), 0, tl.int32)  # EPI_COUNT=3: the previous tile is its chunk's poll tile
     pend_n = tl.full((), 1, tl.int32)     # EPI_COUNT=3: how many tiles pend_lo's count holds
+    if EPI_COUNT == 4:
+        pend_n = tl.full((), 0, tl.int32)  # EPI_COUNT=4: 1 once a stored tile is pending, else 0
     poll_q = tl.full((), -1, tl.int32)    # EPI_COUNT=3: chunk this program polls (-1: none)
 
     if STREAM_K:
@@ -515,14 +556,23 @@ def gemm_kernel(
             tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
             wait_timeout, err_ptr, status, verified, BLOCK_M, BLOCK_N, GROUP_M, TILE_ORDER, WAIT,
             EPILOGUE, USE_ASM)
-        acc = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk,
-                        stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32)
+        # EPI_COUNT=4 counts the previous tile (pend_n of them, 0: none) inside this main loop
+        acc, seen, sig = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk,
+                                   stride_bn, pend_lo, pend_n, poll_q, counters, signal_ptrs, BLOCK_M, BLOCK_N,
+                                   BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32,
+                                   EPILOGUE and EPI_COUNT == 4 and SPLIT_K == 1, EPI_TMA, USE_ASM)
 
         if SPLIT_K == 1:
             if EPILOGUE:
                 # Count the previous tile now: its stores have drained during this tile's main
                 # loop, so the release below costs no wait (publication is a tile later).
-                if EPI_COUNT == 3:
+                if EPI_COUNT == 4:
+                    # ... or rather, it was counted a few K-steps into this main loop, under its
+                    # MMAs; poll with what was read there
+                    poll_q = _poll_chunk(poll_q, seen, sig, M, chunk_m, num_pid_n, counters, epi_gen, status,
+                                         BLOCK_M, USE_ASM)
+                    poll_q = _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM)
+                elif EPI_COUNT == 3:
                     # ... with a release that returns nothing, so no warp waits for it. Pending
                     # tiles of this tile's chunk wait for it and are counted with it, a tile
                     # later (the chunk cannot be complete before this tile is counted anyway):
@@ -540,9 +590,12 @@ def gemm_kernel(
             if EPILOGUE:   # after the stores (see _carry)
                 pend_lo = _carry(c_lo, USE_ASM)
                 pend_hi = _carry(c_hi, USE_ASM)
-                if EPI_COUNT == 3:
+                if EPI_COUNT >= 3:
                     pend_poll = _carry(_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N),
                                        USE_ASM)
+                if EPI_COUNT == 4:   # no merging: the count's fence waits under the MMAs
+                    pend_n = _carry(tl.full((), 1, tl.int32), USE_ASM)
+                elif EPI_COUNT == 3:
                     pend_n = _carry(tl.where(merge, pend_n + 1, 1), USE_ASM)
         else:
             if EPILOGUE:   # the previous stored tile, as above
@@ -609,11 +662,12 @@ def gemm_kernel(
                 tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk, wait_signal,
                 wait_gen, wait_timeout, err_ptr, status, verified, BLOCK_M, BLOCK_N, GROUP_M,
                 TILE_ORDER, WAIT, EPILOGUE, USE_ASM)
-            acc = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak,
-                            stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR,
-                            DOT_FP32)
+            acc, seen, sig = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak,
+                                       stride_bk, stride_bn, pend_lo, pend_n, poll_q, counters,
+                                       signal_ptrs, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32,
+                                       False, EPI_TMA, USE_ASM)
             if EPILOGUE:   # the previous stored tile, counted late as in the loop above
-                if EPI_COUNT == 3:
+                if EPI_COUNT >= 3:
                     poll_q = _count_and_poll(pend_lo, pend_hi, pend_n, pend_poll, poll_q, M, chunk_m, num_pid_n,
                                              counters, signal_ptrs, epi_gen, status, BLOCK_M, EPI_TMA,
                                              USE_ASM)
@@ -627,7 +681,7 @@ def gemm_kernel(
                 if EPILOGUE:
                     pend_lo = c_lo
                     pend_hi = c_hi
-                    if EPI_COUNT == 3:
+                    if EPI_COUNT >= 3:
                         pend_poll = _is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N)
                         pend_n = tl.full((), 1, tl.int32)
             else:
@@ -641,7 +695,7 @@ def gemm_kernel(
                 if EPILOGUE:
                     pend_lo = c_lo
                     pend_hi = tl.where(is_last, c_hi, c_lo - 1)   # empty unless this one stores
-                    if EPI_COUNT == 3:
+                    if EPI_COUNT >= 3:
                         pend_poll = tl.where(is_last, _is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n,
                                                                     BLOCK_M, BLOCK_N), 0)
                         pend_n = tl.full((), 1, tl.int32)
@@ -675,7 +729,7 @@ def gemm_kernel(
                                         dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 1,
                                         C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
     if EPILOGUE:
-        if EPI_COUNT == 3:
+        if EPI_COUNT >= 3:
             _count_red(pend_lo, pend_hi, pend_n, counters, EPI_TMA, USE_ASM)
             poll_q = _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM)
             _end_counts(poll_q, M, chunk_m, num_chunks, num_pid_n, counters, signal_ptrs, epi_gen, status,

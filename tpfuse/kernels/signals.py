@@ -148,6 +148,8 @@ _LAST = ("{\n\t.reg .pred me, done, pub;\n\t.reg .u32 tid, last, seen;\n\t.reg .
 _PUBLISH = ("setp.ne.and.s32 pub, $6, 0, done;\n\t@done fence.acq_rel.sys;\n\t"
             "@done st.relaxed.gpu.global.b32 [$2], 0;\n\t@pub st.relaxed.sys.global.b32 [sig], $5;\n\t")
 _RED_ASM = tl.constexpr(_LAST + "@me red.release.gpu.global.add.u32 [$1], $2;\n\tmov.u32 $0, 0;\n\t}")
+_RED_IF_ASM = tl.constexpr(_LAST + "setp.ne.and.s32 me, $3, 0, me;\n\t"
+                           "@me red.release.gpu.global.add.u32 [$1], $2;\n\tmov.u32 $0, 0;\n\t}")
 _POLL_READ_ASM = tl.constexpr(
     _LAST + "setp.ge.and.s32 me, $2, 0, me;\n\tmov.u32 $0, -1;\n\tmov.u64 $1, 0;\n\t"
     "@me ld.global.u64 $1, [$4];\n\t@me ld.relaxed.gpu.global.u32 $0, [$3];\n\t}")
@@ -178,6 +180,29 @@ def count_release_red(counter_ptr, n, USE_ASM: tl.constexpr):
         tl.inline_asm_elementwise(_RED_ASM, "=r,l,r", [counter_ptr, n], dtype=tl.int32, is_pure=False, pack=1)
     else:
         tl.atomic_add(counter_ptr, n, sem="release", scope="gpu")
+
+
+@triton.jit
+def count_release_red_if(valid, counter_ptr, n, USE_ASM: tl.constexpr):
+    """:func:`count_release_red` where ``valid`` != 0, with the condition inside the PTX (no
+    ``if``: see ``_count_in_loop`` in tpfuse/kernels/gemm.py)."""
+    if USE_ASM:
+        tl.inline_asm_elementwise(_RED_IF_ASM, "=r,l,r,r", [counter_ptr, n, valid], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        tl.atomic_add(counter_ptr, tl.where(valid != 0, n, 0), sem="release", scope="gpu")
+
+
+@triton.jit
+def cta_barrier_if(valid, USE_ASM: tl.constexpr):
+    """:func:`cta_barrier` where ``valid`` != 0; ``valid`` must be the same in every thread of
+    the CTA (a predicated ``bar.sync``)."""
+    if USE_ASM:
+        tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $1, 0;\n\t@p bar.sync 0;\n\t"
+                                  "mov.u32 $0, 0;\n\t}", "=r,r", [valid], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        tl.debug_barrier()
 
 
 @triton.jit
