@@ -3,13 +3,14 @@ CUDA-graph timings (L2 flushed before each call). The hook runs in several varia
 ``matmul`` picks it for one destination tensor per chunk (as peer buffers are: TMA stores
 through one descriptor per destination where it can, per-tile count at GPU scope that returns
 nothing, one poller per chunk), with the chunks of one tensor as destinations (``epi_stacked``:
-one descriptor for all), with the returning count read
+one descriptor for all), with the count after the next tile's main loop instead of inside it
+(``epi_count_after``: ``TPFUSE_EPI_COUNT=epilogue``), with the returning count read
 at once (``TPFUSE_EPI_COUNT=gpu``), at system scope (``=sys``), with no
 count at all (``=none``: stores only, no signal published), with one chunk (one destination,
 but also another tile order than the 8-chunk baseline), and with pointer stores (the spec
 without its ``dests``). A diagnostic; needs a GPU.
 
-    python3 benchmarks/probe_epilogue.py [--rounds 7] [--config 128x256x64:num_stages=3]
+    python3 benchmarks/probe_epilogue.py [--rounds 7] [--config 128x256x64:num_stages=3] [--shapes M,N,K ...]
     python3 benchmarks/probe_epilogue.py --bench benchmarks/results/gemm_core_h200.json --phases train prefill
     ncu ... python3 benchmarks/probe_epilogue.py --bench ... --only 8B-fc2-prefill --once
 
@@ -43,6 +44,7 @@ SHAPES = ((16384, 4096, 1792), (4096, 3584, 4096), (16384, 8192, 3584), (2048, 4
 # name -> (chunks: None = --chunks, environment, pointer stores, stacked destinations)
 VARIANTS = {"epi": (None, {}, False, False),
             "epi_stacked": (None, {}, False, True),
+            "epi_count_after": (None, {"TPFUSE_EPI_COUNT": "epilogue"}, False, False),
             "epi_gpu_count": (None, {"TPFUSE_EPI_COUNT": "gpu"}, False, False),
             "epi_sys_count": (None, {"TPFUSE_EPI_COUNT": "sys"}, False, False),
             "epi_no_count": (None, {"TPFUSE_EPI_COUNT": "none"}, False, False),   # publishes nothing
@@ -62,7 +64,8 @@ def _cases(args):
     """(m, n, k, config, label) per shape."""
     if not args.bench:
         cfg = parse_spec(args.config)
-        return [(m, n, k, cfg, args.config) for m, n, k in SHAPES]
+        shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shapes] if args.shapes else SHAPES
+        return [(m, n, k, cfg, args.config) for m, n, k in shapes]
     rows = json.loads(Path(args.bench).read_text())["rows"]
     return [(r["m"], r["n"], r["k"], gc.GemmConfig(**r["config"]), r["name"])
             for r in rows if r.get("phase") in args.phases]
@@ -73,6 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--config", default="128x256x64")
     ap.add_argument("--bench", help="a benchmarks/gemm_core.py JSON: its shapes and chosen configs")
+    ap.add_argument("--shapes", nargs="*", default=[], metavar="M,N,K",
+                    help="without --bench: these shapes (default: four training/prefill ones) with --config")
     ap.add_argument("--phases", nargs="+", default=["train", "prefill"])
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--variants", nargs="+", default=["epi", "epi_gpu_count", "epi_no_count", "epi_ptr"],
@@ -163,7 +168,10 @@ def main(argv=None) -> int:
                 for name, base in pairs.items()}
         summary.append((label, over))
         print(f"{label} {m}x{n}x{k}: " + "  ".join(f"{name} {statistics.median(t[name]) * 1e3:.1f} us"
-                                                   for name in fns), flush=True)
+                                                   for name in fns)
+              + "  | against its base, median of paired rounds: "
+              + "  ".join(f"{name} {statistics.median(e - o for e, o in zip(t[name], t[base])) * 1e3:+.2f} us"
+                          for name, base in pairs.items()), flush=True)
     if args.once:
         return 0
     cols = list(dict.fromkeys(name for _, over in summary for name in over))
