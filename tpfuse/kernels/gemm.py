@@ -34,7 +34,10 @@ Hooks (constexpr, compiled away when off):
   a returning atomic's result at the loop's next iteration), and the program that stored the
   chunk's poll tile polls the chunk once per tile and publishes it; at its end it hands the
   chunk off, and every program's end publishes handed-off chunks whose count is complete
-  (``_count_red``, ``_poll_chunk``, ``_take_poll``, ``_end_counts``).
+  (``_count_red``, ``_poll_chunk``, ``_take_poll``, ``_end_counts``). EPI_COUNT=4 (flattened
+  tile loops) makes that count COUNT_STEP K-steps into the next tile's main loop instead, under
+  its MMAs, so the chunk is published most of a tile earlier (``_count_in_loop``).
+  Destinations stacked as one tensor's rows store through one descriptor (EPI_TMA_STACKED).
 
 Split-K (``SPLIT_K`` constexpr > 1; 1 compiles the plain path): the work items are
 (tile, k-slice) pairs, slice-major (item ``w`` = slice ``w // num_tiles`` of tile
@@ -261,7 +264,7 @@ def _tiles_in_chunk(cc, M, chunk_m, num_pid_n, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _count_red(pend_lo, pend_hi, pend_n, counters, EPI_TMA: tl.constexpr, USE_ASM: tl.constexpr):
-    """EPI_COUNT=3: count the ``pend_n`` stored tiles of chunk ``pend_lo`` (tiles never
+    """EPI_COUNT=3 and 4: count the ``pend_n`` stored tiles of chunk ``pend_lo`` (tiles never
     straddle chunks here; ``pend_hi < pend_lo``: nothing to count) with a release that returns
     nothing, so no warp waits for it."""
     if pend_hi >= pend_lo:
@@ -272,7 +275,7 @@ def _count_red(pend_lo, pend_hi, pend_n, counters, EPI_TMA: tl.constexpr, USE_AS
 @triton.jit
 def _poll_chunk(q, seen, sig, M, chunk_m, num_pid_n, counters, epi_gen, status, BLOCK_M: tl.constexpr,
                 USE_ASM: tl.constexpr):
-    """EPI_COUNT=3: publish chunk ``q`` (-1: none) to its signal at ``sig`` if ``seen`` (its
+    """EPI_COUNT=3 and 4: publish chunk ``q`` (-1: none) to its signal at ``sig`` if ``seen`` (its
     counter; both as :func:`poll_read` found them) says its count is complete; returns -1 once
     published, else ``q`` (see :func:`poll_publish`)."""
     return poll_publish(q, seen, sig, counters + q, _tiles_in_chunk(q, M, chunk_m, num_pid_n, BLOCK_M),
@@ -281,7 +284,7 @@ def _poll_chunk(q, seen, sig, M, chunk_m, num_pid_n, counters, epi_gen, status, 
 
 @triton.jit
 def _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM: tl.constexpr):
-    """EPI_COUNT=3, after counting the previous tile: if it was its chunk's poll tile, poll that
+    """EPI_COUNT=3 and 4, after counting the previous tile: if it was its chunk's poll tile, poll that
     chunk from now on (a chunk still polled is handed off first: rare, a program with few
     tiles per chunk gets there only with very few programs). Returns the chunk to poll.
     Selects, not branches: with USE_ASM only the last thread's ``poll_q`` is meaningful."""
@@ -306,7 +309,7 @@ def _count_and_poll(pend_lo, pend_hi, pend_n, pend_poll, poll_q, M, chunk_m, num
 @triton.jit
 def _end_counts(poll_q, M, chunk_m, num_chunks, num_pid_n, counters, signal_ptrs, epi_gen, status,
                 BLOCK_M: tl.constexpr, USE_ASM: tl.constexpr):
-    """EPI_COUNT=3, at the program's end, after its last count: hand off the chunk it still
+    """EPI_COUNT=3 and 4, at the program's end, after its last count: hand off the chunk it still
     polls, and publish every chunk whose count is complete with its poller gone. Whichever of
     a chunk's last count and its handoff comes later in the counter's coherence order, its
     program reads "complete + HANDOFF" here after the CTA barrier below (the other one's
@@ -325,7 +328,7 @@ def _end_counts(poll_q, M, chunk_m, num_chunks, num_pid_n, counters, signal_ptrs
 
 @triton.jit
 def _is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """1 for the tile whose program polls chunk ``c_lo`` (EPI_COUNT=3): the chunk's last M-tile
+    """1 for the tile whose program polls chunk ``c_lo`` (EPI_COUNT 3, 4): the chunk's last M-tile
     row, last column -- the chunk's last tile in the owner and grouped orders, so by the time
     its program polls, the chunk's other tiles have mostly been counted."""
     last_row = tl.minimum((c_lo + 1) * chunk_m, M) - 1
@@ -495,8 +498,8 @@ def gemm_kernel(
     # epilogue hook
     dest_offs, stride_dm, signal_ptrs, counters, epi_gen,
     # epilogue hook through TMA: descriptor q (q < EPI_TMA) covers chunk q's rows of its
-    # destination, or (EPI_TMA_STACKED) epi_d0 covers all M rows; the unused ones are None (separate arguments: Triton 3.6's launcher does not
-    # take a tuple of descriptors)
+    # destination, or (EPI_TMA_STACKED) epi_d0 covers all M rows; the unused ones are None
+    # (separate arguments: Triton 3.6's launcher does not take a tuple of descriptors)
     epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7,
     # split-K: fp32 partials [num_tiles, SPLIT_K, BLOCK_M, BLOCK_N] and int32 [num_tiles] zeros;
     # stream-K: fp32 partials [programs, 2, BLOCK_M, BLOCK_N], the same counters, and the number
@@ -528,11 +531,11 @@ def gemm_kernel(
     verified = tl.full((), 0, tl.int64)  # WAIT: bit c set once signal[c] >= wait_gen was seen
     pend_lo = tl.full((), 0, tl.int32)   # EPILOGUE: chunks of the previous tile, counted late
     pend_hi = tl.full((), -1, tl.int32)
-    pend_poll = tl.full((), 0, tl.int32)  # EPI_COUNT=3: the previous tile is its chunk's poll tile
+    pend_poll = tl.full((), 0, tl.int32)  # EPI_COUNT>=3: the previous tile is its chunk's poll tile
     pend_n = tl.full((), 1, tl.int32)     # EPI_COUNT=3: how many tiles pend_lo's count holds
     if EPI_COUNT == 4:
         pend_n = tl.full((), 0, tl.int32)  # EPI_COUNT=4: 1 once a stored tile is pending, else 0
-    poll_q = tl.full((), -1, tl.int32)    # EPI_COUNT=3: chunk this program polls (-1: none)
+    poll_q = tl.full((), -1, tl.int32)    # EPI_COUNT>=3: chunk this program polls (-1: none)
 
     if STREAM_K:
         num_work = num_tiles - sk_tiles   # whole tiles first; the last sk_tiles after the loop
