@@ -230,9 +230,8 @@ def test_epilogue_stacked_destinations_take_one_descriptor(chunk_m, chunks, sub,
 def test_epilogue_count_modes_publish_every_chunk(count, config, monkeypatch):
     # auto: counts that return nothing, made inside the next tile's main loop in flattened
     # tile loops (EPI_COUNT=4), after it otherwise and with =epilogue (3), a poller per chunk;
-    # 7 programs run ~14
-    # tiles each, so most chunks are published by their poller inside the tile loop, the rest
-    # at the programs' ends after the handoff. With stream_k=2 the last 12 of the 96 tiles are
+    # 7 programs run ~14 tiles each, so most chunks are published by their poller inside the
+    # tile loop, the rest at the programs' ends after the handoff. With stream_k=2 the last 12 of the 96 tiles are
     # shared out by K-steps and counted by the segment that stores them.
     monkeypatch.setenv("TPFUSE_EPI_COUNT", count)
     modes = []
