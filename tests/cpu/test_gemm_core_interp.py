@@ -409,6 +409,19 @@ def test_epilogue_publishes_with_many_tiles_per_program(programs, chunk_m, count
     assert modes == {{"auto": 4 if aligned else 1, "epilogue": 3 if aligned else 1, "gpu": 1, "sys": 2}[count_scope]}
 
 
+@pytest.mark.parametrize("m,chunk_m,start_chunk,programs", [(100, 32, 2, 2), (128, 32, 2, 3), (128, 128, 0, 2),
+                                                           (100, 48, 0, 3)])
+def test_count_in_loop_merges_runs_of_one_chunk(m, chunk_m, start_chunk, programs, monkeypatch):
+    # EPI_COUNT=4 (flattened tile loop): a program's consecutive tiles of one chunk are counted
+    # as one run, the merge decided a tile ahead from the owner order's chunk segments; m = 100
+    # leaves a short last chunk (4 rows), in the middle of the rotation with start_chunk = 2.
+    monkeypatch.delenv("TPFUSE_EPI_COUNT", raising=False)
+    modes = _record_count_modes(monkeypatch)
+    _epilogue_over_generations(m, 32, 64, chunk_m, dataclasses.replace(CFG, num_programs=programs, flatten=True),
+                               start_chunk=start_chunk, seed=41)
+    assert modes == {4}
+
+
 def test_wait_timeout_raises_with_chunk_and_generation():
     a, b, _ = _operands(64, 32, 32, torch.bfloat16, "row_major", seed=4)
     signal = torch.tensor([3, 3, 2, 3], dtype=torch.int32)      # chunk 2 never reaches 3

@@ -379,6 +379,25 @@ def _tile_start(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chu
 
 
 @triton.jit
+def _next_in_segment(work_id, num_progs, num_work, c, M, chunk_m, num_chunks, start_chunk, num_pid_n,
+                     BLOCK_M: tl.constexpr, TILE_ORDER: tl.constexpr):
+    """EPI_COUNT=4: whether this program's next tile (``work_id + num_progs``) exists and lies in
+    chunk ``c`` too. In the owner order chunk ``c``'s tiles are one segment of the order, found
+    in closed form (every chunk but the last, by index, has ``chunk_m / BLOCK_M`` M-tile rows:
+    ``chunk_m % BLOCK_M == 0`` here); other orders never merge."""
+    if TILE_ORDER == 2:
+        full = (chunk_m // BLOCK_M) * num_pid_n
+        last = _tiles_in_chunk(num_chunks - 1, M, chunk_m, num_pid_n, BLOCK_M)
+        rank = (c - start_chunk + num_chunks) % num_chunks
+        rank_last = (num_chunks - 1 - start_chunk + num_chunks) % num_chunks
+        seg_start = rank * full - tl.where(rank_last < rank, full - last, 0)
+        seg_end = seg_start + tl.where(c == num_chunks - 1, last, full)
+        return work_id + num_progs < tl.minimum(seg_end, num_work)
+    else:
+        return work_id < 0
+
+
+@triton.jit
 def _carry(x, USE_ASM: tl.constexpr):
     """``x`` through an opaque move, for a value that the tile loop carries to its next tile and
     that the epilogue sets from one the prologue computed (``pend_lo = c_lo``). Triton 3.6's
@@ -532,9 +551,10 @@ def gemm_kernel(
     pend_lo = tl.full((), 0, tl.int32)   # EPILOGUE: chunks of the previous tile, counted late
     pend_hi = tl.full((), -1, tl.int32)
     pend_poll = tl.full((), 0, tl.int32)  # EPI_COUNT>=3: the previous tile is its chunk's poll tile
-    pend_n = tl.full((), 1, tl.int32)     # EPI_COUNT=3: how many tiles pend_lo's count holds
+    pend_n = tl.full((), 1, tl.int32)     # EPI_COUNT>=3: how many tiles pend_lo's count holds
+    cnt_n = tl.full((), 0, tl.int32)      # EPI_COUNT=4: how many of them the next main loop counts
     if EPI_COUNT == 4:
-        pend_n = tl.full((), 0, tl.int32)  # EPI_COUNT=4: 1 once a stored tile is pending, else 0
+        pend_n = tl.full((), 0, tl.int32)  # (0: nothing pending)
     poll_q = tl.full((), -1, tl.int32)    # EPI_COUNT>=3: chunk this program polls (-1: none)
 
     if STREAM_K:
@@ -559,9 +579,9 @@ def gemm_kernel(
             tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
             wait_timeout, err_ptr, status, verified, BLOCK_M, BLOCK_N, GROUP_M, TILE_ORDER, WAIT,
             EPILOGUE, USE_ASM)
-        # EPI_COUNT=4 counts the previous tile (pend_n of them, 0: none) inside this main loop
+        # EPI_COUNT=4 counts the pending tiles (cnt_n of them, 0: none) inside this main loop
         acc, seen, sig = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk,
-                                   stride_bn, pend_lo, pend_n, poll_q, counters, signal_ptrs, BLOCK_M, BLOCK_N,
+                                   stride_bn, pend_lo, cnt_n, poll_q, counters, signal_ptrs, BLOCK_M, BLOCK_N,
                                    BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32,
                                    EPILOGUE and EPI_COUNT == 4 and SPLIT_K == 1, EPI_TMA, USE_ASM)
 
@@ -596,8 +616,18 @@ def gemm_kernel(
                 if EPI_COUNT >= 3:
                     pend_poll = _carry(_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N),
                                        USE_ASM)
-                if EPI_COUNT == 4:   # no merging: the count's fence waits under the MMAs
-                    pend_n = _carry(tl.full((), 1, tl.int32), USE_ASM)
+                if EPI_COUNT == 4:
+                    # The run of pending tiles grows by this tile if this main loop did not count
+                    # it (cnt_n == 0: merged). It is counted in the next tile's main loop unless
+                    # that tile lies in this chunk too and this is no poll tile -- decided here,
+                    # a tile ahead: a count inside the K-steps can only take values the tile
+                    # loop carries (see _count_in_loop).
+                    run_n = tl.where((pend_n > 0) & (cnt_n == 0), pend_n + 1, 1)
+                    merge_next = (_next_in_segment(work_id, num_progs, num_work, c_lo, M, chunk_m, num_chunks,
+                                                   start_chunk, num_pid_n, BLOCK_M, TILE_ORDER)
+                                  & (_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N) == 0))
+                    pend_n = _carry(run_n, USE_ASM)
+                    cnt_n = _carry(tl.where(merge_next, 0, run_n), USE_ASM)
                 elif EPI_COUNT == 3:
                     pend_n = _carry(tl.where(merge, pend_n + 1, 1), USE_ASM)
         else:
