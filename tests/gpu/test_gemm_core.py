@@ -117,6 +117,11 @@ def test_wait_hook_released_late_reads_only_released_rows(config):
     consumer, producer = torch.cuda.Stream(), torch.cuda.Stream()
     cfg = dataclasses.replace(config, num_programs=64)
     err = gc.new_error_word("cuda")
+    # Everything above was made on the default stream, which the two streams below do not wait
+    # for: without this, the producer's writes to ``a`` and ``signal`` could land before the
+    # default stream's NaN/zero fills and be overwritten (seen on the H200, 2026-11-30: the
+    # warm-up below timed out with every signal set to 1 before the GEMM started, reading 0).
+    torch.cuda.synchronize()
 
     def call(gen):   # returns at once: the producer is what releases the GEMM
         with torch.cuda.stream(consumer):
@@ -130,10 +135,10 @@ def test_wait_hook_released_late_reads_only_released_rows(config):
                 a[c * chunk_m:(c + 1) * chunk_m].copy_(src[c * chunk_m:(c + 1) * chunk_m])
                 signal[c:c + 1].fill_(gen)
 
-    # The whole sequence once with every chunk released before the GEMM starts. Without it
-    # the first such run of a process stalled on the H200, whichever variant came first: the
-    # producer did not run while the GEMM spun (a timeout), and the second run passed. Cause
-    # not found (some one-time set-up of these streams or kernels); the checked run is below.
+    # The whole sequence once with every chunk released before the GEMM starts (the wait hook
+    # with signals already set). It was added because the first such run of a process timed
+    # out on the H200 while the second passed; the race fixed above fits that (the default
+    # stream's first fills are the slow ones of a process), and the warm-up stays as a check.
     release(1, 1)
     torch.cuda.synchronize()
     call(1)
