@@ -125,11 +125,7 @@ def cta_barrier(USE_ASM: tl.constexpr):
     every thread's accesses after (``bar.sync``). With USE_ASM it is inline PTX: Triton 3.6
     does not pipeline the loads of a flattened tile loop (FLATTEN) with a ``tl.debug_barrier``
     in its body."""
-    if USE_ASM:
-        tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        tl.debug_barrier()
+    cta_barrier_if(1, USE_ASM)
 
 
 # EPI_COUNT=3 (tpfuse/kernels/gemm.py): a chunk's counter holds its count of stored tiles, plus
@@ -147,7 +143,6 @@ _LAST = ("{\n\t.reg .pred me, done, pub;\n\t.reg .u32 tid, last, seen;\n\t.reg .
 # loaded earlier, alongside the counter's read, so that no round trip is left before the store)
 _PUBLISH = ("setp.ne.and.s32 pub, $6, 0, done;\n\t@done fence.acq_rel.sys;\n\t"
             "@done st.relaxed.gpu.global.b32 [$2], 0;\n\t@pub st.relaxed.sys.global.b32 [sig], $5;\n\t")
-_RED_ASM = tl.constexpr(_LAST + "@me red.release.gpu.global.add.u32 [$1], $2;\n\tmov.u32 $0, 0;\n\t}")
 _RED_IF_ASM = tl.constexpr(_LAST + "setp.ne.and.s32 me, $3, 0, me;\n\t"
                            "@me red.release.gpu.global.add.u32 [$1], $2;\n\tmov.u32 $0, 0;\n\t}")
 _POLL_READ_ASM = tl.constexpr(
@@ -176,10 +171,7 @@ def count_release_red(counter_ptr, n, USE_ASM: tl.constexpr):
     round trip. A returning atomic does not do: inside the tile loop ptxas waits for its result
     register at the loop's next iteration, whenever the result is read (on the H200 ~1 us per
     tile, most of the epilogue hook's cost; ``benchmarks/results/probes_2026-11-30d``)."""
-    if USE_ASM:
-        tl.inline_asm_elementwise(_RED_ASM, "=r,l,r", [counter_ptr, n], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.atomic_add(counter_ptr, n, sem="release", scope="gpu")
+    count_release_red_if(1, counter_ptr, n, USE_ASM)
 
 
 @triton.jit
