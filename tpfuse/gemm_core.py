@@ -756,19 +756,21 @@ def _epilogue_tma_dests(epilogue, tma_store, num_chunks, block_m) -> int:
 
 def _stacked(epilogue: "EpilogueSpec") -> bool:
     """True when ``epilogue.dests`` are two or more consecutive row blocks of one tensor:
-    dests[c] starts ``c * chunk_m`` rows after dests[0] in the same storage, with the same row
-    stride and width (the chunks of one output buffer: a rank's own symmetric buffer, or
-    ``out[c * chunk_m:]`` slices). Row r of ``a @ b`` then goes to row r of that tensor.
-    Decided once per spec."""
+    dests[c] starts ``c * chunk_m`` rows (of ``dest_stride``) after dests[0], with the same
+    width (the chunks of one output buffer: a rank's own symmetric buffer, or
+    ``out[c * chunk_m:]`` slices). Row r of ``a @ b`` then goes to row r from dests[0]: the very
+    addresses the per-chunk descriptors would write, so where the tensors live does not matter.
+    Decided once per spec, from pointers only: it is on the per-call path (the plan key)."""
     got = epilogue.__dict__.get("_stacked")   # frozen dataclass: a cache, not a field
     if got is None:
         dests = epilogue.dests
-        row_bytes = epilogue.dest_stride * dests[0].element_size() if dests else 0
-        got = len(dests) > 1 and all(
-            d.untyped_storage().data_ptr() == dests[0].untyped_storage().data_ptr()
-            and d.data_ptr() == dests[0].data_ptr() + c * epilogue.chunk_m * row_bytes
-            and d.shape[1] == dests[0].shape[1]
-            for c, d in enumerate(dests))
+        if len(dests) > 1:
+            base, width = dests[0].data_ptr(), dests[0].shape[1]
+            row_bytes = epilogue.dest_stride * dests[0].element_size()
+            got = all(d.data_ptr() == base + c * epilogue.chunk_m * row_bytes and d.shape[1] == width
+                      for c, d in enumerate(dests))
+        else:
+            got = False
         epilogue.__dict__["_stacked"] = got
     return got
 
