@@ -112,9 +112,10 @@ def main(argv=None) -> int:
                 sig = sigs.setdefault(name, torch.zeros(chunks, dtype=torch.int32, device="cuda"))
                 # one allocation per chunk, as peer buffers are (checked against ``out`` after
                 # copying back), or chunks of ``out`` itself (stacked: one TMA descriptor)
-                dests = ([out[c * cm:(c + 1) * cm] for c in range(chunks)] if stacked else
-                         sep.setdefault(chunks, [torch.empty(min(cm, m - c * cm), n, device="cuda",
-                                                             dtype=torch.bfloat16) for c in range(chunks)]))
+                if not stacked and chunks not in sep:
+                    sep[chunks] = [torch.empty(min(cm, m - c * cm), n, device="cuda", dtype=torch.bfloat16)
+                                   for c in range(chunks)]
+                dests = [out[c * cm:(c + 1) * cm] for c in range(chunks)] if stacked else sep[chunks]
                 epi = gc.EpilogueSpec.from_tensors(dests, sig, 7, cm)
                 if pointer:
                     epi = dataclasses.replace(epi, dests=())

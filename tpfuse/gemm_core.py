@@ -897,7 +897,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
                                          out.data_ptr() % 16 == 0),
                config, tile_order, chunk_m, start_chunk, wait is not None and wait.chunk_m,
                epilogue is not None and (epilogue.chunk_m, epilogue.align_elems, len(epilogue.dests),
-                                         bool(epilogue.dests) and _stacked(epilogue)),
+                                         _stacked(epilogue)),
                use_tma, os.environ.get("TRITON_INTERPRET"), os.environ.get("TPFUSE_SIGNAL_ASM"),
                os.environ.get("TPFUSE_EPI_TMA"), os.environ.get("TPFUSE_EPI_COUNT"))
         plan = _PLANS.get(key)
