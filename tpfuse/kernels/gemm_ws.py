@@ -1,0 +1,297 @@
+"""Warp-specialized persistent GEMM (Gluon, sm_90) for the epilogue hook: ``c = a @ b``.
+
+The plain kernel (gemm.py) runs the epilogue hook's count and release on the warps that issue
+the MMAs: per tile a wait for the TMA writes, a CTA barrier and a ``MEMBAR.GPU`` (~0.9 us on
+the H200), which the tensor cores wait for. Here each program has three partitions:
+
+* MMA (the default partition, ``num_warps`` = 8: two warpgroups, 64 rows of the 128-row tile
+  each): waits for a stage's operands, issues the wgmma, frees the stage; at a tile's end it
+  converts the accumulator and writes it into the output staging buffer (shared memory);
+* load (1 warp): the TMA loads of A and B into a ring of ``STAGES`` stages, running ahead over
+  the program's tiles;
+* store (1 warp): the TMA store of the staging buffer to the tile's destination and then, with
+  the epilogue hook, the count of the tile in its chunks and the publication of a chunk whose
+  count is complete -- so the fences and the atomic's round trip wait on this warp only, while
+  the MMA warps go on with the next tile.
+
+The three walk the same tiles in the same order (``_tile_coords``: the orders of gemm.py), and
+talk through mbarriers: ``ready[s]``/``empty[s]`` per stage, ``c_ready``/``c_empty`` for the
+staging buffer.
+
+Epilogue hook protocol (simpler than gemm.py's, whose count may not wait): per tile and chunk
+it touches, after the tile's TMA writes are done (``cp.async.bulk.wait_group 0``) and ordered
+before the generic proxy (``fence.proxy.async.global``), ``atom.add.acq_rel.gpu`` on the chunk's
+counter returns the count before it; the tile that completes the count has acquired every
+other tile's release, resets the counter to 0 for the next launch and publishes the generation
+with a system-scope release (``fence.acq_rel.sys`` + relaxed store). One GPU counts, so the
+count is GPU-scope; the system-scope release is cumulative (see gemm.py, ``_count_and_publish``).
+Nobody spins on another program, so programs need not be co-resident.
+
+Destinations: one TMA descriptor per chunk (``EPI_TMA`` = number of chunks, at most 8, every
+tile inside one chunk) or one over stacked destinations (``EPI_TMA_STACKED``: a tile may
+straddle chunks then; it is stored once and counted in each). No wait hook, no split-K: the
+host (tpfuse/gemm_core.py) takes this kernel only for the epilogue hook on that path.
+"""
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+EPI_TMA_STACKED = gl.constexpr(9)   # as gemm.EPI_TMA_STACKED
+
+# The store warp's count of one stored tile in one chunk: lane 0 counts, every lane gets the
+# count it made (shfl). Before it: this warp's TMA writes done and ordered before the release.
+# $1 counter, $2 tiles counted, $3 the chunk's tile total, $4 the signal's address, $5 the
+# generation. The count completing the chunk resets the counter and publishes.
+_COUNT_ASM = gl.constexpr("{\n\t.reg .pred p, last;\n\t.reg .u32 lane, old;\n\t"
+              "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tbar.warp.sync -1;\n\t"
+              "mov.u32 lane, %laneid;\n\tsetp.eq.u32 p, lane, 0;\n\tmov.u32 old, 0;\n\t"
+              "@p atom.add.acq_rel.gpu.global.u32 old, [$1], $2;\n\tadd.u32 old, old, $2;\n\t"
+              "setp.eq.and.u32 last, old, $3, p;\n\t"
+              "@last fence.acq_rel.sys;\n\t@last st.relaxed.gpu.global.b32 [$1], 0;\n\t"
+              "@last st.relaxed.sys.global.b32 [$4], $5;\n\t"
+              "shfl.sync.idx.b32 $0, old, 0, 31, -1;\n\t}")
+
+
+@gluon.jit
+def _grouped(local, rows, num_pid_n, GROUP_M: gl.constexpr):
+    num_in_group = GROUP_M * num_pid_n
+    first_m = (local // num_in_group) * GROUP_M
+    group_rows = gl.minimum(rows - first_m, GROUP_M)
+    pid_m = first_m + (local % num_in_group) % group_rows
+    pid_n = (local % num_in_group) // group_rows
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _segment_start(c, start_chunk, t0, chunk_m, num_pid_m, BLOCK_M: gl.constexpr):
+    r = (c * chunk_m + BLOCK_M - 1) // BLOCK_M - t0
+    r = gl.where(c < start_chunk, r + num_pid_m, r)
+    return gl.minimum(gl.maximum(r, 0), num_pid_m)
+
+
+@gluon.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+                 BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr, TILE_ORDER: gl.constexpr):
+    """Tile id -> (pid_m, pid_n) in the orders of gemm.py's ``_tile_coords`` (0 grouped, 1 round,
+    2 owner), the same arithmetic."""
+    if TILE_ORDER == 0:
+        pid_m, pid_n = _grouped(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    elif TILE_ORDER == 1:
+        t0 = (start_chunk * chunk_m) // BLOCK_M
+        pos_m, pid_n = _grouped(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m = (pos_m + t0) % num_pid_m
+    else:
+        t0 = (start_chunk * chunk_m) // BLOCK_M
+        pos = tile_id // num_pid_n
+        first_row = ((pos + t0) % num_pid_m) * BLOCK_M
+        c = gl.where(pos == 0, start_chunk, gl.minimum(first_row // chunk_m, num_chunks - 1))
+        nxt = (c + 1) % num_chunks
+        seg_lo = gl.where(c == start_chunk, 0, _segment_start(c, start_chunk, t0, chunk_m, num_pid_m, BLOCK_M))
+        seg_hi = gl.where(nxt == start_chunk, num_pid_m,
+                          _segment_start(nxt, start_chunk, t0, chunk_m, num_pid_m, BLOCK_M))
+        local = tile_id - seg_lo * num_pid_n
+        pos_m, pid_n = _grouped(local, seg_hi - seg_lo, num_pid_n, GROUP_M)
+        pid_m = (seg_lo + pos_m + t0) % num_pid_m
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                    STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
+                    EPI_TMA: gl.constexpr):
+    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
+     M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs) = p
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    it = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+                                    BLOCK_M, GROUP_M, TILE_ORDER)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        for ki in range(k_tiles):
+            s = it % STAGES
+            # stage s is free once the MMA warps have consumed its previous fill (a fresh
+            # mbarrier counts as having completed the phase before phase 0)
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, ki * BLOCK_K], ready.index(s), a_bufs.index(s))
+            if B_KMAJOR:
+                tma.async_copy_global_to_shared(b_desc, [off_n, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [ki * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                    STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
+                    EPI_TMA: gl.constexpr):
+    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
+     M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs) = p
+    c_desc = epi_descs[0]
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    tc = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+                                    BLOCK_M, GROUP_M, TILE_ORDER)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        mbarrier.wait(c_ready, tc & 1)
+        if EPILOGUE and EPI_TMA != EPI_TMA_STACKED:
+            # one descriptor per chunk, over that chunk's rows (the tile lies in one chunk)
+            q_tile = off_m // chunk_m
+            for q in gl.static_range(EPI_TMA):
+                if q == q_tile:
+                    tma.async_copy_shared_to_global(epi_descs[q], [off_m - q * chunk_m, off_n], c_smem)
+        else:
+            tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+        tma.store_wait(0)   # the staging buffer has been read out
+        mbarrier.arrive(c_empty, count=1)
+        if EPILOGUE:
+            c_lo = off_m // chunk_m
+            c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
+            for cc in range(c_lo, c_hi + 1):
+                row_end = gl.minimum((cc + 1) * chunk_m, M)
+                total = ((row_end - 1) // BLOCK_M - (cc * chunk_m) // BLOCK_M + 1) * num_pid_n
+                sig = gl.load(signal_ptrs + cc)
+                gl.inline_asm_elementwise(_COUNT_ASM, "=r,l,r,r,l,r",
+                                          [counters + cc, 1, total, sig, epi_gen],
+                                          dtype=gl.int32, is_pure=False, pack=1)
+        tc += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _mma_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                    STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
+                    EPI_TMA: gl.constexpr, num_warps: gl.constexpr):
+    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
+     M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs) = p
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    it = 0
+    tc = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        for ki in range(k_tiles):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            if B_KMAJOR:
+                b_op = b_bufs.index(s).permute((1, 0))
+            else:
+                b_op = b_bufs.index(s)
+            acc = warpgroup_mma(a_bufs.index(s), b_op, acc, use_acc=ki > 0, is_async=True)
+            # one wgmma group in flight: the previous stage's is done, so it is free
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+            it += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+        # the staging buffer is free once the store warp's previous TMA store has read it
+        mbarrier.wait(c_empty, (tc & 1) ^ 1)
+        c_smem.store(acc.to(c_smem.dtype))
+        fence_async_shared()
+        mbarrier.arrive(c_ready, count=1)
+        tc += 1
+
+
+@gluon.jit
+def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_chunk,
+                   counters, signal_ptrs, epi_gen,
+                   epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                   STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr,
+                   EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = a_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(c_ready, count=1)
+    mbarrier.init(c_empty, count=1)
+    if EPILOGUE and EPI_TMA == EPI_TMA_STACKED:
+        epi_descs = (epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0)
+    elif EPILOGUE:
+        epi_descs = (epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7)
+    else:
+        epi_descs = (c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc)
+    p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
+         M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs)
+    gl.warp_specialize([
+        (_mma_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA,
+                          num_warps)),
+        (_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA)),
+        (_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA)),
+    ], [1, 1], [40, 40])
+
+
+# --------------------------------------------------------------------------------------------
+# host side
+# --------------------------------------------------------------------------------------------
+TILE_ORDERS = ("grouped", "round", "owner")
+_NUM_SMS: dict = {}
+
+
+def _desc(t, shape, block):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    gl_dtype = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16}[str(t.dtype)]
+    layout = gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+    return TensorDescriptor(t, list(shape), [t.stride(0), 1], list(block), layout)
+
+
+def launch(a, b, *, out=None, dests=(), stacked=False, chunk_m=None, start_chunk=0, tile_order="grouped",
+           counters=None, signal_ptrs=None, generation=0, block=(128, 256, 64), group_m=8, stages=3,
+           num_programs=None):
+    """``a [M, K] @ b [K, N]`` (``b`` row-major or ``weight.t()``) into ``out``, or with ``dests``
+    (the epilogue hook) into one destination per chunk of ``chunk_m`` rows (``stacked``: they
+    are consecutive row blocks of one tensor), counting in ``counters`` and publishing
+    ``generation`` to the int32 at each ``signal_ptrs[c]``. bf16/fp16, 16-byte aligned rows,
+    sm_90. The caller (tpfuse/gemm_core.py) validates; this only launches."""
+    m, k = a.shape
+    n = b.shape[1]
+    bm, bn, bk = block
+    b_kmajor = b.stride(0) == 1
+    a_desc = _desc(a, (m, k), (bm, bk))
+    b_desc = _desc(b.t(), (n, k), (bn, bk)) if b_kmajor else _desc(b, (k, n), (bk, bn))
+    epilogue = len(dests) > 0
+    chunk_m = chunk_m or m
+    num_chunks = -(-m // chunk_m)
+    if epilogue:
+        if stacked:
+            epi = [_desc(dests[0], (m, n), (bm, bn))]
+            epi_tma = 9
+        else:
+            epi = [_desc(d, (min(chunk_m, m - q * chunk_m), n), (bm, bn)) for q, d in enumerate(dests)]
+            epi_tma = len(epi)
+        c_desc = epi[0]
+    else:
+        c_desc = _desc(out, (m, n), (bm, bn))
+        epi, epi_tma = [], 0
+    epi = epi + [None] * (8 - len(epi))
+    dev = a.device.index if a.device.index is not None else 0
+    if dev not in _NUM_SMS:
+        import torch
+        _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    grid = (min(tiles, num_programs or _NUM_SMS[dev]), )
+    gemm_ws_kernel[grid](a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk,
+                         counters, signal_ptrs, generation, *epi,
+                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
+                         TILE_ORDER=TILE_ORDERS.index(tile_order), B_KMAJOR=b_kmajor, EPILOGUE=epilogue,
+                         EPI_TMA=epi_tma, num_warps=8, maxnreg=168)
+    return out
