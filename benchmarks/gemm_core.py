@@ -217,6 +217,12 @@ def run_shape(s: Shape, dtype, args, log):
                 gc.check_error_word(wait.error)
             if "epilogue" in kw and not bool((esig == 7).all()):
                 raise RuntimeError(f"signals after epilogue: {esig.tolist()}")
+            if "epilogue" in kw:   # which kernel took the hook (gemm_core._ws_choice)
+                plan = gc._LAST_PLAN[0]
+                row["epilogue_kernel"] = "gemm_ws" if plan.ws else "gemm_kernel"
+                row["epilogue_stores"] = {0: "pointers", gc._triton()[2].EPI_TMA_STACKED.value: "tma_stacked"}.get(
+                    plan.epi_tma, "tma_per_chunk")
+
             if not math.isfinite(err) or err > tol:
                 raise RuntimeError(f"rel_err {err}")
             fns[key] = (lambda kw: lambda a, b, c: gc.matmul(

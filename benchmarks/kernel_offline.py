@@ -91,6 +91,56 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
+def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int = 3, epi_tma: int = -1,
+                      tile_order: int = 2, b_kmajor: bool = True):
+    """triton.compile of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py) for bf16
+    ``a[m, k] @ b`` (``weight[n, k].t()`` or row-major ``[k, n]``) on sm_90, launched as
+    gemm_core launches it; ``epi_tma``: -1 no hook (plain output), else the epilogue hook through
+    that many per-chunk descriptors (chunks of ``m // epi_tma`` rows) or, 9, one over stacked
+    destinations."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    W = importlib.import_module("tpfuse.kernels.gemm_ws")
+    bm, bn, bk = block
+    a = torch.empty(m, k, dtype=torch.bfloat16)
+    c = torch.empty(m, n, dtype=torch.bfloat16)
+    if b_kmajor:
+        b_desc = W.make_descriptor(torch.empty(n, k, dtype=torch.bfloat16), (n, k), (k, 1), (bn, bk))
+    else:
+        b_desc = W.make_descriptor(torch.empty(k, n, dtype=torch.bfloat16), (k, n), (n, 1), (bk, bn))
+    c_desc = W.make_descriptor(c, (m, n), (n, 1), (bm, bn))
+    hook = epi_tma >= 0
+    descs = 1 if epi_tma == W.EPI_TMA_STACKED.value else max(epi_tma, 0)
+    chunks = max(descs, 1)
+    args = dict(a_desc=W.make_descriptor(a, (m, k), (k, 1), (bm, bk)), b_desc=b_desc, c_desc=c_desc, M=m, N=n, K=k,
+                chunk_m=m // chunks, num_chunks=chunks, start_chunk=0,
+                counters=torch.empty(4, dtype=torch.int32) if hook else None,
+                signal_ptrs=torch.empty(4, dtype=torch.int64) if hook else None, epi_gen=1,
+                **{f"epi_d{q}": c_desc if q < descs else None for q in range(8)})
+    cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, TILE_ORDER=tile_order,
+                B_KMAJOR=b_kmajor, EPILOGUE=hook, EPI_TMA=max(epi_tma, 0), DIAG=0, num_warps=W.NUM_WARPS)
+    names = W.gemm_ws_kernel.arg_names
+    sig, attrs = {}, {}
+    for i, name in enumerate(names):
+        if name in cons:
+            sig[name] = "constexpr"
+            continue
+        v = args[name]
+        if v is None:
+            sig[name] = "constexpr"
+            cons[name] = None
+            continue
+        sig[name] = "i32" if isinstance(v, int) else mangle_type(v)
+        if name in ("M", "N", "K") and v % 16 == 0:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(fn=W.gemm_ws_kernel, signature=sig, attrs=attrs,
+                         constexprs={(names.index(key),): val for key, val in cons.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=W.NUM_WARPS, maxnreg=W.MAXNREG))
+
+
 def sass_of(cubin: bytes) -> tuple[str, str]:
     """(SASS, resource usage) of a cubin, with the cuobjdump that Triton ships."""
     import triton

@@ -103,6 +103,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--only", nargs="*", default=[])
     ap.add_argument("--blocks", nargs="+", default=["128x256x64:3"], help="Gluon tiles BMxBNxBK:stages")
+    ap.add_argument("--diag", nargs="*", type=int, default=[],
+                    help="also the first block's hook with pieces left out (gemm_ws diag: 1 no count, "
+                         "2 no publication, 3 red count, 4 no proxy fence); signals are not all set then")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-time", action="store_true")
     args = ap.parse_args(argv)
@@ -132,14 +135,20 @@ def main(argv=None) -> int:
             fns[f"ws_epi{spec}"] = lambda blk=blk, st=int(stages): gemm_ws.launch(
                 a, b, dests=dests, chunk_m=cm, start_chunk=1, tile_order="owner", counters=counters,
                 signal_ptrs=ptrs, generation=7, block=blk, stages=st)
+        blk0, st0 = args.blocks[0].split(":")
+        for dg in args.diag:
+            fns[f"diag{dg}"] = lambda dg=dg, blk=tuple(int(x) for x in blk0.split("x")), st=int(st0): gemm_ws.launch(
+                a, b, dests=dests, chunk_m=cm, start_chunk=1, tile_order="owner", counters=counters,
+                signal_ptrs=ptrs, generation=7, block=blk, stages=st, diag=dg)
         ref = torch.matmul(a, b).float()
         for name, fn in fns.items():
             out.fill_(float("nan"))
             sig.zero_()
             fn()
             torch.cuda.synchronize()
-            got = torch.cat(dests) if "epi" in name else out
+            got = torch.cat(dests) if "epi" in name or "diag" in name else out
             err = ((got.float() - ref).norm() / ref.norm()).item()
+            counters.zero_()   # the diagnostics leave counts behind
             if err > 2e-2 or ("epi" in name and not bool((sig == 7).all())):
                 print(f"BAD {r['name']} {name}: rel err {err:.2e} signals {sig.tolist()}", flush=True)
                 bad += 1
@@ -156,6 +165,8 @@ def main(argv=None) -> int:
             cols[f"ws{spec}/owner"] = rel(f"ws{spec}", "owner")
             cols[f"ws_epi{spec}/owner"] = rel(f"ws_epi{spec}", "owner")
             cols[f"ws_epi{spec}/ws"] = rel(f"ws_epi{spec}", f"ws{spec}")
+        for dg in args.diag:
+            cols[f"diag{dg}/ws"] = rel(f"diag{dg}", f"ws{args.blocks[0]}")
         cols["owner/cublas"] = rel("owner", "cublas")
         summary.append((r["name"], cols))
         print(f"{r['name']} {m}x{n}x{k} [{r['config']}]: " + "  ".join(f"{nm} {v:.1f} us" for nm, v in med.items()),

@@ -634,9 +634,11 @@ class _Plan:
     num_tiles: int = 0  # output tiles (split-K: workspace and counters are sized by it)
     sk_tiles: int = 0   # stream-K: the last tiles of the order, shared out by K-steps
     epi_tma: int = 0    # epilogue hook through TMA: number of destination descriptors (0: pointers)
+    ws: tuple = ()      # epilogue hook in the warp-specialized Gluon kernel: (block, stages); () = gemm_kernel
 
 
 _PLANS: dict = {}      # call signature -> _Plan
+_LAST_PLAN: list = [None]   # the plan of the latest call (diagnostics: which kernel ran)
 _SPLIT_K_BUFFERS: dict = {}   # (device, raw stream) -> (fp32 workspace, int32 tile counters)
 _COMPILED: dict = {}   # (call signature, alignment/int-width specialization) -> Triton CompiledKernel
 _MAX_PLANS = 4096      # a bound, not a tuned number: plans are small, shapes in a model are few
@@ -702,8 +704,31 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
                                   and num_tiles < km.MAX_COUNTED_TILES.value
                                   and (num_chunks == 1 or chunk_m % cfg.BLOCK_M == 0), cfg.flatten)
                   if epilogue is not None else 1)
+    ws = _ws_choice(device, a.dtype, cfg, epilogue, wait, epi_tma, use_asm)
+    if ws:   # one program per SM or fewer, no more than tiles of the Gluon kernel's own tile
+        ws_tiles = triton.cdiv(m, ws[0][0]) * triton.cdiv(n, ws[0][1])
+        grid = (min(ws_tiles, cfg.num_programs or _num_programs(device)), 1, 1)
     return _Plan(m, n, k, b_kmajor, bool(use_tma), cfg, grid, chunk_m or 1, num_chunks, start_chunk,
-                 use_asm, constexprs, cfg.num_warps, cfg.num_stages, num_tiles, sk_tiles, epi_tma)
+                 use_asm, constexprs, cfg.num_warps, cfg.num_stages, num_tiles, sk_tiles, epi_tma, ws)
+
+
+def _ws_choice(device, dtype, cfg, epilogue, wait, epi_tma, use_asm) -> tuple:
+    """``(block, stages)`` of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py) for an
+    epilogue-hook launch, or ``()`` for gemm_kernel. Taken on sm_90 for bf16/fp16 where the hook
+    stores by TMA (``epi_tma``: every destination 16-byte aligned, per-chunk descriptors or
+    stacked destinations), without the wait hook, for configs of 128-row tiles 128 or 256 wide
+    without split-K: its store warp counts and publishes off the MMA warps, which in gemm_kernel
+    wait ~0.9 us per tile for it. The Gluon kernel takes the config's tile and GROUP_M, K-steps
+    of 64 and as many stages as fit beside its staging buffer. ``TPFUSE_EPI_WS=0`` keeps
+    gemm_kernel."""
+    if (epilogue is None or wait is not None or not epi_tma or not use_asm or cfg.split_k != 1
+            or dtype not in (torch.bfloat16, torch.float16) or cfg.BLOCK_M != 128 or cfg.BLOCK_N not in (128, 256)
+            or os.environ.get("TPFUSE_EPI_WS", "1") == "0"):
+        return ()
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if _device_info(idx)["capability"][0] != 9:
+        return ()
+    return ((128, cfg.BLOCK_N, 64), 3 if cfg.BLOCK_N == 256 else 5)
 
 
 _MAX_TMA_DESTS = 8   # one kernel argument each; more chunks store through pointers
@@ -786,12 +811,16 @@ def _epilogue_descriptors(epilogue: "EpilogueSpec", plan: "_Plan") -> tuple:
     destinations, one over all M rows from the first), kept on the spec (so they live as long
     as it does) per launch geometry."""
     cfg = plan.cfg
-    block = (cfg.BLOCK_M, cfg.BLOCK_N // cfg.EPI_SUBTILE)
+    # the Gluon kernel (plan.ws) stores whole tiles through descriptors that carry their layout
+    block = plan.ws[0][:2] if plan.ws else (cfg.BLOCK_M, cfg.BLOCK_N // cfg.EPI_SUBTILE)
     cache = epilogue.__dict__.setdefault("_tma_descs", {})   # frozen dataclass: not a field
-    key = (plan.m, plan.n, plan.chunk_m, plan.epi_tma, block)
+    key = (plan.m, plan.n, plan.chunk_m, plan.epi_tma, block, bool(plan.ws))
     descs = cache.get(key)
     if descs is None:
-        from triton.tools.tensor_descriptor import TensorDescriptor
+        if plan.ws:
+            from .kernels.gemm_ws import make_descriptor as TensorDescriptor
+        else:
+            from triton.tools.tensor_descriptor import TensorDescriptor
         stacked = plan.epi_tma == _triton()[2].EPI_TMA_STACKED.value
         descs = []
         for q, d in enumerate(epilogue.dests[:plan.num_chunks if stacked else plan.epi_tma]):
@@ -899,7 +928,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
                epilogue is not None and (epilogue.chunk_m, epilogue.align_elems, len(epilogue.dests),
                                          _stacked(epilogue)),
                use_tma, os.environ.get("TRITON_INTERPRET"), os.environ.get("TPFUSE_SIGNAL_ASM"),
-               os.environ.get("TPFUSE_EPI_TMA"), os.environ.get("TPFUSE_EPI_COUNT"))
+               os.environ.get("TPFUSE_EPI_TMA"), os.environ.get("TPFUSE_EPI_COUNT"),
+               os.environ.get("TPFUSE_EPI_WS"))
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):   # not tensors / unhashable: full validation says why
         key, plan = None, None
@@ -909,6 +939,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = plan
+    _LAST_PLAN[0] = plan
     m, n, k = plan.m, plan.n, plan.k
     device = a.device
     if out is None and epilogue is None:
@@ -942,6 +973,15 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
                                  f"need {dt} with >= num_chunks={num_chunks} elements on {device}")
 
     cfg = plan.cfg
+    if plan.ws:
+        from .kernels import gemm_ws
+        block, stages = plan.ws
+        gemm_ws.launch(a, b, dests=epilogue.dests, stacked=plan.epi_tma == _triton()[2].EPI_TMA_STACKED.value,
+                       chunk_m=plan.chunk_m, start_chunk=plan.start_chunk, tile_order=tile_order,
+                       counters=epilogue.counters, signal_ptrs=epilogue.signal_ptrs,
+                       generation=epilogue.generation, block=block, group_m=cfg.GROUP_M, stages=stages,
+                       grid=plan.grid[0], epi_descs=_epilogue_descriptors(epilogue, plan))
+        return None
     bm, bn, bk = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
     if plan.use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor

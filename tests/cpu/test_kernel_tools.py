@@ -1,11 +1,13 @@
 """The GPU-free diagnostics of the GEMM kernel: config specs of the probe scripts and the
 offline sm_90 compile (Triton ships ptxas, so no GPU is needed)."""
+import dataclasses
 import os
 import re
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tpfuse import gemm_core as gc
 
@@ -153,3 +155,66 @@ def test_count_mode_environment_is_checked(monkeypatch):
     monkeypatch.setenv("TPFUSE_EPI_COUNT", "device")
     with pytest.raises(ValueError, match="TPFUSE_EPI_COUNT='device'"):
         gc._epi_count_mode()
+
+
+def _offline_ws():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("compiling needs Triton's compiler, not the interpreter")
+    from kernel_offline import compile_ws_kernel, sass_of
+    return compile_ws_kernel, sass_of
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
+@pytest.mark.parametrize("epi_tma,stores", [(-1, 4), (8, 32), (9, 4)], ids=["plain", "8_descriptors", "stacked"])
+def test_offline_ws_kernel_counts_and_publishes_on_its_store_warp(epi_tma, stores):
+    # gemm_ws: three partitions (setmaxnreg moves registers between them), the MMA warps keep
+    # one wgmma group in flight and hold no atomic or fence; the hook's wait for the TMA writes
+    # (not only their reads), proxy fence, returning GPU-scope count and system-scope
+    # publication sit in the store warp's code, once.
+    compile_ws, sass_of = _offline_ws()
+    kern = compile_ws(4096, 4096, 1792, epi_tma=epi_tma)
+    sass, res = sass_of(kern.asm["cubin"])
+    ptx = kern.asm["ptx"]
+    assert "LOCAL:0" in res and "STACK:0" in res and kern.metadata.shared <= 232448
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx and sass.count("UTMASTG") == stores
+    hook = ("atom.add.acq_rel.gpu", "fence.acq_rel.sys", "cp.async.bulk.wait_group 0;", "fence.proxy.async.global",
+            "st.relaxed.sys.global")
+    for piece in hook:
+        assert ptx.count(piece) == (1 if epi_tma >= 0 else 0), piece
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
+def test_offline_ws_kernel_takes_row_major_b_and_narrow_tiles():
+    compile_ws, sass_of = _offline_ws()
+    for kw in (dict(b_kmajor=False), dict(block=(128, 128, 64), stages=5)):
+        kern = compile_ws(1000, 512, 256, epi_tma=9, tile_order=1, **kw)
+        sass, res = sass_of(kern.asm["cubin"])
+        assert "HGMMA" in sass and "LOCAL:0" in res and kern.metadata.shared <= 232448, kw
+
+
+def test_ws_choice(monkeypatch):
+    # the Gluon kernel takes the epilogue hook on sm_90 where it stores by TMA, without the wait
+    # hook or split-K, for 128-row tiles 128 or 256 wide in bf16/fp16; TPFUSE_EPI_WS=0 turns it off
+    monkeypatch.delenv("TPFUSE_EPI_WS", raising=False)
+    cap = {"capability": (9, 0)}
+    monkeypatch.setattr(gc, "_device_info", lambda index: cap)
+    dev = torch.device("cuda", 0)
+    big = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+    epi, wait = object(), object()
+    assert gc._ws_choice(dev, torch.bfloat16, big, epi, None, 8, True) == ((128, 256, 64), 3)
+    narrow = dataclasses.replace(big, BLOCK_N=128, BLOCK_K=128)
+    assert gc._ws_choice(dev, torch.float16, narrow, epi, None, 9, True) == ((128, 128, 64), 5)
+    for args in ((torch.bfloat16, big, None, None, 8, True),           # no hook
+                 (torch.bfloat16, big, epi, wait, 8, True),            # wait hook too
+                 (torch.bfloat16, big, epi, None, 0, True),            # pointer stores
+                 (torch.bfloat16, big, epi, None, 8, False),           # no inline PTX
+                 (torch.float32, big, epi, None, 8, True),
+                 (torch.bfloat16, dataclasses.replace(big, split_k=2), epi, None, 8, True),
+                 (torch.bfloat16, dataclasses.replace(big, BLOCK_M=64), epi, None, 8, True)):
+        assert gc._ws_choice(dev, *args) == (), args
+    monkeypatch.setenv("TPFUSE_EPI_WS", "0")
+    assert gc._ws_choice(dev, torch.bfloat16, big, epi, None, 8, True) == ()
+    monkeypatch.delenv("TPFUSE_EPI_WS")
+    cap["capability"] = (10, 0)   # the kernel's wgmma is sm_90's
+    assert gc._ws_choice(dev, torch.bfloat16, big, epi, None, 8, True) == ()

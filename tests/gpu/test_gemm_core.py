@@ -170,36 +170,42 @@ def test_wait_timeout_is_bounded(use_asm, config, monkeypatch):
 
 
 def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, after=lambda: True,
-                               expect_tma=None, stacked=False):
+                               expect_tma=None, stacked=False, expect_ws=False, order="owner",
+                               b_layout="weight_t", dtype=torch.bfloat16):
     """Route every chunk of ``a @ b`` to its own destination over three generations: signals
     published, counters back at zero, each destination exact and untouched past its rows.
     ``expect_tma``: the plan must (True) or must not (False) store through TMA descriptors.
-    ``stacked``: the destinations are consecutive row blocks of one tensor (one descriptor)."""
+    ``stacked``: the destinations are consecutive row blocks of one tensor (one descriptor).
+    ``expect_ws``: the plan must (True) or must not (False) take the warp-specialized Gluon
+    kernel (None: either)."""
     num_chunks = m // chunk_m
     if stacked:
-        whole = torch.full((m + 5, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        whole = torch.full((m + 5, n), float("nan"), device="cuda", dtype=dtype)
         dests = [whole[c * chunk_m:(c + 1) * chunk_m] for c in range(num_chunks)]
     else:
-        dests = [torch.full((chunk_m + 5, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        dests = [torch.full((chunk_m + 5, n), float("nan"), device="cuda", dtype=dtype)
                  for _ in range(num_chunks)]
     n_descs = gc._triton()[2].EPI_TMA_STACKED.value if stacked else num_chunks
     signals = torch.zeros(num_chunks, dtype=torch.int32, device="cuda")
     counters = torch.zeros(num_chunks, dtype=torch.int32, device="cuda")
     for generation in (1, 2, 3):
-        a, b, ref = _operands(m, k, n, torch.bfloat16, "weight_t", seed=seed + generation)
+        a, b, ref = _operands(m, k, n, dtype, b_layout, seed=seed + generation)
         for d in dests:
             d.fill_(float("nan"))
         spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m, counters=counters)
         gc._PLANS.clear()
-        gc.matmul(a, b, config=config, tile_order="owner", start_chunk=start_chunk, epilogue=spec)
+        gc.matmul(a, b, config=config, tile_order=order, start_chunk=start_chunk, epilogue=spec,
+                  chunk_m=chunk_m)
         torch.cuda.synchronize()
+        (plan,) = gc._PLANS.values()
         if expect_tma is not None:
-            (plan,) = gc._PLANS.values()
             assert plan.epi_tma == (n_descs if expect_tma else 0), plan.epi_tma
+        if expect_ws is not None:
+            assert bool(plan.ws) == expect_ws, plan.ws
         assert signals.tolist() == [generation] * num_chunks
         assert counters.tolist() == [0] * num_chunks and after()
         for c, d in enumerate(dests):
-            _assert_close(d[:chunk_m], ref[c * chunk_m:(c + 1) * chunk_m], torch.bfloat16)
+            _assert_close(d[:chunk_m], ref[c * chunk_m:(c + 1) * chunk_m], dtype)
             assert torch.isnan(whole[m:] if stacked else d[chunk_m:]).all()
 
 
@@ -207,6 +213,7 @@ def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, afte
 @pytest.mark.parametrize("sub", [1, 2])
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
 def test_epilogue_routes_and_publishes_several_generations(chunk_m, tma, sub, flatten, monkeypatch):
+    monkeypatch.setenv("TPFUSE_EPI_WS", "0")   # gemm_kernel's hook (test_ws_* below: the Gluon kernel's)
     # 512-row chunks: every tile in one chunk, stored by TMA through its destination's
     # descriptor unless TPFUSE_EPI_TMA=0. 517: tiles straddle two destinations, pointer stores
     # (TMA would need a negative row coordinate).
@@ -219,7 +226,8 @@ def test_epilogue_routes_and_publishes_several_generations(chunk_m, tma, sub, fl
 @pytest.mark.parametrize("chunk_m,chunks", [(512, 8), (517, 8), (96, 16)])
 @pytest.mark.parametrize("sub", [1, 2])
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
-def test_epilogue_stacked_destinations_take_one_descriptor(chunk_m, chunks, sub, flatten):
+def test_epilogue_stacked_destinations_take_one_descriptor(chunk_m, chunks, sub, flatten, monkeypatch):
+    monkeypatch.setenv("TPFUSE_EPI_WS", "0")
     # Chunks of one tensor: one TMA descriptor over all rows, for any chunk height (517: tiles
     # straddle two chunks) and any number of chunks (16), each tile stored at its own row.
     cfg = dataclasses.replace(BIG, EPI_SUBTILE=sub, flatten=flatten)
@@ -233,6 +241,7 @@ def test_epilogue_stacked_destinations_take_one_descriptor(chunk_m, chunks, sub,
                                     dataclasses.replace(BIG, num_programs=7, stream_k=2)],
                          ids=["big", "7_programs", "pointer_stores", "flat_7_programs", "stream_k_7_programs"])
 def test_epilogue_count_modes_publish_every_chunk(count, config, monkeypatch):
+    monkeypatch.setenv("TPFUSE_EPI_WS", "0")   # the count modes are gemm_kernel's
     # auto: counts that return nothing, made inside the next tile's main loop in flattened
     # tile loops (EPI_COUNT=4), after it otherwise and with =epilogue (3), a poller per chunk;
     # 7 programs run ~14 tiles each, so most chunks are published by their poller inside the
@@ -255,6 +264,57 @@ def test_epilogue_count_modes_publish_every_chunk(count, config, monkeypatch):
 
 def test_epilogue_with_more_chunks_than_descriptors_stores_through_pointers():
     _epilogue_over_generations(12 * 96, 512, 1024, 96, BIG, start_chunk=5, seed=3, expect_tma=False)
+
+
+# The warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py): taken for the epilogue hook on
+# sm_90 where it stores by TMA (per-chunk descriptors: chunk_m a multiple of 128, at most 8
+# chunks; or stacked destinations, any chunk height), whatever the order, the layout of b, the
+# dtype and the tile width.
+WS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not WS_GPU, reason="the Gluon kernel is sm_90 only")
+@pytest.mark.parametrize("m,chunk_m,stacked", [(8 * 512, 512, False), (3 * 384, 384, False), (8 * 517, 517, True),
+                                               (16 * 96, 96, True), (2 * 128, 128, False)])
+@pytest.mark.parametrize("order,start", [("owner", 3), ("round", 1), ("grouped", 0)])
+def test_ws_epilogue_routes_and_publishes_several_generations(m, chunk_m, stacked, order, start):
+    # 517 / 96: tiles straddle two chunks, stored once through the stacked descriptor and
+    # counted in both; 2 x 128 rows with 7 programs: most programs run one tile
+    start = min(start, m // chunk_m - 1)
+    _epilogue_over_generations(m, 1000, 1536, chunk_m, BIG, start_chunk=start, seed=40, stacked=stacked,
+                               expect_tma=True, expect_ws=True, order=order)
+
+
+@pytest.mark.skipif(not WS_GPU, reason="the Gluon kernel is sm_90 only")
+@pytest.mark.parametrize("config", [BIG, dataclasses.replace(BIG, BLOCK_N=128), dataclasses.replace(BIG, num_programs=5),
+                                    dataclasses.replace(BIG, stream_k=1)],
+                         ids=["128x256", "128x128", "5_programs", "stream_k_config"])
+@pytest.mark.parametrize("b_layout,dtype", [("weight_t", torch.bfloat16), ("row_major", torch.float16)])
+def test_ws_epilogue_layouts_dtypes_and_tiles(config, b_layout, dtype):
+    # K = 328: a last K-step of 8 (TMA zero-fills the rest); N = 776: a ragged last column of tiles
+    _epilogue_over_generations(4 * 256, 328, 776, 256, config, start_chunk=2, seed=50, expect_tma=True,
+                               expect_ws=True, b_layout=b_layout, dtype=dtype)
+
+
+@pytest.mark.skipif(not WS_GPU, reason="the Gluon kernel is sm_90 only")
+def test_ws_is_not_taken_with_the_wait_hook_or_when_switched_off(monkeypatch):
+    m, chunk_m = 4 * 256, 256
+    a, b, ref = _operands(m, 256, 512, torch.bfloat16, "weight_t")
+    signals = torch.zeros(4, dtype=torch.int32, device="cuda")
+    # 5 spare rows each, so that the caching allocator cannot lay them out as stacked rows
+    dests = [torch.empty(chunk_m + 5, 512, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    spec = gc.EpilogueSpec.from_tensors(dests, signals, 1, chunk_m)
+    wait = gc.WaitSpec(torch.ones(4, dtype=torch.int32, device="cuda"), 1, chunk_m)
+    gc._PLANS.clear()
+    gc.matmul(a, b, config=BIG, tile_order="owner", epilogue=spec, wait=wait)
+    (plan,) = gc._PLANS.values()
+    assert plan.ws == () and signals.tolist() == [1] * 4
+    monkeypatch.setenv("TPFUSE_EPI_WS", "0")
+    gc._PLANS.clear()
+    gc.matmul(a, b, config=BIG, tile_order="owner", epilogue=dataclasses.replace(spec, generation=2))
+    (plan,) = gc._PLANS.values()
+    assert plan.ws == () and plan.epi_tma == 4 and signals.tolist() == [2] * 4
+    _assert_close(torch.cat([d[:chunk_m] for d in dests]), ref, torch.bfloat16)
 
 
 @pytest.mark.parametrize("fast", ["1", "0"])
@@ -357,6 +417,7 @@ def _k_shared_epilogue(config, tma, seed, monkeypatch):
     """Epilogue hook over generations with tiles whose K is shared out (split-K, stream-K):
     128-row chunks take TMA stores (unless TPFUSE_EPI_TMA=0), 131-row ones pointer stores."""
     monkeypatch.setenv("TPFUSE_EPI_TMA", tma)
+    monkeypatch.setenv("TPFUSE_EPI_WS", "0")   # stream-K's shared tiles are gemm_kernel's (split-K never takes gemm_ws)
     chunk_m = 128 if tma == "1" else 131
     _epilogue_over_generations(4 * chunk_m, 2048, 1536, chunk_m, config, start_chunk=1, seed=seed,
                                after=_tile_counters_are_zero, expect_tma=tma == "1")

@@ -52,6 +52,16 @@ _COUNT_ASM = gl.constexpr("{\n\t.reg .pred p, last;\n\t.reg .u32 lane, old;\n\t"
               "@last fence.acq_rel.sys;\n\t@last st.relaxed.gpu.global.b32 [$1], 0;\n\t"
               "@last st.relaxed.sys.global.b32 [$4], $5;\n\t"
               "shfl.sync.idx.b32 $0, old, 0, 31, -1;\n\t}")
+# Timing diagnostics only (launch(diag=...), benchmarks/probe_ws.py; never by gemm_core): the
+# count without the publication (2), as a red that returns nothing (3), without the proxy
+# fence (4); 1 = no count at all (stores only)
+_DIAG2_ASM = gl.constexpr(_COUNT_ASM.value.replace("@last fence.acq_rel.sys;\n\t", "")
+                          .replace("@last st.relaxed.sys.global.b32 [$4], $5;\n\t", ""))
+_DIAG3_ASM = gl.constexpr("{\n\t.reg .pred p;\n\t.reg .u32 lane;\n\tcp.async.bulk.wait_group 0;\n\t"
+                          "fence.proxy.async.global;\n\tbar.warp.sync -1;\n\tmov.u32 lane, %laneid;\n\t"
+                          "setp.eq.u32 p, lane, 0;\n\t@p red.release.gpu.global.add.u32 [$1], $2;\n\t"
+                          "mov.u32 $0, 0;\n\t}")
+_DIAG4_ASM = gl.constexpr(_COUNT_ASM.value.replace("fence.proxy.async.global;\n\t", ""))
 
 
 @gluon.jit
@@ -100,7 +110,7 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk
 @gluon.jit
 def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr):
+                    EPI_TMA: gl.constexpr, DIAG: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs) = p
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -130,7 +140,7 @@ def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl
 @gluon.jit
 def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr):
+                    EPI_TMA: gl.constexpr, DIAG: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs) = p
     c_desc = epi_descs[0]
@@ -160,9 +170,19 @@ def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: g
                 row_end = gl.minimum((cc + 1) * chunk_m, M)
                 total = ((row_end - 1) // BLOCK_M - (cc * chunk_m) // BLOCK_M + 1) * num_pid_n
                 sig = gl.load(signal_ptrs + cc)
-                gl.inline_asm_elementwise(_COUNT_ASM, "=r,l,r,r,l,r",
-                                          [counters + cc, 1, total, sig, epi_gen],
-                                          dtype=gl.int32, is_pure=False, pack=1)
+                if DIAG == 0:
+                    gl.inline_asm_elementwise(_COUNT_ASM, "=r,l,r,r,l,r",
+                                              [counters + cc, 1, total, sig, epi_gen],
+                                              dtype=gl.int32, is_pure=False, pack=1)
+                elif DIAG == 2:
+                    gl.inline_asm_elementwise(_DIAG2_ASM, "=r,l,r,r,l,r", [counters + cc, 1, total, sig, epi_gen],
+                                              dtype=gl.int32, is_pure=False, pack=1)
+                elif DIAG == 3:
+                    gl.inline_asm_elementwise(_DIAG3_ASM, "=r,l,r,r,l,r", [counters + cc, 1, total, sig, epi_gen],
+                                              dtype=gl.int32, is_pure=False, pack=1)
+                elif DIAG == 4:
+                    gl.inline_asm_elementwise(_DIAG4_ASM, "=r,l,r,r,l,r", [counters + cc, 1, total, sig, epi_gen],
+                                              dtype=gl.int32, is_pure=False, pack=1)
         tc += 1
     tma.store_wait(0)
 
@@ -170,7 +190,7 @@ def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: g
 @gluon.jit
 def _mma_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr, num_warps: gl.constexpr):
+                    EPI_TMA: gl.constexpr, DIAG: gl.constexpr, num_warps: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs) = p
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -204,13 +224,16 @@ def _mma_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.
         tc += 1
 
 
-@gluon.jit
+# Per-call values (generations, chunk geometry) and the hook buffers are not specialized on, so
+# a new generation never compiles a new kernel.
+@gluon.jit(do_not_specialize=["chunk_m", "num_chunks", "start_chunk", "epi_gen"],
+           do_not_specialize_on_alignment=["counters", "signal_ptrs"])
 def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_chunk,
                    counters, signal_ptrs, epi_gen,
                    epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                    STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr,
-                   EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, num_warps: gl.constexpr):
+                   EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, DIAG: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -234,9 +257,9 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
          M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs)
     gl.warp_specialize([
         (_mma_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA,
-                          num_warps)),
-        (_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA)),
-        (_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA)),
+                          DIAG, num_warps)),
+        (_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, DIAG)),
+        (_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, DIAG)),
     ], [1, 1], [40, 40])
 
 
@@ -244,54 +267,68 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
 # host side
 # --------------------------------------------------------------------------------------------
 TILE_ORDERS = ("grouped", "round", "owner")
+# Registers: 8 MMA warps and two one-warp workers (one warpgroup): 12 warps x 168 = 64512 of the
+# SM's 65536; the workers drop to 40 (setmaxnreg), so the MMA warps get 232 for their 128
+# accumulator registers (128 x 256 fp32 over 256 threads) and the rest.
+NUM_WARPS = 8
+MAXNREG = 168
 _NUM_SMS: dict = {}
 
 
-def _desc(t, shape, block):
+def make_descriptor(t, shape, strides, block):
+    """A Gluon TMA descriptor of ``t`` (bf16/fp16, unit column stride) with the shared layout
+    the kernel stages ``block`` in (same arguments as triton's TensorDescriptor)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     gl_dtype = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16}[str(t.dtype)]
     layout = gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
-    return TensorDescriptor(t, list(shape), [t.stride(0), 1], list(block), layout)
+    return TensorDescriptor(t, list(shape), list(strides), list(block), layout)
 
 
 def launch(a, b, *, out=None, dests=(), stacked=False, chunk_m=None, start_chunk=0, tile_order="grouped",
            counters=None, signal_ptrs=None, generation=0, block=(128, 256, 64), group_m=8, stages=3,
-           num_programs=None):
+           grid=None, epi_descs=None, diag=0):
     """``a [M, K] @ b [K, N]`` (``b`` row-major or ``weight.t()``) into ``out``, or with ``dests``
     (the epilogue hook) into one destination per chunk of ``chunk_m`` rows (``stacked``: they
     are consecutive row blocks of one tensor), counting in ``counters`` and publishing
     ``generation`` to the int32 at each ``signal_ptrs[c]``. bf16/fp16, 16-byte aligned rows,
-    sm_90. The caller (tpfuse/gemm_core.py) validates; this only launches."""
+    sm_90. ``epi_descs``: the destinations' descriptors when the caller keeps them (one per
+    chunk, or one over the stacked rows). The caller (tpfuse/gemm_core.py) validates; this
+    only launches."""
     m, k = a.shape
     n = b.shape[1]
     bm, bn, bk = block
     b_kmajor = b.stride(0) == 1
-    a_desc = _desc(a, (m, k), (bm, bk))
-    b_desc = _desc(b.t(), (n, k), (bn, bk)) if b_kmajor else _desc(b, (k, n), (bk, bn))
+    a_desc = make_descriptor(a, (m, k), (a.stride(0), 1), (bm, bk))
+    if b_kmajor:
+        b_desc = make_descriptor(b.t(), (n, k), (b.stride(1), 1), (bn, bk))
+    else:
+        b_desc = make_descriptor(b, (k, n), (b.stride(0), 1), (bk, bn))
     epilogue = len(dests) > 0
     chunk_m = chunk_m or m
     num_chunks = -(-m // chunk_m)
     if epilogue:
-        if stacked:
-            epi = [_desc(dests[0], (m, n), (bm, bn))]
-            epi_tma = 9
-        else:
-            epi = [_desc(d, (min(chunk_m, m - q * chunk_m), n), (bm, bn)) for q, d in enumerate(dests)]
-            epi_tma = len(epi)
+        if epi_descs is None:
+            if stacked:
+                epi_descs = [make_descriptor(dests[0], (m, n), (dests[0].stride(0), 1), (bm, bn))]
+            else:
+                epi_descs = [make_descriptor(d, (min(chunk_m, m - q * chunk_m), n), (d.stride(0), 1), (bm, bn))
+                             for q, d in enumerate(dests)]
+        epi = list(epi_descs)
+        epi_tma = EPI_TMA_STACKED.value if stacked else len(epi)
         c_desc = epi[0]
     else:
-        c_desc = _desc(out, (m, n), (bm, bn))
+        c_desc = make_descriptor(out, (m, n), (out.stride(0), 1), (bm, bn))
         epi, epi_tma = [], 0
     epi = epi + [None] * (8 - len(epi))
-    dev = a.device.index if a.device.index is not None else 0
-    if dev not in _NUM_SMS:
-        import torch
-        _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    grid = (min(tiles, num_programs or _NUM_SMS[dev]), )
-    gemm_ws_kernel[grid](a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk,
-                         counters, signal_ptrs, generation, *epi,
-                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
-                         TILE_ORDER=TILE_ORDERS.index(tile_order), B_KMAJOR=b_kmajor, EPILOGUE=epilogue,
-                         EPI_TMA=epi_tma, num_warps=8, maxnreg=168)
+    if grid is None:
+        dev = a.device.index if a.device.index is not None else 0
+        if dev not in _NUM_SMS:
+            import torch
+            _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+        grid = min(triton.cdiv(m, bm) * triton.cdiv(n, bn), _NUM_SMS[dev])
+    gemm_ws_kernel[(grid, )](a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk,
+                             counters, signal_ptrs, generation, *epi,
+                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
+                             TILE_ORDER=TILE_ORDERS.index(tile_order), B_KMAJOR=b_kmajor, EPILOGUE=epilogue,
+                             EPI_TMA=epi_tma, DIAG=diag, num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return out
