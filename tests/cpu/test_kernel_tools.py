@@ -213,6 +213,9 @@ def test_ws_choice(monkeypatch):
                  (torch.bfloat16, dataclasses.replace(big, split_k=2), epi, None, 8, True),
                  (torch.bfloat16, dataclasses.replace(big, BLOCK_M=64), epi, None, 8, True)):
         assert gc._ws_choice(dev, *args) == (), args
+    # no stream-K in the Gluon kernel: narrower tiles where they fill the waves much better
+    assert gc._ws_choice(dev, torch.bfloat16, big, epi, None, 8, True, 4096, 3584, 132) == ((128, 128, 64), 5)
+    assert gc._ws_choice(dev, torch.bfloat16, big, epi, None, 8, True, 4096, 4096, 132) == ((128, 256, 64), 3)
     monkeypatch.setenv("TPFUSE_EPI_WS", "0")
     assert gc._ws_choice(dev, torch.bfloat16, big, epi, None, 8, True) == ()
     monkeypatch.delenv("TPFUSE_EPI_WS")
