@@ -34,6 +34,27 @@ NOT_SPECIALIZED = {"chunk_m", "num_chunks", "start_chunk", "wait_gen", "wait_tim
                    "tile_counters"}
 
 
+def _signature(names, args: dict, cons: dict, aligned) -> tuple[dict, dict, dict]:
+    """(signature, attrs, constexprs) for an ASTSource: ``cons`` names are constexprs, a None
+    argument becomes one too; ``aligned(name, value)`` says which arguments a launch would
+    specialize as 16-byte aligned (divisible by 16)."""
+    from triton.runtime.jit import mangle_type
+    sig, attrs, cons = {}, {}, dict(cons)
+    for i, name in enumerate(names):
+        if name in cons:
+            sig[name] = "constexpr"
+            continue
+        v = args[name]
+        if v is None:
+            sig[name] = "constexpr"
+            cons[name] = None
+            continue
+        sig[name] = "i32" if isinstance(v, int) else mangle_type(v)
+        if aligned(name, v):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs, {(names.index(key),): val for key, val in cons.items()}
+
+
 def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_order: int = 0,
                    wait: bool = False, sk_tiles: int = 0, epi_tma: int = 0, epi_count: int = 1):
     """triton.compile of gemm_kernel for bf16 ``a[m, k] @ weight[n, k].t()`` (TMA path);
@@ -43,7 +64,6 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from triton.runtime.jit import mangle_type
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     # the module as sys.modules has it now (a test run may have re-imported it after using
@@ -71,22 +91,10 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
                 DOT_FP32=False, DEST_ALIGNED=8 if epilogue else 0, SPLIT_K=cfg.split_k,
                 STREAM_K=bool(cfg.stream_k), EPI_TMA=epi_tma,
                 TMA_STORE=cfg.tma_store, EPI_COUNT=epi_count)
-    names = km.gemm_kernel.arg_names
-    sig, attrs = {}, {}
-    for i, name in enumerate(names):
-        if name in cons:
-            sig[name] = "constexpr"
-            continue
-        v = args[name]
-        if v is None:
-            sig[name] = "constexpr"
-            cons[name] = None
-            continue
-        sig[name] = "i32" if isinstance(v, int) else mangle_type(v)
-        if name not in NOT_SPECIALIZED and (isinstance(v, torch.Tensor) or (isinstance(v, int) and v and v % 16 == 0)):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=km.gemm_kernel, signature=sig, attrs=attrs,
-                    constexprs={(names.index(key),): val for key, val in cons.items()})
+    sig, attrs, constexprs = _signature(
+        km.gemm_kernel.arg_names, args, cons,
+        lambda name, v: name not in NOT_SPECIALIZED and (isinstance(v, torch.Tensor) or (isinstance(v, int) and v and v % 16 == 0)))
+    src = ASTSource(fn=km.gemm_kernel, signature=sig, attrs=attrs, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
@@ -101,7 +109,6 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
 
     W = importlib.import_module("tpfuse.kernels.gemm_ws")
     bm, bn, bk = block
@@ -122,22 +129,9 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
                 **{f"epi_d{q}": c_desc if q < descs else None for q in range(8)})
     cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, TILE_ORDER=tile_order,
                 B_KMAJOR=b_kmajor, EPILOGUE=hook, EPI_TMA=max(epi_tma, 0), DIAG=0, num_warps=W.NUM_WARPS)
-    names = W.gemm_ws_kernel.arg_names
-    sig, attrs = {}, {}
-    for i, name in enumerate(names):
-        if name in cons:
-            sig[name] = "constexpr"
-            continue
-        v = args[name]
-        if v is None:
-            sig[name] = "constexpr"
-            cons[name] = None
-            continue
-        sig[name] = "i32" if isinstance(v, int) else mangle_type(v)
-        if name in ("M", "N", "K") and v % 16 == 0:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = GluonASTSource(fn=W.gemm_ws_kernel, signature=sig, attrs=attrs,
-                         constexprs={(names.index(key),): val for key, val in cons.items()})
+    sig, attrs, constexprs = _signature(W.gemm_ws_kernel.arg_names, args, cons,
+                                        lambda name, v: name in ("M", "N", "K") and v % 16 == 0)
+    src = GluonASTSource(fn=W.gemm_ws_kernel, signature=sig, attrs=attrs, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=W.NUM_WARPS, maxnreg=W.MAXNREG))
 
 

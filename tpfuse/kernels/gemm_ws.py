@@ -14,7 +14,7 @@ the H200), which the tensor cores wait for. Here each program has three partitio
   count is complete -- so the fences and the atomic's round trip wait on this warp only, while
   the MMA warps go on with the next tile.
 
-The three walk the same tiles in the same order (``_tile_coords``: the orders of gemm.py), and
+The three walk the same tiles in the same order (gemm.py's ``_tile_coords``), and
 talk through mbarriers: ``ready[s]``/``empty[s]`` per stage, ``c_ready``/``c_empty`` for the
 staging buffer.
 
@@ -37,6 +37,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
+
+# the tile orders of gemm.py, called from Gluon as they are (scalar integer arithmetic)
+from .gemm import _tile_coords
 
 EPI_TMA_STACKED = gl.constexpr(9)   # as gemm.EPI_TMA_STACKED
 
@@ -65,49 +68,6 @@ _DIAG4_ASM = gl.constexpr(_COUNT_ASM.value.replace("fence.proxy.async.global;\n\
 
 
 @gluon.jit
-def _grouped(local, rows, num_pid_n, GROUP_M: gl.constexpr):
-    num_in_group = GROUP_M * num_pid_n
-    first_m = (local // num_in_group) * GROUP_M
-    group_rows = gl.minimum(rows - first_m, GROUP_M)
-    pid_m = first_m + (local % num_in_group) % group_rows
-    pid_n = (local % num_in_group) // group_rows
-    return pid_m, pid_n
-
-
-@gluon.jit
-def _segment_start(c, start_chunk, t0, chunk_m, num_pid_m, BLOCK_M: gl.constexpr):
-    r = (c * chunk_m + BLOCK_M - 1) // BLOCK_M - t0
-    r = gl.where(c < start_chunk, r + num_pid_m, r)
-    return gl.minimum(gl.maximum(r, 0), num_pid_m)
-
-
-@gluon.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
-                 BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr, TILE_ORDER: gl.constexpr):
-    """Tile id -> (pid_m, pid_n) in the orders of gemm.py's ``_tile_coords`` (0 grouped, 1 round,
-    2 owner), the same arithmetic."""
-    if TILE_ORDER == 0:
-        pid_m, pid_n = _grouped(tile_id, num_pid_m, num_pid_n, GROUP_M)
-    elif TILE_ORDER == 1:
-        t0 = (start_chunk * chunk_m) // BLOCK_M
-        pos_m, pid_n = _grouped(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        pid_m = (pos_m + t0) % num_pid_m
-    else:
-        t0 = (start_chunk * chunk_m) // BLOCK_M
-        pos = tile_id // num_pid_n
-        first_row = ((pos + t0) % num_pid_m) * BLOCK_M
-        c = gl.where(pos == 0, start_chunk, gl.minimum(first_row // chunk_m, num_chunks - 1))
-        nxt = (c + 1) % num_chunks
-        seg_lo = gl.where(c == start_chunk, 0, _segment_start(c, start_chunk, t0, chunk_m, num_pid_m, BLOCK_M))
-        seg_hi = gl.where(nxt == start_chunk, num_pid_m,
-                          _segment_start(nxt, start_chunk, t0, chunk_m, num_pid_m, BLOCK_M))
-        local = tile_id - seg_lo * num_pid_n
-        pos_m, pid_n = _grouped(local, seg_hi - seg_lo, num_pid_n, GROUP_M)
-        pid_m = (seg_lo + pos_m + t0) % num_pid_m
-    return pid_m, pid_n
-
-
-@gluon.jit
 def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
                     EPI_TMA: gl.constexpr, DIAG: gl.constexpr):
@@ -119,7 +79,7 @@ def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     it = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+        pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
                                     BLOCK_M, GROUP_M, TILE_ORDER)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -148,7 +108,7 @@ def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: g
     num_pid_n = gl.cdiv(N, BLOCK_N)
     tc = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+        pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
                                     BLOCK_M, GROUP_M, TILE_ORDER)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
