@@ -217,7 +217,9 @@ def run_shape(s: Shape, dtype, args, log):
                 gc.check_error_word(wait.error)
             if "epilogue" in kw and not bool((esig == 7).all()):
                 raise RuntimeError(f"signals after epilogue: {esig.tolist()}")
-            if "epilogue" in kw:   # which kernel took the hook (gemm_core._ws_choice)
+            if "wait" in kw:   # which kernel took the hook (gemm_core._ws_choice)
+                row["wait_kernel"] = "gemm_ws" if gc._LAST_PLAN[0].ws else "gemm_kernel"
+            if "epilogue" in kw:
                 plan = gc._LAST_PLAN[0]
                 row["epilogue_kernel"] = "gemm_ws" if plan.ws else "gemm_kernel"
                 row["epilogue_stores"] = {0: "pointers", gc._triton()[2].EPI_TMA_STACKED.value: "tma_stacked"}.get(

@@ -100,12 +100,12 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
 
 
 def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int = 3, epi_tma: int = -1,
-                      tile_order: int = 2, b_kmajor: bool = True):
+                      tile_order: int = 2, b_kmajor: bool = True, wait: bool = False):
     """triton.compile of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py) for bf16
     ``a[m, k] @ b`` (``weight[n, k].t()`` or row-major ``[k, n]``) on sm_90, launched as
     gemm_core launches it; ``epi_tma``: -1 no hook (plain output), else the epilogue hook through
     that many per-chunk descriptors (chunks of ``m // epi_tma`` rows) or, 9, one over stacked
-    destinations."""
+    destinations; ``wait``: the wait hook (without the epilogue hook)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -124,11 +124,14 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
     chunks = max(descs, 1)
     args = dict(a_desc=W.make_descriptor(a, (m, k), (k, 1), (bm, bk)), b_desc=b_desc, c_desc=c_desc, M=m, N=n, K=k,
                 chunk_m=m // chunks, num_chunks=chunks, start_chunk=0,
+                wait_signal=torch.empty(4, dtype=torch.int32) if wait else None, wait_gen=1, wait_timeout=10**9,
+                err_ptr=torch.empty(8, dtype=torch.int32) if wait else None,
                 counters=torch.empty(4, dtype=torch.int32) if hook else None,
                 signal_ptrs=torch.empty(4, dtype=torch.int64) if hook else None, epi_gen=1,
                 **{f"epi_d{q}": c_desc if q < descs else None for q in range(8)})
     cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, TILE_ORDER=tile_order,
-                B_KMAJOR=b_kmajor, EPILOGUE=hook, EPI_TMA=max(epi_tma, 0), DIAG=0, num_warps=W.NUM_WARPS)
+                B_KMAJOR=b_kmajor, EPILOGUE=hook, EPI_TMA=max(epi_tma, 0), DIAG=0, WAIT=wait,
+                num_warps=W.NUM_WARPS)
     sig, attrs, constexprs = _signature(W.gemm_ws_kernel.arg_names, args, cons,
                                         lambda name, v: name in ("M", "N", "K") and v % 16 == 0)
     src = GluonASTSource(fn=W.gemm_ws_kernel, signature=sig, attrs=attrs, constexprs=constexprs)

@@ -704,7 +704,8 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
                                   and num_tiles < km.MAX_COUNTED_TILES.value
                                   and (num_chunks == 1 or chunk_m % cfg.BLOCK_M == 0), cfg.flatten)
                   if epilogue is not None else 1)
-    ws = _ws_choice(device, a.dtype, cfg, epilogue, wait, epi_tma, use_asm, m, n, programs)
+    ws = _ws_choice(device, a.dtype, cfg, epilogue, wait, epi_tma, use_asm, m, n, programs,
+                    out_tma=bool(use_tma) and cfg.tma_store and epilogue is None)
     if ws:   # one program per SM or fewer, no more than tiles of the Gluon kernel's own tile
         ws_tiles = triton.cdiv(m, ws[0][0]) * triton.cdiv(n, ws[0][1])
         grid = (min(ws_tiles, cfg.num_programs or _num_programs(device)), 1, 1)
@@ -717,20 +718,23 @@ def _wave_fill(tiles: int, programs: int) -> float:
     return tiles / (-(-tiles // programs) * programs)
 
 
-def _ws_choice(device, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0, programs=0) -> tuple:
-    """``(block, stages)`` of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py) for an
-    epilogue-hook launch, or ``()`` for gemm_kernel. Taken on sm_90 for bf16/fp16 where the hook
+def _ws_choice(device, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0, programs=0,
+               out_tma=False) -> tuple:
+    """``(block, stages)`` of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py) for a
+    launch with one hook, or ``()`` for gemm_kernel. Taken on sm_90 for bf16/fp16, for configs
+    of 128-row tiles 128 or 256 wide without split-K, with either the epilogue hook where it
     stores by TMA (``epi_tma``: every destination 16-byte aligned, per-chunk descriptors or
-    stacked destinations), without the wait hook, for configs of 128-row tiles 128 or 256 wide
-    without split-K: its store warp counts and publishes off the MMA warps, which in gemm_kernel
-    wait ~0.9 us per tile for it. The Gluon kernel takes the config's tile and GROUP_M, K-steps
+    stacked destinations) -- its store warp counts and publishes off the MMA warps, which in
+    gemm_kernel wait ~0.9 us per tile for it -- or the wait hook into a TMA-stored ``out``
+    (``out_tma``) -- its load warp waits, not the MMA warps. Not with both hooks at once. The Gluon kernel takes the config's tile and GROUP_M, K-steps
     of 64 and as many stages as fit beside its staging buffer; it has no stream-K, so where
     128-wide tiles fill the waves of ``programs`` better by more than 5 points than 256-wide
-    ones (8B fc1 at M = 4096: 0.97 against 0.85), it takes those. ``TPFUSE_EPI_WS=0`` keeps
-    gemm_kernel."""
-    if (epilogue is None or wait is not None or not epi_tma or not use_asm or cfg.split_k != 1
+    ones (8B fc1 at M = 4096: 0.97 against 0.85), it takes those. ``TPFUSE_WS=0`` keeps
+    gemm_kernel for both hooks."""
+    one_hook = (epilogue is not None and wait is None and epi_tma) or (wait is not None and epilogue is None and out_tma)
+    if (not one_hook or not use_asm or cfg.split_k != 1
             or dtype not in (torch.bfloat16, torch.float16) or cfg.BLOCK_M != 128 or cfg.BLOCK_N not in (128, 256)
-            or os.environ.get("TPFUSE_EPI_WS", "1") == "0"):
+            or os.environ.get("TPFUSE_WS", "1") == "0"):
         return ()
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if _device_info(idx)["capability"][0] != 9:
@@ -941,7 +945,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
                                          _stacked(epilogue)),
                use_tma, os.environ.get("TRITON_INTERPRET"), os.environ.get("TPFUSE_SIGNAL_ASM"),
                os.environ.get("TPFUSE_EPI_TMA"), os.environ.get("TPFUSE_EPI_COUNT"),
-               os.environ.get("TPFUSE_EPI_WS"))
+               os.environ.get("TPFUSE_WS"))
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):   # not tensors / unhashable: full validation says why
         key, plan = None, None
@@ -985,15 +989,24 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
                                  f"need {dt} with >= num_chunks={num_chunks} elements on {device}")
 
     cfg = plan.cfg
+    err = None
+    if wait is not None:
+        err = wait.error if wait.error is not None else new_error_word(device)
     if plan.ws:
         from .kernels import gemm_ws
         block, stages = plan.ws
-        gemm_ws.launch(a, b, dests=epilogue.dests, stacked=plan.epi_tma == _triton()[2].EPI_TMA_STACKED.value,
-                       chunk_m=plan.chunk_m, start_chunk=plan.start_chunk, tile_order=tile_order,
-                       counters=epilogue.counters, signal_ptrs=epilogue.signal_ptrs,
-                       generation=epilogue.generation, block=block, group_m=cfg.GROUP_M, stages=stages,
-                       grid=plan.grid[0], epi_descs=_epilogue_descriptors(epilogue, plan))
-        return None
+        common = dict(chunk_m=plan.chunk_m, start_chunk=plan.start_chunk, tile_order=tile_order, block=block,
+                      group_m=cfg.GROUP_M, stages=stages, grid=plan.grid[0])
+        if epilogue is not None:
+            gemm_ws.launch(a, b, dests=epilogue.dests, stacked=plan.epi_tma == _triton()[2].EPI_TMA_STACKED.value,
+                           counters=epilogue.counters, signal_ptrs=epilogue.signal_ptrs,
+                           generation=epilogue.generation, epi_descs=_epilogue_descriptors(epilogue, plan), **common)
+            return None
+        gemm_ws.launch(a, b, out=out, wait_signal=wait.signal, wait_gen=wait.generation,
+                       wait_timeout_ns=wait.timeout_ns, err=err, **common)
+        if check:
+            check_error_word(err, rank=wait.rank, timeout_ns=wait.timeout_ns)
+        return out
     bm, bn, bk = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
     if plan.use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -1009,9 +1022,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
     if epilogue is not None:
         c_arg = epilogue.base   # typed origin of the destinations' offsets
 
-    err = None
-    if wait is not None:
-        err = wait.error if wait.error is not None else new_error_word(device)
     args = [
         a_arg, b_arg, c_arg, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),

@@ -185,6 +185,22 @@ def test_offline_ws_kernel_counts_and_publishes_on_its_store_warp(epi_tma, store
 
 
 @pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
+def test_offline_ws_kernel_waits_in_its_load_warp():
+    # the wait hook: one bounded spin (acquire at system scope, %globaltimer, the error word),
+    # the first timeout's claim of the error word, and the proxy fence before the TMA loads;
+    # no count, no publication
+    compile_ws, sass_of = _offline_ws()
+    kern = compile_ws(4096, 4096, 1792, wait=True, tile_order=1)
+    sass, res = sass_of(kern.asm["cubin"])
+    ptx = kern.asm["ptx"]
+    assert "LOCAL:0" in res and "STACK:0" in res and kern.metadata.shared <= 232448
+    for piece, count in (("ld.global.acquire.sys.b32", 1), ("mov.u64 t0, %globaltimer", 1),
+                         ("fence.proxy.async.global", 1), ("atom.add.acq_rel.gpu", 0), ("fence.acq_rel.sys", 0)):
+        assert ptx.count(piece) == count, piece
+    assert re.search(r"atom\.[a-z_.]*cas", ptx)
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
 def test_offline_ws_kernel_takes_row_major_b_and_narrow_tiles():
     compile_ws, sass_of = _offline_ws()
     for kw in (dict(b_kmajor=False), dict(block=(128, 128, 64), stages=5)):
@@ -194,9 +210,10 @@ def test_offline_ws_kernel_takes_row_major_b_and_narrow_tiles():
 
 
 def test_ws_choice(monkeypatch):
-    # the Gluon kernel takes the epilogue hook on sm_90 where it stores by TMA, without the wait
-    # hook or split-K, for 128-row tiles 128 or 256 wide in bf16/fp16; TPFUSE_EPI_WS=0 turns it off
-    monkeypatch.delenv("TPFUSE_EPI_WS", raising=False)
+    # the Gluon kernel takes one hook on sm_90 -- the epilogue hook where it stores by TMA, or the
+    # wait hook into a TMA-stored output -- without split-K, for 128-row tiles 128 or 256 wide in
+    # bf16/fp16; TPFUSE_WS=0 turns it off
+    monkeypatch.delenv("TPFUSE_WS", raising=False)
     cap = {"capability": (9, 0)}
     monkeypatch.setattr(gc, "_device_info", lambda index: cap)
     dev = torch.device("cuda", 0)
@@ -205,6 +222,10 @@ def test_ws_choice(monkeypatch):
     assert gc._ws_choice(dev, torch.bfloat16, big, epi, None, 8, True) == ((128, 256, 64), 3)
     narrow = dataclasses.replace(big, BLOCK_N=128, BLOCK_K=128)
     assert gc._ws_choice(dev, torch.float16, narrow, epi, None, 9, True) == ((128, 128, 64), 5)
+    # the wait hook alone, into a TMA-stored output: its load warp waits
+    assert gc._ws_choice(dev, torch.bfloat16, big, None, wait, 0, True, out_tma=True) == ((128, 256, 64), 3)
+    assert gc._ws_choice(dev, torch.bfloat16, big, None, wait, 0, True, out_tma=False) == ()
+    assert gc._ws_choice(dev, torch.bfloat16, big, epi, wait, 8, True, out_tma=True) == ()   # both hooks
     for args in ((torch.bfloat16, big, None, None, 8, True),           # no hook
                  (torch.bfloat16, big, epi, wait, 8, True),            # wait hook too
                  (torch.bfloat16, big, epi, None, 0, True),            # pointer stores
@@ -216,8 +237,8 @@ def test_ws_choice(monkeypatch):
     # no stream-K in the Gluon kernel: narrower tiles where they fill the waves much better
     assert gc._ws_choice(dev, torch.bfloat16, big, epi, None, 8, True, 4096, 3584, 132) == ((128, 128, 64), 5)
     assert gc._ws_choice(dev, torch.bfloat16, big, epi, None, 8, True, 4096, 4096, 132) == ((128, 256, 64), 3)
-    monkeypatch.setenv("TPFUSE_EPI_WS", "0")
+    monkeypatch.setenv("TPFUSE_WS", "0")
     assert gc._ws_choice(dev, torch.bfloat16, big, epi, None, 8, True) == ()
-    monkeypatch.delenv("TPFUSE_EPI_WS")
+    monkeypatch.delenv("TPFUSE_WS")
     cap["capability"] = (10, 0)   # the kernel's wgmma is sm_90's
     assert gc._ws_choice(dev, torch.bfloat16, big, epi, None, 8, True) == ()

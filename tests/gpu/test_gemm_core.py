@@ -91,20 +91,37 @@ def test_tile_orders(order, start, flatten, sub):
     _assert_close(out, ref, torch.bfloat16)
 
 
+WS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+# the wait hook in gemm_kernel and, on sm_90 with inline PTX, in the Gluon kernel's load warp
+# (tpfuse/kernels/gemm_ws.py; flatten means nothing to it)
+KERNELS = [("gemm_kernel", BIG, "0"), ("gemm_kernel", FLAT, "0")] + ([("gemm_ws", BIG, "1")] if WS_GPU else [])
+KERNEL_IDS = [f"{k}-{'flat' if c.flatten else 'nested'}" for k, c, _ in KERNELS]
+
+
+def _took(kernel):
+    """The latest matmul ran ``kernel``."""
+    return bool(gc._LAST_PLAN[0].ws) == (kernel == "gemm_ws")
+
+
 @pytest.mark.parametrize("use_asm", ["1", "0"])
-@pytest.mark.parametrize("config", [BIG, FLAT], ids=["nested", "flat"])
-def test_wait_hook_signals_preset(use_asm, config, monkeypatch):
+@pytest.mark.parametrize("kernel,config,ws", KERNELS, ids=KERNEL_IDS)
+def test_wait_hook_signals_preset(use_asm, kernel, config, ws, monkeypatch):
+    if kernel == "gemm_ws" and use_asm == "0":
+        pytest.skip("the Gluon kernel's wait is inline PTX")
     monkeypatch.setenv("TPFUSE_SIGNAL_ASM", use_asm)
+    monkeypatch.setenv("TPFUSE_WS", ws)
     a, b, ref = _operands(8 * 517, 1024, 1536, torch.bfloat16, "weight_t", seed=3)
     signal = torch.tensor([4, 9, 4, 4, 5, 4, 4, 4], dtype=torch.int32, device="cuda")
     out = torch.full((8 * 517, 1536), float("nan"), device="cuda", dtype=torch.bfloat16)
     gc.matmul(a, b, out=out, config=config, tile_order="round", start_chunk=2,
               wait=gc.WaitSpec(signal, 4, 517, timeout_ns=2_000_000_000))
+    assert _took(kernel)
     _assert_close(out, ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("config", [BIG, FLAT], ids=["nested", "flat"])
-def test_wait_hook_released_late_reads_only_released_rows(config):
+@pytest.mark.parametrize("kernel,config,ws", KERNELS, ids=KERNEL_IDS)
+def test_wait_hook_released_late_reads_only_released_rows(kernel, config, ws, monkeypatch):
+    monkeypatch.setenv("TPFUSE_WS", ws)
     # The producer writes A chunk by chunk, last chunk first, after a delay, and raises each
     # chunk's signal after its rows: a tile that loaded its rows before its wait returned
     # (e.g. a load hoisted by the pipeliner of the flattened loop) would read the NaN poison.
@@ -144,6 +161,7 @@ def test_wait_hook_released_late_reads_only_released_rows(config):
     call(1)
     torch.cuda.synchronize()
     gc.check_error_word(err)
+    assert _took(kernel)
     # The checked run: A poisoned again, the next generation, released late.
     a.fill_(float("nan"))
     out.fill_(float("nan"))
@@ -156,17 +174,20 @@ def test_wait_hook_released_late_reads_only_released_rows(config):
 
 
 @pytest.mark.parametrize("use_asm", ["1", "0"])
-@pytest.mark.parametrize("config", [BIG, FLAT], ids=["nested", "flat"])
-def test_wait_timeout_is_bounded(use_asm, config, monkeypatch):
+@pytest.mark.parametrize("kernel,config,ws", KERNELS, ids=KERNEL_IDS)
+def test_wait_timeout_is_bounded(use_asm, kernel, config, ws, monkeypatch):
     import time
+    if kernel == "gemm_ws" and use_asm == "0":
+        pytest.skip("the Gluon kernel's wait is inline PTX")
     monkeypatch.setenv("TPFUSE_SIGNAL_ASM", use_asm)
+    monkeypatch.setenv("TPFUSE_WS", ws)
     a, b, _ = _operands(1024, 512, 512, torch.bfloat16, "row_major", seed=4)
     signal = torch.tensor([7, 7, 6, 7], dtype=torch.int32, device="cuda")
     t0 = time.time()
     with pytest.raises(TimeoutError, match=r"rank 3.*chunk=2\] >= generation 7, last value seen 6"):
         gc.matmul(a, b, config=config, wait=gc.WaitSpec(signal, 7, 256, timeout_ns=20_000_000,
                                                         max_spins=100_000, rank=3))
-    assert time.time() - t0 < 30
+    assert time.time() - t0 < 30 and _took(kernel)
 
 
 def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, after=lambda: True,
@@ -213,7 +234,7 @@ def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, afte
 @pytest.mark.parametrize("sub", [1, 2])
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
 def test_epilogue_routes_and_publishes_several_generations(chunk_m, tma, sub, flatten, monkeypatch):
-    monkeypatch.setenv("TPFUSE_EPI_WS", "0")   # gemm_kernel's hook (test_ws_* below: the Gluon kernel's)
+    monkeypatch.setenv("TPFUSE_WS", "0")   # gemm_kernel's hook (test_ws_* below: the Gluon kernel's)
     # 512-row chunks: every tile in one chunk, stored by TMA through its destination's
     # descriptor unless TPFUSE_EPI_TMA=0. 517: tiles straddle two destinations, pointer stores
     # (TMA would need a negative row coordinate).
@@ -227,7 +248,7 @@ def test_epilogue_routes_and_publishes_several_generations(chunk_m, tma, sub, fl
 @pytest.mark.parametrize("sub", [1, 2])
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
 def test_epilogue_stacked_destinations_take_one_descriptor(chunk_m, chunks, sub, flatten, monkeypatch):
-    monkeypatch.setenv("TPFUSE_EPI_WS", "0")
+    monkeypatch.setenv("TPFUSE_WS", "0")
     # Chunks of one tensor: one TMA descriptor over all rows, for any chunk height (517: tiles
     # straddle two chunks) and any number of chunks (16), each tile stored at its own row.
     cfg = dataclasses.replace(BIG, EPI_SUBTILE=sub, flatten=flatten)
@@ -241,7 +262,7 @@ def test_epilogue_stacked_destinations_take_one_descriptor(chunk_m, chunks, sub,
                                     dataclasses.replace(BIG, num_programs=7, stream_k=2)],
                          ids=["big", "7_programs", "pointer_stores", "flat_7_programs", "stream_k_7_programs"])
 def test_epilogue_count_modes_publish_every_chunk(count, config, monkeypatch):
-    monkeypatch.setenv("TPFUSE_EPI_WS", "0")   # the count modes are gemm_kernel's
+    monkeypatch.setenv("TPFUSE_WS", "0")   # the count modes are gemm_kernel's
     # auto: counts that return nothing, made inside the next tile's main loop in flattened
     # tile loops (EPI_COUNT=4), after it otherwise and with =epilogue (3), a poller per chunk;
     # 7 programs run ~14 tiles each, so most chunks are published by their poller inside the
@@ -269,8 +290,7 @@ def test_epilogue_with_more_chunks_than_descriptors_stores_through_pointers():
 # The warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py): taken for the epilogue hook on
 # sm_90 where it stores by TMA (per-chunk descriptors: chunk_m a multiple of 128, at most 8
 # chunks; or stacked destinations, any chunk height), whatever the order, the layout of b, the
-# dtype and the tile width.
-WS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+# dtype and the tile width (its wait hook: the wait tests above).
 
 
 @pytest.mark.skipif(not WS_GPU, reason="the Gluon kernel is sm_90 only")
@@ -297,7 +317,7 @@ def test_ws_epilogue_layouts_dtypes_and_tiles(config, b_layout, dtype):
 
 
 @pytest.mark.skipif(not WS_GPU, reason="the Gluon kernel is sm_90 only")
-def test_ws_is_not_taken_with_the_wait_hook_or_when_switched_off(monkeypatch):
+def test_ws_is_not_taken_with_both_hooks_or_when_switched_off(monkeypatch):
     m, chunk_m = 4 * 256, 256
     a, b, ref = _operands(m, 256, 512, torch.bfloat16, "weight_t")
     signals = torch.zeros(4, dtype=torch.int32, device="cuda")
@@ -309,7 +329,7 @@ def test_ws_is_not_taken_with_the_wait_hook_or_when_switched_off(monkeypatch):
     gc.matmul(a, b, config=BIG, tile_order="owner", epilogue=spec, wait=wait)
     (plan,) = gc._PLANS.values()
     assert plan.ws == () and signals.tolist() == [1] * 4
-    monkeypatch.setenv("TPFUSE_EPI_WS", "0")
+    monkeypatch.setenv("TPFUSE_WS", "0")
     gc._PLANS.clear()
     gc.matmul(a, b, config=BIG, tile_order="owner", epilogue=dataclasses.replace(spec, generation=2))
     (plan,) = gc._PLANS.values()
@@ -417,7 +437,7 @@ def _k_shared_epilogue(config, tma, seed, monkeypatch):
     """Epilogue hook over generations with tiles whose K is shared out (split-K, stream-K):
     128-row chunks take TMA stores (unless TPFUSE_EPI_TMA=0), 131-row ones pointer stores."""
     monkeypatch.setenv("TPFUSE_EPI_TMA", tma)
-    monkeypatch.setenv("TPFUSE_EPI_WS", "0")   # stream-K's shared tiles are gemm_kernel's (split-K never takes gemm_ws)
+    monkeypatch.setenv("TPFUSE_WS", "0")   # stream-K's shared tiles are gemm_kernel's (split-K never takes gemm_ws)
     chunk_m = 128 if tma == "1" else 131
     _epilogue_over_generations(4 * chunk_m, 2048, 1536, chunk_m, config, start_chunk=1, seed=seed,
                                after=_tile_counters_are_zero, expect_tma=tma == "1")

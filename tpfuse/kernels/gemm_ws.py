@@ -29,8 +29,14 @@ Nobody spins on another program, so programs need not be co-resident.
 
 Destinations: one TMA descriptor per chunk (``EPI_TMA`` = number of chunks, at most 8, every
 tile inside one chunk) or one over stacked destinations (``EPI_TMA_STACKED``: a tile may
-straddle chunks then; it is stored once and counted in each). No wait hook, no split-K: the
-host (tpfuse/gemm_core.py) takes this kernel only for the epilogue hook on that path.
+straddle chunks then; it is stored once and counted in each).
+
+Wait hook (``WAIT``, the AG consumer side, without the epilogue hook): gemm.py's bounded wait
+runs in the load warp before a tile's loads, followed by ``fence.proxy.async.global`` (the TMA
+loads are async-proxy reads of rows a peer wrote); the MMA warps wait only for operands. A timed
+out wait is recorded in the error word and the loads go on, so the kernel ends and the host
+raises TimeoutError. No split-K, no stream-K: the host (tpfuse/gemm_core.py, ``_ws_choice``)
+takes this kernel for one hook at a time on those paths.
 """
 import triton
 from triton.experimental import gluon
@@ -38,8 +44,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-# the tile orders of gemm.py, called from Gluon as they are (scalar integer arithmetic)
+# gemm.py's tile orders, called from Gluon as they are (scalar integer arithmetic); the first
+# timeout of a wait claims the error word as in gemm.py
 from .gemm import _tile_coords
+from .signals import record_timeout
 
 EPI_TMA_STACKED = gl.constexpr(9)   # as gemm.EPI_TMA_STACKED
 
@@ -55,6 +63,19 @@ _COUNT_ASM = gl.constexpr("{\n\t.reg .pred p, last;\n\t.reg .u32 lane, old;\n\t"
               "@last fence.acq_rel.sys;\n\t@last st.relaxed.gpu.global.b32 [$1], 0;\n\t"
               "@last st.relaxed.sys.global.b32 [$4], $5;\n\t"
               "shfl.sync.idx.b32 $0, old, 0, 31, -1;\n\t}")
+# The wait hook's bounded spin, one PTX loop: until the int32 at $2 (acquire, system scope) is
+# >= $3, for at most $4 ns of %globaltimer, or until the error word at $5 is set by another
+# waiter. $0: 0 ready, 1 timed out, 2 stopped by another's error; $1: the value last read.
+_WAIT_ASM = gl.constexpr(
+    "{\n\t.reg .pred p;\n\t.reg .u64 t0, t1;\n\t.reg .u32 e;\n\tmov.u32 $0, 0;\n\t"
+    "mov.u64 t0, %globaltimer;\n\tWAIT_POLL:\n\tld.global.acquire.sys.b32 $1, [$2];\n\t"
+    "setp.ge.s32 p, $1, $3;\n\t@p bra WAIT_DONE;\n\tld.volatile.global.b32 e, [$5];\n\t"
+    "setp.ne.s32 p, e, 0;\n\t@p mov.u32 $0, 2;\n\t@p bra WAIT_DONE;\n\tmov.u64 t1, %globaltimer;\n\t"
+    "sub.u64 t1, t1, t0;\n\tsetp.gt.s64 p, t1, $4;\n\t@p mov.u32 $0, 1;\n\t@p bra WAIT_DONE;\n\t"
+    "bra WAIT_POLL;\n\tWAIT_DONE:\n\t}")
+# After the wait hook's acquire (generic proxy), before the TMA loads (async proxy) of the rows
+# it released: peers' writes to them are then ordered before the loads.
+_PROXY_FENCE_ASM = gl.constexpr("fence.proxy.async.global;\n\tmov.u32 $0, 0;")
 # Timing diagnostics only (launch(diag=...), benchmarks/probe_ws.py; never by gemm_core): the
 # count without the publication (2), as a red that returns nothing (3), without the proxy
 # fence (4); 1 = no count at all (stores only)
@@ -68,21 +89,54 @@ _DIAG4_ASM = gl.constexpr(_COUNT_ASM.value.replace("fence.proxy.async.global;\n\
 
 
 @gluon.jit
+def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr, status, verified):
+    """The wait hook of one tile in the load warp, as gemm.py's ``_wait_chunks`` (which Gluon
+    cannot call: its scalars come from ``tl.full``): poll every chunk the tile's rows touch that
+    this program has not yet seen ready (bit c of ``verified``; chunks >= 62 every time)."""
+    if status == 0:
+        for cc in range(c_lo, c_hi + 1):
+            one = gl.to_tensor(1).to(gl.int64)
+            bit = gl.where(cc < 62, one << gl.minimum(cc, 61).to(gl.int64), 0)
+            if ((verified & bit) == 0) & (status == 0):
+                st, seen = gl.inline_asm_elementwise(_WAIT_ASM, "=r,=r,l,r,l,l",
+                                                     [wait_signal + cc, wait_gen, wait_timeout, err_ptr],
+                                                     dtype=(gl.int32, gl.int32), is_pure=False, pack=1)
+                if st == 1:
+                    record_timeout(err_ptr, tile_id, cc, wait_gen, seen)
+                status = st
+                if st == 0:
+                    verified = verified | bit
+    return status, verified
+
+
+@gluon.jit
 def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr, DIAG: gl.constexpr):
+                    EPI_TMA: gl.constexpr, DIAG: gl.constexpr, WAIT: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
-     M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs) = p
+     M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
+     wait_signal, wait_gen, wait_timeout, err_ptr) = p
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    status = gl.to_tensor(0)   # WAIT: 0 until a wait of this program fails
+    verified = gl.to_tensor(0).to(gl.int64)   # WAIT: bit c set once signal[c] >= wait_gen was seen
     it = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
                                     BLOCK_M, GROUP_M, TILE_ORDER)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
+        if WAIT:
+            # gemm.py's wait hook, here in the load warp: the MMA warps only ever wait for the
+            # operands. A failed (timed-out) wait is recorded in the error word and the loads go
+            # on, so every partition finishes and the host raises TimeoutError.
+            c_lo = off_m // chunk_m
+            c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
+            status, verified = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr,
+                                            status, verified)
+            gl.inline_asm_elementwise(_PROXY_FENCE_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         for ki in range(k_tiles):
             s = it % STAGES
             # stage s is free once the MMA warps have consumed its previous fill (a fresh
@@ -100,9 +154,10 @@ def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl
 @gluon.jit
 def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr, DIAG: gl.constexpr):
+                    EPI_TMA: gl.constexpr, DIAG: gl.constexpr, WAIT: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
-     M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs) = p
+     M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
+     wait_signal, wait_gen, wait_timeout, err_ptr) = p
     c_desc = epi_descs[0]
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -150,9 +205,10 @@ def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: g
 @gluon.jit
 def _mma_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr, DIAG: gl.constexpr, num_warps: gl.constexpr):
+                    EPI_TMA: gl.constexpr, DIAG: gl.constexpr, WAIT: gl.constexpr, num_warps: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
-     M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs) = p
+     M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
+     wait_signal, wait_gen, wait_timeout, err_ptr) = p
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
@@ -186,14 +242,16 @@ def _mma_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.
 
 # Per-call values (generations, chunk geometry) and the hook buffers are not specialized on, so
 # a new generation never compiles a new kernel.
-@gluon.jit(do_not_specialize=["chunk_m", "num_chunks", "start_chunk", "epi_gen"],
-           do_not_specialize_on_alignment=["counters", "signal_ptrs"])
+@gluon.jit(do_not_specialize=["chunk_m", "num_chunks", "start_chunk", "epi_gen", "wait_gen", "wait_timeout"],
+           do_not_specialize_on_alignment=["counters", "signal_ptrs", "wait_signal", "err_ptr"])
 def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_chunk,
+                   wait_signal, wait_gen, wait_timeout, err_ptr,
                    counters, signal_ptrs, epi_gen,
                    epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                    STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr,
-                   EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, DIAG: gl.constexpr, num_warps: gl.constexpr):
+                   EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, DIAG: gl.constexpr, WAIT: gl.constexpr,
+                   num_warps: gl.constexpr):
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -214,12 +272,13 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
     else:
         epi_descs = (c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc)
     p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
-         M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs)
+         M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
+         wait_signal, wait_gen, wait_timeout, err_ptr)
     gl.warp_specialize([
         (_mma_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA,
-                          DIAG, num_warps)),
-        (_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, DIAG)),
-        (_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, DIAG)),
+                          DIAG, WAIT, num_warps)),
+        (_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, DIAG, WAIT)),
+        (_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, DIAG, WAIT)),
     ], [1, 1], [40, 40])
 
 
@@ -246,14 +305,16 @@ def make_descriptor(t, shape, strides, block):
 
 def launch(a, b, *, out=None, dests=(), stacked=False, chunk_m=None, start_chunk=0, tile_order="grouped",
            counters=None, signal_ptrs=None, generation=0, block=(128, 256, 64), group_m=8, stages=3,
-           grid=None, epi_descs=None, diag=0):
+           grid=None, epi_descs=None, diag=0, wait_signal=None, wait_gen=0, wait_timeout_ns=0, err=None):
     """``a [M, K] @ b [K, N]`` (``b`` row-major or ``weight.t()``) into ``out``, or with ``dests``
     (the epilogue hook) into one destination per chunk of ``chunk_m`` rows (``stacked``: they
     are consecutive row blocks of one tensor), counting in ``counters`` and publishing
     ``generation`` to the int32 at each ``signal_ptrs[c]``. bf16/fp16, 16-byte aligned rows,
     sm_90. ``epi_descs``: the destinations' descriptors when the caller keeps them (one per
-    chunk, or one over the stacked rows). The caller (tpfuse/gemm_core.py) validates; this
-    only launches."""
+    chunk, or one over the stacked rows). With ``wait_signal`` (the wait hook, into ``out``):
+    the load warp waits before a tile's loads until ``wait_signal[c] >= wait_gen`` for every
+    chunk ``c`` its rows touch, for at most ``wait_timeout_ns``, recording a timeout in ``err``.
+    The caller (tpfuse/gemm_core.py) validates; this only launches."""
     m, k = a.shape
     n = b.shape[1]
     bm, bn, bk = block
@@ -287,8 +348,10 @@ def launch(a, b, *, out=None, dests=(), stacked=False, chunk_m=None, start_chunk
             _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
         grid = min(triton.cdiv(m, bm) * triton.cdiv(n, bn), _NUM_SMS[dev])
     gemm_ws_kernel[(grid, )](a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk,
+                             wait_signal, wait_gen, wait_timeout_ns, err,
                              counters, signal_ptrs, generation, *epi,
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
                              TILE_ORDER=TILE_ORDERS.index(tile_order), B_KMAJOR=b_kmajor, EPILOGUE=epilogue,
-                             EPI_TMA=epi_tma, DIAG=diag, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+                             EPI_TMA=epi_tma, DIAG=diag, WAIT=wait_signal is not None,
+                             num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return out
