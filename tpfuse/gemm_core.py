@@ -339,7 +339,7 @@ class EpilogueSpec:
     pointer stores; destinations that are consecutive row blocks of one tensor (``out[c *
     chunk_m:]`` slices) take one descriptor for all chunks, whatever their number and height
     (``TPFUSE_EPI_TMA=0`` turns both off).
-    Build one with :meth:`from_tensors`.
+    Build one with :meth:`from_tensors`; for the next call, :meth:`with_generation`.
     """
     base: torch.Tensor
     dest_offsets: torch.Tensor
@@ -388,6 +388,16 @@ class EpilogueSpec:
                    torch.tensor(sig_addrs, dtype=torch.int64, device=device), counters,
                    generation, chunk_m, stride, align_elems=16 // e if aligned else 0,
                    keepalive=tuple(dests) + sig_keep, dests=tuple(dests))
+
+    def with_generation(self, generation: int) -> "EpilogueSpec":
+        """The same spec for the next call: ``generation`` changed; the buffers, and what was
+        derived from them once (the destinations' TMA descriptors, whether they are stacked),
+        kept -- a ``dataclasses.replace`` copy would build those again on its first call."""
+        new = dataclasses.replace(self, generation=generation)
+        for cache in ("_tma_descs", "_stacked"):   # frozen dataclass: caches, not fields
+            if cache in self.__dict__:
+                new.__dict__[cache] = self.__dict__[cache]
+        return new
 
 
 def new_error_word(device) -> torch.Tensor:

@@ -656,3 +656,24 @@ def test_stacked_destinations_take_one_descriptor_for_every_chunk():
     assert gc._stacked(spec_s)
     with pytest.raises(ValueError, match=r"dests\[2\] is \(10, 64\); chunk 2 needs at least \(20, 64\)"):
         gc._epilogue_descriptors(spec_s, plan)
+
+
+def test_with_generation_keeps_what_was_derived_from_the_buffers():
+    # The next call's spec: a new generation, the same buffers, and the descriptors and the
+    # stacked flag built once for them (dataclasses.replace would build them again).
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    out = torch.empty(100, 64, dtype=torch.bfloat16)
+    spec = gc.EpilogueSpec.from_tensors([out[c * 40:(c + 1) * 40] for c in range(3)],
+                                        torch.zeros(3, dtype=torch.int32), 1, 40)
+    stacked = gc._triton()[2].EPI_TMA_STACKED.value
+    cfg = gc.GemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)
+    plan = gc._Plan(100, 64, 32, False, True, cfg, (1, 1, 1), 40, 3, 0, False, (), 4, 1, epi_tma=stacked)
+    (desc,) = gc._epilogue_descriptors(spec, plan)
+    assert gc._stacked(spec)
+    nxt = spec.with_generation(2)
+    assert nxt.generation == 2 and spec.generation == 1 and nxt.dests == spec.dests
+    assert nxt.counters is spec.counters and nxt.signal_ptrs is spec.signal_ptrs
+    assert nxt.__dict__["_stacked"] is True and gc._epilogue_descriptors(nxt, plan)[0] is desc
+    assert dataclasses.replace(spec, generation=2).__dict__.get("_tma_descs") is None   # what it saves
+    fresh = gc.EpilogueSpec.from_tensors([out[:40]], torch.zeros(1, dtype=torch.int32), 1, 40).with_generation(5)
+    assert fresh.generation == 5 and "_tma_descs" not in fresh.__dict__   # nothing derived yet: nothing kept

@@ -331,7 +331,7 @@ def test_ws_is_not_taken_with_both_hooks_or_when_switched_off(monkeypatch):
     assert plan.ws == () and signals.tolist() == [1] * 4
     monkeypatch.setenv("TPFUSE_WS", "0")
     gc._PLANS.clear()
-    gc.matmul(a, b, config=BIG, tile_order="owner", epilogue=dataclasses.replace(spec, generation=2))
+    gc.matmul(a, b, config=BIG, tile_order="owner", epilogue=spec.with_generation(2))
     (plan,) = gc._PLANS.values()
     assert plan.ws == () and plan.epi_tma == 4 and signals.tolist() == [2] * 4
     _assert_close(torch.cat([d[:chunk_m] for d in dests]), ref, torch.bfloat16)
