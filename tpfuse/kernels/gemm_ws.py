@@ -38,12 +38,15 @@ out wait is recorded in the error word and the loads go on, so the kernel ends a
 raises TimeoutError. No split-K, no stream-K: the host (tpfuse/gemm_core.py, ``_ws_choice``)
 takes this kernel for one hook at a time on those paths.
 """
+import functools
+
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
+from .. import gemm_core   # tile order names, programs per device (gemm_core imports this module lazily)
 # gemm.py's tile orders, called from Gluon as they are (scalar integer arithmetic); the first
 # timeout of a wait claims the error word as in gemm.py
 from .gemm import _tile_coords
@@ -285,22 +288,25 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
 # --------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------
-TILE_ORDERS = ("grouped", "round", "owner")
 # Registers: 8 MMA warps and two one-warp workers (one warpgroup): 12 warps x 168 = 64512 of the
 # SM's 65536; the workers drop to 40 (setmaxnreg), so the MMA warps get 232 for their 128
 # accumulator registers (128 x 256 fp32 over 256 threads) and the rest.
 NUM_WARPS = 8
 MAXNREG = 168
-_NUM_SMS: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple, dtype: str):
+    """The shared layout the kernel stages a ``block`` of ``dtype`` in (per call: cached)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), {"torch.bfloat16": gl.bfloat16,
+                                                              "torch.float16": gl.float16}[dtype])
 
 
 def make_descriptor(t, shape, strides, block):
     """A Gluon TMA descriptor of ``t`` (bf16/fp16, unit column stride) with the shared layout
     the kernel stages ``block`` in (same arguments as triton's TensorDescriptor)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    gl_dtype = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16}[str(t.dtype)]
-    layout = gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
-    return TensorDescriptor(t, list(shape), list(strides), list(block), layout)
+    return TensorDescriptor(t, list(shape), list(strides), list(block), _shared_layout(tuple(block), str(t.dtype)))
 
 
 def launch(a, b, *, out=None, dests=(), stacked=False, chunk_m=None, start_chunk=0, tile_order="grouped",
@@ -341,17 +347,13 @@ def launch(a, b, *, out=None, dests=(), stacked=False, chunk_m=None, start_chunk
         c_desc = make_descriptor(out, (m, n), (out.stride(0), 1), (bm, bn))
         epi, epi_tma = [], 0
     epi = epi + [None] * (8 - len(epi))
-    if grid is None:
-        dev = a.device.index if a.device.index is not None else 0
-        if dev not in _NUM_SMS:
-            import torch
-            _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-        grid = min(triton.cdiv(m, bm) * triton.cdiv(n, bn), _NUM_SMS[dev])
+    if grid is None:   # gemm_core passes its plan's
+        grid = min(triton.cdiv(m, bm) * triton.cdiv(n, bn), gemm_core._num_programs(a.device))
     gemm_ws_kernel[(grid, )](a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk,
                              wait_signal, wait_gen, wait_timeout_ns, err,
                              counters, signal_ptrs, generation, *epi,
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
-                             TILE_ORDER=TILE_ORDERS.index(tile_order), B_KMAJOR=b_kmajor, EPILOGUE=epilogue,
+                             TILE_ORDER=gemm_core.TILE_ORDERS.index(tile_order), B_KMAJOR=b_kmajor, EPILOGUE=epilogue,
                              EPI_TMA=epi_tma, DIAG=diag, WAIT=wait_signal is not None,
                              num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return out
