@@ -900,10 +900,9 @@ def _split_k_buffers(plan: _Plan, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _launch(plan: _Plan, plan_key, args: list, device) -> None:
     """Launch gemm_kernel. The first call of a specialization goes through Triton's JIT (which
-    compiles and caches); later ones call the compiled kernel directly, skipping the JIT's
-    argument binding (tens of microseconds of host time per call, which decode-sized GEMMs
-    cannot hide). Specialization of the kernel depends only on the plan and on the 16-byte
-    alignment of the plain-pointer operands (hook arguments are not specialized)."""
+    compiles and caches); later ones call the compiled kernel directly (:func:`_launch_cached`).
+    Specialization of the kernel depends only on the plan and on the 16-byte alignment of the
+    plain-pointer operands (hook arguments are not specialized)."""
     _, _, km = _triton()
     full = args + list(plan.constexprs)
     if _interpreting() or device.type != "cuda":
@@ -911,18 +910,29 @@ def _launch(plan: _Plan, plan_key, args: list, device) -> None:
         return
     spec = (plan_key, tuple(x.data_ptr() % 16 == 0 for x in args[:3] if isinstance(x, torch.Tensor)),
             tuple(-2**31 <= x < 2**31 for x in args[12:] if isinstance(x, int)))
+    _launch_cached(spec, plan.grid, full, device,
+                   lambda: km.gemm_kernel[plan.grid](*full, num_warps=plan.num_warps, num_stages=plan.num_stages))
+
+
+def _launch_cached(spec, grid, full: list, device, jit_launch) -> None:
+    """Launch a kernel on CUDA: the first call of specialization ``spec`` through Triton's JIT
+    (``jit_launch()``, which compiles, caches and returns the ``CompiledKernel``); later ones
+    call that compiled kernel directly with ``full`` (every parameter, constexprs included, in
+    signature order), skipping the JIT's argument binding -- tens of microseconds of host time
+    per call, which decode-sized GEMMs cannot hide. ``spec`` must capture everything the JIT
+    specializes on. ``TPFUSE_FAST_LAUNCH=0`` always takes the JIT."""
     fast = os.environ.get("TPFUSE_FAST_LAUNCH", "1") != "0"
     compiled = _COMPILED.get(spec) if fast else None
     if compiled is not None:
         try:
-            compiled[plan.grid](*full, stream=torch._C._cuda_getCurrentRawStream(device.index))
+            compiled[grid](*full, stream=torch._C._cuda_getCurrentRawStream(device.index))
             return
         except Exception as e:  # a Triton internals change: say so once, then use the JIT path
             _warn_once(f"tpfuse.gemm_core: direct kernel launch failed ({type(e).__name__}: {e}); "
                        "using Triton's JIT launch (slower on the host); set TPFUSE_FAST_LAUNCH=0 to silence")
             os.environ["TPFUSE_FAST_LAUNCH"] = "0"
             _COMPILED.clear()
-    compiled = km.gemm_kernel[plan.grid](*full, num_warps=plan.num_warps, num_stages=plan.num_stages)
+    compiled = jit_launch()
     if fast:
         _COMPILED[spec] = compiled
 

@@ -349,11 +349,23 @@ def launch(a, b, *, out=None, dests=(), stacked=False, chunk_m=None, start_chunk
     epi = epi + [None] * (8 - len(epi))
     if grid is None:   # gemm_core passes its plan's
         grid = min(triton.cdiv(m, bm) * triton.cdiv(n, bn), gemm_core._num_programs(a.device))
-    gemm_ws_kernel[(grid, )](a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk,
-                             wait_signal, wait_gen, wait_timeout_ns, err,
-                             counters, signal_ptrs, generation, *epi,
-                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
-                             TILE_ORDER=gemm_core.TILE_ORDERS.index(tile_order), B_KMAJOR=b_kmajor, EPILOGUE=epilogue,
-                             EPI_TMA=epi_tma, DIAG=diag, WAIT=wait_signal is not None,
-                             num_warps=NUM_WARPS, maxnreg=MAXNREG)
+    tile_order_idx = gemm_core.TILE_ORDERS.index(tile_order)
+    wait = wait_signal is not None
+    ints = (chunk_m, num_chunks, start_chunk, wait_gen, wait_timeout_ns, generation)
+    # Everything the JIT specializes on (the descriptors' dtypes, blocks and layouts follow from
+    # the dtype, block, b_kmajor and destinations; the hook ints and pointers are not
+    # specialized but for their width and dtype), so a cached compiled kernel fits this call
+    spec = ("gemm_ws", a.device, a.dtype, (dests[0] if epilogue else out).dtype, m, n, k, bm, bn, bk, group_m, stages, tile_order_idx, b_kmajor,
+            epilogue, epi_tma, sum(d is not None for d in epi), diag, wait,
+            tuple(-2**31 <= x < 2**31 for x in ints),
+            tuple(None if t is None else t.dtype for t in (wait_signal, err, counters, signal_ptrs)))
+    full = [a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
+            wait_timeout_ns, err, counters, signal_ptrs, generation, *epi,
+            bm, bn, bk, group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, diag, wait, NUM_WARPS]
+    gemm_core._launch_cached(spec, (grid, 1, 1), full, a.device, lambda: gemm_ws_kernel[(grid, )](
+        a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen, wait_timeout_ns,
+        err, counters, signal_ptrs, generation, *epi,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages, TILE_ORDER=tile_order_idx,
+        B_KMAJOR=b_kmajor, EPILOGUE=epilogue, EPI_TMA=epi_tma, DIAG=diag, WAIT=wait,
+        num_warps=NUM_WARPS, maxnreg=MAXNREG))
     return out
