@@ -4,9 +4,12 @@ stacked destinations, two generations), then interleaved CUDA-graph timings (L2 
 each call) of, per shape, the Triton kernel in the owner order alone (``owner``, the benchmark's
 config) and with the epilogue hook (``epi``), the Gluon kernel alone (``ws``) and with the hook
 (``ws_epi``), and torch.matmul. Destinations are one allocation per chunk, as peer buffers are.
-A diagnostic; needs an sm_90 GPU.
+``--plain``: no hooks -- the benchmark's plain call against the Gluon kernel's tiles and cuBLAS;
+``--wait``: the wait hook in the round order. A diagnostic; needs an sm_90 GPU.
 
     python3 benchmarks/probe_ws.py --bench benchmarks/results/gemm_core_h200.json [--rounds 7]
+    python3 benchmarks/probe_ws.py --no-check --plain --phases prefill_chunk --blocks 128x256x64:3 128x128x64:5
+    python3 benchmarks/probe_ws.py --no-check --wait
 """
 from __future__ import annotations
 
@@ -107,6 +110,12 @@ def main(argv=None) -> int:
                     help="also the first block's hook with pieces left out (gemm_ws diag: 1 no count, "
                          "2 no publication, 3 red count, 4 no proxy fence); signals are not all set then")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--plain", action="store_true",
+                    help="no hooks: the benchmark's plain call (ours, grouped) against the Gluon kernel's "
+                         "--blocks and cuBLAS")
+    ap.add_argument("--wait", action="store_true",
+                    help="the wait hook (signals pre-set), round order: gemm_kernel alone (round) and the Gluon "
+                         "kernel alone (ws_round) and with the hook (ws_wait), in the tile gemm_core would take")
     ap.add_argument("--no-time", action="store_true")
     args = ap.parse_args(argv)
     bad = 0 if args.no_check else check()
@@ -140,6 +149,23 @@ def main(argv=None) -> int:
             fns[f"diag{dg}"] = lambda dg=dg, blk=tuple(int(x) for x in blk0.split("x")), st=int(st0): gemm_ws.launch(
                 a, b, dests=dests, chunk_m=cm, start_chunk=1, tile_order="owner", counters=counters,
                 signal_ptrs=ptrs, generation=7, block=blk, stages=st, diag=dg)
+        if args.wait:
+            wsig = torch.full((args.chunks,), 7, dtype=torch.int32, device="cuda")
+            werr = gc.new_error_word("cuda")   # not `err`: the check below takes that name
+            blk, st = gc._ws_choice(a.device, a.dtype, cfg, None, object(), 0, True, m, n,
+                                    gc._num_programs(a.device), out_tma=True) or ((128, 256, 64), 3)
+            common = dict(out=out, tile_order="round", chunk_m=cm, start_chunk=1, block=blk, stages=st)
+            fns = {"cublas": fns["cublas"],
+                   "round": lambda: gc.matmul(a, b, out=out, config=cfg, tile_order="round", start_chunk=1, chunk_m=cm),
+                   "ws_round": lambda: gemm_ws.launch(a, b, **common)}
+            fns["ws_wait"] = lambda: gemm_ws.launch(a, b, wait_signal=wsig, wait_gen=7, wait_timeout_ns=10**9,
+                                                    err=werr, **common)
+        if args.plain:
+            fns = {"cublas": fns["cublas"], "ours": lambda: gc.matmul(a, b, out=out, config=cfg)}
+            for spec in args.blocks:
+                tiles, stages = spec.split(":")
+                fns[f"ws{spec}"] = lambda blk=tuple(int(x) for x in tiles.split("x")), st=int(stages): gemm_ws.launch(
+                    a, b, out=out, block=blk, stages=st)
         ref = torch.matmul(a, b).float()
         for name, fn in fns.items():
             out.fill_(float("nan"))
@@ -160,6 +186,20 @@ def main(argv=None) -> int:
 
         def rel(x, y):
             return 100 * (statistics.median(p / q for p, q in zip(t[x], t[y])) - 1)
+        if args.wait:
+            gc.check_error_word(werr)
+            summary.append((r["name"], {"ws_round/round": rel("ws_round", "round"),
+                                        "ws_wait/ws_round": rel("ws_wait", "ws_round"),
+                                        "ws_wait/round": rel("ws_wait", "round"),
+                                        "cublas/round": rel("cublas", "round")}))
+            print(f"{r['name']} {m}x{n}x{k} [{blk}:{st}]: " + "  ".join(f"{nm} {v:.1f} us" for nm, v in med.items()),
+                  flush=True)
+            continue
+        if args.plain:   # cuBLAS time over each one's: the benchmark's ratio
+            summary.append((r["name"], {f"cublas/{nm}": rel("cublas", nm) for nm in fns if nm != "cublas"}))
+            print(f"{r['name']} {m}x{n}x{k} [{r['config']}]: " + "  ".join(f"{nm} {v:.1f} us" for nm, v in med.items()),
+                  flush=True)
+            continue
         cols = {"epi/owner": rel("epi", "owner")}
         for spec in args.blocks:
             cols[f"ws{spec}/owner"] = rel(f"ws{spec}", "owner")
