@@ -176,20 +176,15 @@ def run_shape(s: Shape, dtype, args, log):
         log.append({"shape": s.name, "config": cfg.to_dict(), "ms": ms})
     timings.sort(key=lambda t: t[0])
     if args.finalists > 1 and not args.no_tune:
-        # One timing per candidate is exposed to drift: time the leaders again in two
-        # interleaved rounds and keep the best median of their three timings.
-        lead = [[ms, cfg, [ms]] for ms, cfg in timings[:args.finalists]]
-        for r in range(2):
-            for entry in lead[r % len(lead):] + lead[:r % len(lead)]:
-                cfg = entry[1]
-                fn = lambda a, b, c, cfg=cfg: gc.matmul(a, b, out=c, config=cfg)  # noqa: E731
-                entry[2].append(graph_bench(fn, sets, args.tune_rep) if args.tune_graphs
-                                else bench(fn, sets, args.tune_rep))
-        for entry in lead:
-            entry[0] = statistics.median(entry[2])
-            log.append({"shape": s.name, "config": entry[1].to_dict(), "finalist_ms": entry[2]})
-        lead.sort(key=lambda e: e[0])
-        timings[:len(lead)] = [(ms, cfg) for ms, cfg, _ in lead]
+        # One timing per candidate is exposed to drift: the leaders are timed again in
+        # interleaved rounds and ranked by the median of their timings (gemm_core.rerank_leaders)
+        def timed(cfg, sets=sets):   # sets: bound now (deleted at the end of run_shape)
+            fn = lambda a, b, c: gc.matmul(a, b, out=c, config=cfg)  # noqa: E731
+            return graph_bench(fn, sets, args.tune_rep) if args.tune_graphs else bench(fn, sets, args.tune_rep)
+        ranked = gc.rerank_leaders([(cfg, ms) for ms, cfg in timings], timed, args.finalists, args.finalist_rounds)
+        for cfg, _, ts in ranked[:args.finalists]:
+            log.append({"shape": s.name, "config": cfg.to_dict(), "finalist_ms": ts})
+        timings = [(ms, cfg) for cfg, ms, _ in ranked]
     best = timings[0][1]
     flops = 2.0 * s.m * s.n * s.k
     chunk_m, wait, epi, esig = hook_specs(s, c0)
@@ -290,8 +285,10 @@ def main(argv=None):
     p.add_argument("--tune-rep", type=int, default=15, help="do_bench rep (ms) per tuning candidate")
     p.add_argument("--quick", action="store_true", help="70B shapes only")
     p.add_argument("--no-tune", action="store_true", help="default_config only")
-    p.add_argument("--finalists", type=int, default=4,
-                   help="tuning leaders timed again in two more interleaved rounds (<= 1: off)")
+    p.add_argument("--finalists", type=int, default=6,
+                   help="tuning leaders timed again in --finalist-rounds interleaved rounds (<= 1: off)")
+    p.add_argument("--finalist-rounds", type=int, default=4,
+                   help="more timings of each tuning leader; ranked by the median of all")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (eager and graph)")
     p.add_argument("--no-graphs", dest="graphs", action="store_false", help="skip CUDA-graph timings")
     p.add_argument("--only", default="", help="comma-separated substrings of shape names")

@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import json
 import os
+import statistics
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -514,7 +515,8 @@ def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmCon
          rep_ms: int = 20, save: bool = True, graphs: Optional[bool] = None,
          ) -> tuple[GemmConfig, list[tuple[GemmConfig, float]]]:
     """Time every candidate config on ``a @ b`` (median, ``triton.testing.do_bench``), store the
-    fastest in the JSON cache and return ``(best, [(config, ms), ...])``. A config that fails to
+    fastest in the JSON cache and return ``(best, [(config, ms), ...])``, fastest first (the
+    leaders re-timed, :func:`rerank_leaders`; their ms the median of their timings). A config that fails to
     compile or launch (out of shared memory or registers, a Triton limitation) is skipped with
     a warning; only an error that leaves the CUDA context unusable (an illegal address) ends
     the search, since nothing can run on that device afterwards.
@@ -559,7 +561,8 @@ def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmCon
         timings.append((cfg, ms))
     if not timings:
         raise RuntimeError(f"tpfuse.gemm_core.tune: no config ran for shape {m}x{n}x{k}")
-    best = min(timings, key=lambda t: t[1])[0]
+    timings = [(cfg, ms) for cfg, ms, _ in rerank_leaders(timings, timed)]
+    best = timings[0][0]
     if save and a.device.type == "cuda":
         gpu = _device_info(a.device.index if a.device.index is not None else torch.cuda.current_device())["name"]
         p = _cache_path()
@@ -572,6 +575,31 @@ def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmCon
         tmp.replace(p)
         _PLANS.clear()   # plans made before hold the configs chosen before
     return best, timings
+
+
+def rerank_leaders(timings: Sequence[tuple], timed, finalists: int = 6, rounds: int = 4) -> list[tuple]:
+    """Rank tuning candidates more robustly than by one timing each: the ``finalists`` fastest
+    of ``timings`` (``[(config, ms)]``) are timed ``rounds`` more times by ``timed(config)``, in
+    interleaved rounds (each in a rotated order) so drift hits all alike, and ranked by the
+    median of their timings. Returns ``[(config, ms, [timings])]``, fastest first: the leaders
+    by that median, then the rest by their one timing. One timing is not enough: under the
+    power cap the SM clock moves between ~1450 and ~1800 MHz from one timing to the next, and a
+    config's single timing on 405B fc1 at M = 512 moved by +-4 % (H200, 2026-11-30,
+    ``benchmarks/probe_drift.py``), as much as the configs differ. A leader whose re-timing
+    raises is dropped."""
+    ranked = sorted(timings, key=lambda t: t[1])
+    lead = [[cfg, [ms]] for cfg, ms in ranked[:max(finalists, 0)]] if len(ranked) > 1 else []
+    for r in range(rounds if lead else 0):
+        for entry in lead[r % len(lead):] + lead[:r % len(lead)]:
+            if entry[1] is None:
+                continue
+            try:
+                entry[1].append(timed(entry[0]))
+            except Exception as e:  # noqa: BLE001 - it ran once; say why it no longer does
+                _warn_once(f"tpfuse.gemm_core: dropping tuning finalist {entry[0]}: {type(e).__name__}: {e}"[:600])
+                entry[1] = None
+    out = sorted(((cfg, statistics.median(ts), ts) for cfg, ts in lead if ts is not None), key=lambda t: t[1])
+    return out + [(cfg, ms, [ms]) for cfg, ms in ranked[len(lead):]]
 
 
 # --------------------------------------------------------------------------------------------
