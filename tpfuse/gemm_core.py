@@ -516,10 +516,10 @@ def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmCon
          ) -> tuple[GemmConfig, list[tuple[GemmConfig, float]]]:
     """Time every candidate config on ``a @ b`` (median, ``triton.testing.do_bench``), store the
     fastest in the JSON cache and return ``(best, [(config, ms), ...])``, fastest first (the
-    leaders re-timed, :func:`rerank_leaders`; their ms the median of their timings). A config that fails to
-    compile or launch (out of shared memory or registers, a Triton limitation) is skipped with
-    a warning; only an error that leaves the CUDA context unusable (an illegal address) ends
-    the search, since nothing can run on that device afterwards.
+    leaders re-timed, :func:`rerank_leaders`; their ms the median of their timings). A config
+    that fails to compile or launch (out of shared memory or registers, a Triton limitation) is
+    skipped with a warning; only an error that leaves the CUDA context unusable (an illegal
+    address) ends the search, since nothing can run on that device afterwards.
 
     ``graphs`` (default: on CUDA) times CUDA-graph replays of one call: eager timings of a small
     GEMM measure the host's launch cost, and would pick a config by launch noise."""
@@ -584,7 +584,7 @@ def rerank_leaders(timings: Sequence[tuple], timed, finalists: int = 6, rounds: 
     median of their timings. Returns ``[(config, ms, [timings])]``, fastest first: the leaders
     by that median, then the rest by their one timing. One timing is not enough: under the
     power cap the SM clock moves between ~1450 and ~1800 MHz from one timing to the next, and a
-    config's single timing on 405B fc1 at M = 512 moved by +-4 % (H200, 2026-11-30,
+    config's single timing on 405B fc1 at M = 512 moved by +-4 % (H200, 2026-12-01,
     ``benchmarks/probe_drift.py``), as much as the configs differ. A leader whose re-timing
     raises is dropped."""
     ranked = sorted(timings, key=lambda t: t[1])

@@ -355,9 +355,10 @@ def launch(a, b, *, out=None, dests=(), stacked=False, chunk_m=None, start_chunk
     # Everything the JIT specializes on (the descriptors' dtypes, blocks and layouts follow from
     # the dtype, block, b_kmajor and destinations; the hook ints and pointers are not
     # specialized but for their width and dtype), so a cached compiled kernel fits this call
-    spec = ("gemm_ws", a.device, a.dtype, (dests[0] if epilogue else out).dtype, m, n, k, bm, bn, bk, group_m, stages, tile_order_idx, b_kmajor,
-            epilogue, epi_tma, sum(d is not None for d in epi), diag, wait,
-            tuple(-2**31 <= x < 2**31 for x in ints),
+    c0 = dests[0] if epilogue else out
+    spec = ("gemm_ws", a.device, a.dtype, c0.dtype, m, n, k, a.stride(), b.stride(), c0.stride(), bm, bn, bk,
+            group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, sum(d is not None for d in epi), diag,
+            wait, tuple(-2**31 <= x < 2**31 for x in ints),
             tuple(None if t is None else t.dtype for t in (wait_signal, err, counters, signal_ptrs)))
     full = [a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
             wait_timeout_ns, err, counters, signal_ptrs, generation, *epi,
