@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import sys
 import time
@@ -53,7 +54,6 @@ def main(argv=None) -> int:
           f"{per_call_us(torch_mm, args.calls):.1f} us, torch.empty(0) {per_call_us(lambda: torch.empty(0, device='cuda'), args.calls):.1f} us, "
           f"tensor.zero_ {per_call_us(lambda: empty.zero_(), args.calls):.1f} us")
     if torch.cuda.get_device_capability()[0] == 9:   # the Gluon kernel's wait hook (gemm_core._ws_choice)
-        import os
         big = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
         a2 = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
         w2 = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
