@@ -3,7 +3,8 @@
 # also the NCCL multi-GPU ones), a demo on every visible GPU, the GEMM-core benchmark, and
 # (CALIBRATE=1) the GEMM calibration; prints a short table last.
 # Usage (repo root, on the GPU machine):  OUT=/some/dir bash scripts/gpu_check.sh [quick]
-#   quick: tests and demo only.  SKIP_DEMO=1: no demo.  *_LIMIT_S: wall-clock caps of the steps.
+#   quick: tests, bed and demo only.  SKIP_DEMO=1: no demo.  SKIP_BED=1: no symmetric-memory bed
+#     (BED_WORLD_SIZES default "2 4", BED_ARGS e.g. --quick, BED_LIMIT_S default 600).  *_LIMIT_S: wall-clock caps of the steps.
 #     TESTS: pytest paths (default tests/gpu).   BENCH_LIMIT_S (default 420): wall-clock cap of the benchmark;
 #     BENCH_ROUNDS (default 9): its interleaved timing rounds (5 left a couple of points of
 #     spread in the per-shape hook overheads, docs/gemm_core.md);
@@ -30,6 +31,12 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember pass/fail and 
 } > "$OUT/gpu.txt" 2>&1
 GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())')
 step gpu_tests timeout "${TESTS_LIMIT_S:-400}" $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu} --timeout 300 -rs --durations=15
+# the one-GPU multi-process bed for the symmetric-memory strategies (MPS; tests/gpu/bed.py)
+if [ "${SKIP_BED:-0}" != 1 ]; then
+  nvidia-cuda-mps-control -d >/dev/null 2>&1; mps_started=$?
+  step symm_bed timeout "${BED_LIMIT_S:-600}" $PY tests/gpu/bed.py --world-sizes ${BED_WORLD_SIZES:-2 4} ${BED_ARGS:-} --out "$OUT/symm_1gpu.json"
+  [ "$mps_started" = 0 ] && echo quit | nvidia-cuda-mps-control
+fi
 if [ "${SKIP_DEMO:-0}" != 1 ]; then
   step demo $PY -m tpfuse demo
   if [ "$GPUS" -ge 2 ]; then

@@ -25,7 +25,7 @@ def _rel_err(out, ref):
     return ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item() if ref.numel() else 0.0
 
 
-def ops_on_one_gpu(rank, world_size, shapes):
+def ops_on_one_gpu(rank, world_size, shapes, strategies=("unfused", "ring", "copy_engine", "auto")):
     """Every op x strategy x dtype on CUDA; returns failures as strings (empty = all good)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -36,7 +36,7 @@ def ops_on_one_gpu(rank, world_size, shapes):
         bs = [torch.randn(n, k, generator=g, dtype=torch.float64) for _ in range(world_size)]  # [N, K] weights
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             w = bs[rank].to(dev, dtype)
-            for strategy in ("unfused", "ring", "auto"):
+            for strategy in strategies:
                 a_shard = a_full[rank * rows:(rank + 1) * rows].to(dev, dtype)
                 c, gathered = tpfuse.ag_gemm(a_shard, w.t(), strategy=strategy, return_gathered=True)
                 ref = a_full.to(dtype).double() @ bs[rank].to(dtype).double().t()
@@ -53,7 +53,7 @@ def ops_on_one_gpu(rank, world_size, shapes):
                 ar = tpfuse.gemm_ar(a_mine[: max(1, a_mine.shape[0] - 1)], w.t(), strategy=strategy)
                 if not (_rel_err(ar.cpu(), full[: max(1, full.shape[0] - 1)]) < TOL[dtype]):
                     failures.append(f"gemm_ar {strategy} {dtype}")
-    for name in ("copy_engine", "fused"):
+    for name in ("fused",):
         try:
             tpfuse.ag_gemm(torch.randn(4, 8, device=dev), torch.randn(8, 4, device=dev), strategy=name)
             failures.append(f"{name} ran although it is not built")
@@ -92,5 +92,5 @@ def test_ring_cuda_streams_two_ranks_one_gpu():
         run_ranks(gloo_cuda_p2p_works, 2, env=env, timeout=120)
     except RankError as exc:
         pytest.skip(f"gloo cannot send CUDA tensors here: {str(exc).splitlines()[-1]}")
-    results = run_ranks(ops_on_one_gpu, 2, [(37, 53, 29), (1031, 512, 389)], env=env, timeout=300)
+    results = run_ranks(ops_on_one_gpu, 2, [(37, 53, 29), (1031, 512, 389)], ("unfused", "ring"), env=env, timeout=300)
     assert results == [[], []]

@@ -22,7 +22,7 @@ from tpfuse._dist import GroupContext
 
 __all__ = ["STRATEGY_NAMES", "get", "why_unavailable", "runnable"]
 
-_IMPLEMENTED = ("unfused", "ring")
+_IMPLEMENTED = ("unfused", "ring", "copy_engine")
 
 
 def get(name: str) -> ModuleType:
@@ -36,14 +36,15 @@ def why_unavailable(name: str, ctx: GroupContext, device: torch.device, dtype: t
     """None if strategy ``name`` can run here, else a sentence saying why not."""
     if name in ("unfused", "ring"):
         return None
-    if name in ("copy_engine", "fused"):
+    if name == "copy_engine":
+        return importlib.import_module("tpfuse.strategies.copy_engine").why_unavailable(ctx, device, dtype)
+    if name == "fused":
         if device.type != "cuda":
             return f"{name} needs CUDA symmetric memory; the inputs are on {device} and this group is {ctx.backend}"
         if dtype == torch.float64:
             return f"{name} runs bfloat16/float16/float32 only; float64 runs with 'unfused' or 'ring'"
         return (
-            f"{name} is not part of this tpfuse build yet (the symmetric-memory strategies are "
-            f"still being written); use 'ring' or 'unfused'"
+            f"{name} is not part of this tpfuse build yet; use 'copy_engine', 'ring' or 'unfused'"
         )
     raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)}")
 

@@ -1,0 +1,374 @@
+"""The one-GPU multi-process bed for the symmetric-memory strategies (DESIGN §6).
+
+W processes share cuda:0 under MPS with ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` and a
+gloo group that carries only the rendezvous (gloo cannot move CUDA tensors there; NCCL refuses
+two ranks on one GPU).  Every case compares against a float64 reference computed on every rank
+from shared seeds; outputs are poisoned (TPFUSE_POISON=1) so an unwritten element shows as NaN.
+Timings here are NOT multi-GPU timings and none are recorded.
+
+    nvidia-cuda-mps-control -d
+    python tests/gpu/bed.py --world-sizes 2 4 --out symm_1gpu.json
+    echo quit | nvidia-cuda-mps-control
+
+Exit code 0 when every case passed; the JSON has one row per (case, op, strategy, W, dtype, shape).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+import traceback
+import zlib
+
+import torch
+import torch.distributed as dist
+
+STRATEGIES = ("copy_engine",)
+TIMEOUT_S = 4.0                      # TPFUSE_TIMEOUT_S of the bed's ranks (the dead-peer case times it)
+ENV = {"TPFUSE_POISON": "1", "TPFUSE_DEBUG": "1", "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1",
+       "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "TPFUSE_TIMEOUT_S": str(TIMEOUT_S)}
+# k x the error of the unfused computation in the same dtype, + atol relative to max |ref|
+TOL_FACTOR, TOL_ATOL = 4.0, 1e-6
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _dev() -> torch.device:
+    return torch.device("cuda", 0)
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    if ref.numel() == 0:
+        return 0.0
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def _digest(x: torch.Tensor) -> str:
+    return hashlib.sha1(x.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+class Problem:
+    """Shared-seed data of one call: A [M, K_total] with per-rank K slices, weights [N, K]."""
+
+    def __init__(self, seed: int, world_size: int, m: int, k: int, n: int, dtype: torch.dtype):
+        dev = _dev()
+        g = torch.Generator(device=dev).manual_seed(seed)
+        self.world_size, self.m, self.k, self.n, self.dtype = world_size, m, k, n, dtype
+        # inputs rounded to dtype first, so the reference is exact for the rounded data
+        def randn(*shape):
+            return torch.randn(*shape, generator=g, device=dev).to(dtype)
+
+        self.a = randn(m, k)                                    # AG: rows sharded
+        self.w = [randn(n, k) for _ in range(world_size)]       # [N, K] weights, one per rank
+        self.a_rs = [randn(m, k) for _ in range(world_size)]    # RS/AR: rank r's K slice
+
+    def a_shard(self, rank):
+        rows = self.m // self.world_size
+        return self.a[rank * rows:(rank + 1) * rows]
+
+    def ag(self, rank):
+        a_shard = self.a_shard(rank)
+        ref = self.a.double() @ self.w[rank].double().t()
+        base = (self.a @ self.w[rank].t()).double()
+        return a_shard, self.w[rank].t(), ref, _rel(base, ref)
+
+    def reduced(self):
+        ref = sum(x.double() @ w.double().t() for x, w in zip(self.a_rs, self.w))
+        base = sum((x @ w.t()).float() for x, w in zip(self.a_rs, self.w)).to(self.dtype).double()
+        return ref, base
+
+
+def _check(op, out, prob, rank, extra=None):
+    """(rel_err, tolerance, ok) of one op's output against the float64 reference."""
+    if op == "ag_gemm":
+        _, _, ref, base_err = prob.ag(rank)
+        c, gathered = out
+        err = _rel(c, ref)
+        ok = torch.equal(gathered, prob.a)
+    else:
+        ref, base = prob.reduced()
+        if op == "gemm_rs":
+            rows = prob.m // prob.world_size
+            ref, base = ref[rank * rows:(rank + 1) * rows], base[rank * rows:(rank + 1) * rows]
+        base_err = _rel(base, ref)
+        err = _rel(out, ref)
+        ok = True
+    tol = TOL_FACTOR * base_err + TOL_ATOL
+    return err, tol, ok and err <= tol
+
+
+def _call(op, strategy, prob, rank):
+    import tpfuse
+
+    if op == "ag_gemm":
+        return tpfuse.ag_gemm(prob.a_shard(rank), prob.w[rank].t(), strategy=strategy, return_gathered=True)
+    fn = tpfuse.gemm_rs if op == "gemm_rs" else tpfuse.gemm_ar
+    return fn(prob.a_rs[rank], prob.w[rank].t(), strategy=strategy)
+
+
+# ------------------------------------------------------------------------------------------------
+# cases (run on every rank; return rows)
+# ------------------------------------------------------------------------------------------------
+
+def case_shapes(rank, world_size, strategy, shapes, dtypes):
+    """Every op on each shape x dtype; M = W * rows."""
+    rows_out = []
+    for rows, k, n in shapes:
+        for dname in dtypes:
+            for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
+                m = world_size * rows
+                prob = Problem(zlib.crc32(repr((rows, k, n, dname, op)).encode()), world_size, m, k, n, DTYPES[dname])
+                out = _call(op, strategy, prob, rank)
+                torch.cuda.synchronize()
+                err, tol, ok = _check(op, out, prob, rank)
+                row = dict(case="shapes", op=op, strategy=strategy, world_size=world_size, dtype=dname,
+                           shape=[m, n, k], passed=bool(ok), max_rel_err=err, tolerance=tol, calls=1)
+                if op == "gemm_ar":
+                    row["digest"] = _digest(out)
+                rows_out.append(row)
+    return rows_out
+
+
+def case_stress(rank, world_size, strategy, calls):
+    """``calls`` calls in a row alternating the ops, new data every call (one workspace per op)."""
+    ops = ("ag_gemm", "gemm_rs", "gemm_ar")
+    worst, failed = {op: 0.0 for op in ops}, {op: 0 for op in ops}
+    counts = {op: 0 for op in ops}
+    for i in range(calls):
+        op = ops[i % 3]
+        prob = Problem(1000 + i, world_size, world_size * 48, 200, 72, torch.bfloat16)
+        out = _call(op, strategy, prob, rank)
+        err, tol, ok = _check(op, out, prob, rank)
+        worst[op] = max(worst[op], err)
+        failed[op] += not ok
+        counts[op] += 1
+    return [dict(case="stress", op=op, strategy=strategy, world_size=world_size, dtype="bf16",
+                 shape=[world_size * 48, 72, 200], passed=failed[op] == 0, max_rel_err=worst[op],
+                 calls=counts[op], failures=failed[op]) for op in ops]
+
+
+def case_straggler(rank, world_size, strategy, calls):
+    """A moving straggler: every call each rank sleeps a random 0-20 ms first (seeded per rank)."""
+    rnd = random.Random(rank * 7919 + 1)
+    ops = ("ag_gemm", "gemm_rs", "gemm_ar")
+    failed, worst = 0, 0.0
+    for i in range(calls):
+        op = ops[i % 3]
+        prob = Problem(5000 + i, world_size, world_size * 40, 120, 56, torch.float16)
+        time.sleep(rnd.uniform(0, 0.02))
+        out = _call(op, strategy, prob, rank)
+        err, tol, ok = _check(op, out, prob, rank)
+        failed += not ok
+        worst = max(worst, err)
+    return [dict(case="straggler", op="all", strategy=strategy, world_size=world_size, dtype="fp16",
+                 shape=[world_size * 40, 56, 120], passed=failed == 0, max_rel_err=worst, calls=calls,
+                 failures=failed)]
+
+
+def case_graph(rank, world_size, strategy, replays):
+    """Warm-up call, capture each op in a CUDA graph, replay with new data each time."""
+    import tpfuse
+
+    rows_out = []
+    for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
+        prob = Problem(77, world_size, world_size * 64, 256, 96, torch.bfloat16)
+        static = Problem(78, world_size, world_size * 64, 256, 96, torch.bfloat16)
+        _call(op, strategy, static, rank)           # warm-up: builds the workspace, compiles the kernels
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _call(op, strategy, static, rank)
+        failed, worst = 0, 0.0
+        for i in range(replays):
+            fresh = Problem(900 + i, world_size, world_size * 64, 256, 96, torch.bfloat16)
+            static.a.copy_(fresh.a)
+            for dst, src in zip(static.a_rs + static.w, fresh.a_rs + fresh.w):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            err, tol, ok = _check(op, out, fresh, rank)
+            failed += not ok
+            worst = max(worst, err)
+        tpfuse.check_workspaces()
+        rows_out.append(dict(case="graph", op=op, strategy=strategy, world_size=world_size, dtype="bf16",
+                             shape=[world_size * 64, 96, 256], passed=failed == 0, max_rel_err=worst,
+                             calls=replays, failures=failed))
+        del graph
+    return rows_out
+
+
+def case_dead_peer(rank, world_size, strategy):
+    """The last rank skips a call: every other rank raises TimeoutError within the bound; then
+    every rank releases its workspaces and a fresh call works again."""
+    import tpfuse
+
+    rows_out = []
+    for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
+        prob = Problem(31, world_size, world_size * 32, 64, 48, torch.bfloat16)
+        _call(op, strategy, prob, rank)
+        torch.cuda.synchronize()
+        dist.barrier()
+        outcome, seconds, message = "skipped", 0.0, ""
+        if rank != world_size - 1:
+            t0 = time.monotonic()
+            try:
+                _call(op, strategy, prob, rank)
+                outcome = "returned"
+            except TimeoutError as exc:
+                outcome, message = "TimeoutError", str(exc)
+            seconds = time.monotonic() - t0
+            try:   # the broken workspace must refuse the next call
+                _call(op, strategy, prob, rank)
+                broken_refused = False
+            except RuntimeError as exc:
+                broken_refused = "broken" in str(exc)
+        else:
+            broken_refused = True
+        dist.barrier()
+        tpfuse.release_workspaces()
+        dist.barrier()
+        out = _call(op, strategy, prob, rank)
+        torch.cuda.synchronize()
+        err, tol, ok_after = _check(op, out, prob, rank)
+        ok = (rank == world_size - 1 or (outcome == "TimeoutError" and seconds < TIMEOUT_S + 3.0
+                                         and f"rank {world_size - 1}" in message)) and broken_refused and ok_after
+        rows_out.append(dict(case="dead_peer", op=op, strategy=strategy, world_size=world_size, dtype="bf16",
+                             shape=[world_size * 32, 48, 64], passed=bool(ok), max_rel_err=err, calls=3,
+                             outcome=outcome, seconds=round(seconds, 2), message=message[:300]))
+    return rows_out
+
+
+def case_asynctp(rank, world_size, strategy):
+    """The same inputs through PyTorch's async-TP ops; ours and theirs must agree."""
+    group_name = dist.group.WORLD.group_name
+    rows_out = []
+    prob = Problem(4242, world_size, world_size * 256, 512, 384, torch.bfloat16)
+    a_shard, b, ref, base_err = prob.ag(rank)
+    ours_c, ours_full = _call("ag_gemm", strategy, prob, rank)
+    theirs_full, theirs = torch.ops.symm_mem.fused_all_gather_matmul(a_shard.contiguous(), [b], 0, group_name)
+    torch.cuda.synchronize()
+    diff = _rel(ours_c, theirs[0].double())
+    tol = TOL_FACTOR * 2 * base_err + TOL_ATOL
+    rows_out.append(dict(case="asynctp", op="ag_gemm", strategy=strategy, world_size=world_size, dtype="bf16",
+                         shape=[prob.m, prob.n, prob.k], passed=bool(diff <= tol and torch.equal(theirs_full, ours_full)),
+                         max_rel_err=diff, tolerance=tol, calls=1))
+    ours = _call("gemm_rs", strategy, prob, rank)
+    theirs = torch.ops.symm_mem.fused_matmul_reduce_scatter(prob.a_rs[rank], prob.w[rank].t(), "sum", 0, group_name)
+    torch.cuda.synchronize()
+    ref_full, base = prob.reduced()
+    rows = prob.m // world_size
+    base_err = _rel(base[rank * rows:(rank + 1) * rows], ref_full[rank * rows:(rank + 1) * rows])
+    diff = _rel(ours, theirs.double())
+    tol = TOL_FACTOR * 4 * base_err + TOL_ATOL     # theirs sums in bf16
+    rows_out.append(dict(case="asynctp", op="gemm_rs", strategy=strategy, world_size=world_size, dtype="bf16",
+                         shape=[prob.m, prob.n, prob.k], passed=bool(diff <= tol), max_rel_err=diff,
+                         tolerance=tol, calls=1))
+    return rows_out
+
+
+def _short(text: str) -> str:
+    """The start (the first exception) and the end (the last) of a long traceback."""
+    return text if len(text) < 2400 else text[:1200] + "\n...\n" + text[-1200:]
+
+
+def run_all(rank, world_size, strategy, quick, dead_peer=False, cases=None):
+    """Every case on this rank; a case that raises becomes a failed row (the others still run)."""
+    torch.cuda.set_device(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    shapes = [(37, 1000, 771), (4091, 1000, 771)]
+    # Llama cells scaled to fit W processes on one GPU: 8B fc1/fc2 at prefill M = 4096 / W rows each
+    llama = [(4096 // world_size, 4096, 2 * 14336 // world_size // 4), (4096 // world_size, 14336 // world_size, 4096)]
+    plan = [
+        ("shapes", lambda: case_shapes(rank, world_size, strategy, shapes, ("bf16", "fp16", "fp32"))),
+        ("llama", lambda: case_shapes(rank, world_size, strategy, llama, ("bf16",))),
+        ("stress", lambda: case_stress(rank, world_size, strategy, 30 if quick else 200)),
+        ("straggler", lambda: case_straggler(rank, world_size, strategy, 12 if quick else 30)),
+        ("graph", lambda: case_graph(rank, world_size, strategy, 5 if quick else 8)),
+        ("asynctp", lambda: case_asynctp(rank, world_size, strategy)),
+    ]
+    if dead_peer:   # its own pool: with the agreement check off (the NCCL default), see main()
+        plan = [("dead_peer", lambda: case_dead_peer(rank, world_size, strategy))]
+    rows = []
+    for name, fn in plan:
+        if cases and name not in cases:
+            continue
+        t0 = time.monotonic()
+        try:
+            got = fn()
+        except Exception:   # noqa: BLE001 - reported as a failed row
+            got = [dict(case=name, op="?", strategy=strategy, world_size=world_size, passed=False,
+                        error=_short(traceback.format_exc()))]
+        for row in got:
+            row["rank"] = rank
+            row["seconds"] = row.get("seconds", round(time.monotonic() - t0, 2))
+        rows.extend(got)
+        if name == "llama":
+            dist.barrier()
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cases", nargs="+", default=None,
+                        help="run only these cases (shapes llama stress straggler graph asynctp dead_peer)")
+    parser.add_argument("--timeout", type=float, default=500)
+    parser.add_argument("--out", default="symm_1gpu.json")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from tpfuse.spawn import RankPool
+
+    all_rows = []
+    for world_size in args.world_sizes:
+        for strategy in args.strategies:
+            t0 = time.monotonic()
+            per_rank = []
+            # The dead-peer case runs with the agreement check off: with it on, the live ranks
+            # would wait for the missing rank in the check's host collective, not on the GPU.
+            for env, dead in ((ENV, False), ({**ENV, "TPFUSE_DEBUG": "0"}, True)):
+                if args.cases and not any((case == "dead_peer") == dead for case in args.cases):
+                    continue
+                try:
+                    with RankPool(world_size, env=env) as pool:
+                        per_rank += pool.run(run_all, strategy, args.quick, dead, args.cases, timeout=args.timeout)
+                except Exception as exc:  # noqa: BLE001
+                    per_rank.append([dict(case="pool", op="?", strategy=strategy, world_size=world_size,
+                                          passed=False, error=_short(str(exc)))])
+            rows = [row for ranks in per_rank for row in ranks]
+            # gemm_ar: every rank must hold bitwise the same output
+            digests = {}
+            for row in rows:
+                if "digest" in row:
+                    digests.setdefault((row["case"], tuple(row["shape"]), row["dtype"]), set()).add(row.pop("digest"))
+            for key, ds in digests.items():
+                if len(ds) != 1:
+                    rows.append(dict(case="ar_bitwise", op="gemm_ar", strategy=strategy, world_size=world_size,
+                                     dtype=key[2], shape=list(key[1]), passed=False, calls=1))
+            all_rows.extend(rows)
+            bad = [r for r in rows if not r.get("passed")]
+            print(f"W={world_size} {strategy}: {len(rows) - len(bad)}/{len(rows)} rows passed "
+                  f"({time.monotonic() - t0:.0f} s)", flush=True)
+            for r in bad[:20]:
+                print("  FAILED", json.dumps(r)[:1500], flush=True)
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                gpu=torch.cuda.get_device_name(0), num_gpus=1, processes=args.world_sizes,
+                torch=torch.__version__, triton=__import__("triton").__version__,
+                command="python tests/gpu/bed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                note="one-GPU multi-process bed (MPS): correctness only; no timings are multi-GPU timings")
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": all_rows}, f, indent=1)
+    failed = sum(not r.get("passed") for r in all_rows)
+    print(f"{len(all_rows) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

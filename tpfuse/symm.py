@@ -1,0 +1,363 @@
+"""Symmetric-memory workspaces: the one owner of the buffers, flags, generation and side stream
+that the symmetric-memory strategies (``copy_engine``) use for one (group, op, dtype, device).
+
+Layout of one rank's symmetric allocation (``torch.distributed._symmetric_memory.empty`` +
+``rendezvous``; every rank allocates the same size, so every rank can address every other's)::
+
+    [ flags: int32[FLAG_WORDS], zeroed at creation ][ data: capacity bytes ]
+
+The flags are ours alone: torch's ``barrier``/``put_signal`` use the signal pad, which we never
+touch (a flag written there hung the next barrier on the H200 bed).  Words, by region, each of
+``world_size`` words indexed by the *other* rank::
+
+    READY[src]  = g   src's data for call g is in place (written by src)
+    DONE[dst]   = g   dst finished reading this rank's data of call g (written by dst): a credit
+    READY2, DONE2     the same for a second phase (gemm_ar's gather of the reduced chunks)
+
+Generations: the workspace's call counter ``gen`` lives in device memory and is advanced by the
+first kernel of every call (:meth:`Workspace.begin`), so eager calls and CUDA graph replays
+advance it alike.  Waiters wait for ``flag >= gen`` (or ``>= gen - 1`` for credits), so nothing
+is zeroed between calls and ranks may be a call apart.  Every rank must make the same sequence
+of calls on a workspace (they do: every op call is collective).
+
+Ownership (slot life cycle FREE -> PRODUCING -> READY -> IN_FLIGHT -> FREE): a rank overwrites
+a slot that peers read only after every peer returned its credit for the previous call
+(``DONE[peer] >= gen - 1``).  "Remote visible" is the READY flag written after the copy; "local
+source reusable" is the credit.
+
+Bounded waits: every wait spins at most ``timeout_s()`` seconds (``TPFUSE_TIMEOUT_S``, default
+10), then records who waited for whom in the error word and exits.  An eager call checks the
+word before it returns (one host sync) and raises ``TimeoutError``; the workspace is then
+*broken* and every later call raises until :func:`release_workspaces`.  A captured call cannot
+check: it fills its outputs with NaN instead, and :func:`check_workspaces` raises afterwards.
+
+Capacity grows (to the next power of two) when a call needs more; the sizes come from fields
+every rank agrees on (M, K for ag_gemm; M, N for gemm_rs/gemm_ar), so every rank grows at the
+same call.  Outgrown allocations are kept (peers may still be reading them) until
+:func:`release_workspaces`.  Importing this module never touches CUDA.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "Workspace", "WorkspaceSpec", "get_workspace", "release_workspaces", "check_workspaces",
+    "timeout_s", "FLAG_WORDS", "WAIT_KINDS",
+]
+
+ERROR_WORDS = 8
+FLAG_BYTES = 4096                  # flag region; data starts 4 KiB in (aligned for TMA / vectors)
+FLAG_WORDS = FLAG_BYTES // 4
+_REGIONS = ("READY", "DONE", "READY2", "DONE2")
+MAX_WORLD_SIZE = FLAG_WORDS // len(_REGIONS)
+_MIN_CAPACITY = 1 << 20            # bytes: small calls share one allocation instead of growing often
+
+# Codes of the waits (error word [1]) and what a timeout of each means, in the user's words.
+WAIT_KINDS = {
+    1: ("credit", "to finish reading this rank's buffer from the previous call"),
+    2: ("ready", "to publish its data for this call"),
+    3: ("credit", "to finish reading this rank's gather buffer from the previous call"),
+    4: ("ready", "to publish its reduced rows for this call"),
+}
+WAIT_CREDIT, WAIT_READY, WAIT_CREDIT2, WAIT_READY2 = 1, 2, 3, 4
+
+
+@functools.lru_cache(maxsize=1)
+def timeout_s() -> float:
+    """Bound of every spin-wait, in seconds: ``TPFUSE_TIMEOUT_S`` (default 10)."""
+    raw = os.environ.get("TPFUSE_TIMEOUT_S", "10")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"TPFUSE_TIMEOUT_S={raw!r} is not a number of seconds; set e.g. TPFUSE_TIMEOUT_S=10") from None
+    if not value > 0:
+        raise ValueError(f"TPFUSE_TIMEOUT_S={raw!r} must be > 0 seconds")
+    return value
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def flag_index(region: str, other: int, world_size: int) -> int:
+    """Word of ``region`` indexed by rank ``other``; checked to fit the flag region."""
+    if not 0 <= other < world_size <= MAX_WORLD_SIZE:
+        raise AssertionError(f"flag {region}[{other}] out of range for world size {world_size}")
+    return _REGIONS.index(region) * world_size + other
+
+
+@dataclass(frozen=True)
+class WorkspaceSpec:
+    """What a workspace is for; two calls share one workspace when these agree."""
+
+    group_name: str
+    op: str
+    dtype: torch.dtype
+    device: torch.device
+    rank: int
+    world_size: int
+    capacity: int          # bytes of the data region
+
+
+class Workspace:
+    """Buffers, flags, generation, error word and side stream of one (group, op, dtype, device).
+
+    Built by :func:`get_workspace` (collective: a rendezvous) or, for tests, directly from one
+    tensor per rank (``buffers[r]`` is rank r's uint8 allocation as this process addresses it).
+    """
+
+    def __init__(self, spec: WorkspaceSpec, buffers: list[torch.Tensor], keepalive: object = None):
+        if len(buffers) != spec.world_size:
+            raise AssertionError(f"{len(buffers)} buffers for world size {spec.world_size}")
+        if spec.world_size > MAX_WORLD_SIZE:
+            raise ValueError(f"world size {spec.world_size} is above the {MAX_WORLD_SIZE} ranks a workspace holds flags for")
+        for b in buffers:
+            if b.dtype != torch.uint8 or b.numel() < FLAG_BYTES + spec.capacity:
+                raise AssertionError(f"buffer {b.dtype} {b.numel()} B; need uint8 of {FLAG_BYTES + spec.capacity} B")
+        self.spec = spec
+        self._buffers = buffers
+        self._keepalive = keepalive
+        device = spec.device
+        self.flags = [b[:FLAG_BYTES].view(torch.int32) for b in buffers]
+        self.gen = torch.zeros(1, dtype=torch.int32, device=device)
+        self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
+        self.broken: str | None = None
+        self.calls = 0                      # host count of begun calls (messages only)
+        self._tables: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._views: dict[object, torch.Tensor] = {}
+        self._stream: torch.cuda.Stream | None = None
+
+    # -- addressing ---------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    def data(self, owner: int, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
+        """Rank ``owner``'s data region as a contiguous ``shape`` tensor of the workspace dtype,
+        starting ``offset`` elements in (a peer's is its memory mapped into this process)."""
+        key = (owner, shape, offset)
+        view = self._views.get(key)
+        if view is None:
+            elem = torch.empty((), dtype=self.spec.dtype).element_size()
+            numel = 1
+            for s in shape:
+                numel *= s
+            if (offset + numel) * elem > self.spec.capacity:
+                raise AssertionError(f"view {shape} at {offset} exceeds the {self.spec.capacity} B capacity")
+            flat = self._buffers[owner][FLAG_BYTES:FLAG_BYTES + self.spec.capacity].view(self.spec.dtype)
+            view = flat[offset:offset + numel].view(shape)
+            if len(self._views) > 256:
+                self._views.clear()
+            self._views[key] = view
+        return view
+
+    def flag_table(self, region: str, entries: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device int64 tables for the flag kernels: byte addresses of ``region[index]`` in rank
+        ``owner``'s flags for each ``(owner, index)``, and the other rank each entry concerns."""
+        key = (region, tuple(entries))
+        hit = self._tables.get(key)
+        if hit is None:
+            addrs, peers = [], []
+            for owner, index in entries:
+                word = flag_index(region, index, self.world_size)
+                addrs.append(self.flags[owner].data_ptr() + 4 * word)
+                peers.append(owner if owner != self.rank else index)
+            hit = (torch.tensor(addrs, dtype=torch.int64, device=self.spec.device),
+                   torch.tensor(peers, dtype=torch.int64, device=self.spec.device))
+            self._tables[key] = hit
+        return hit
+
+    def pointer_table(self, key: object, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Device int64 table of ``tensors``' addresses (for the reduce kernel), cached by ``key``
+        (the tensors are views of the workspace's buffers, which live as long as it does)."""
+        hit = self._tables.get(("ptr", key))
+        if hit is None:
+            hit = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=self.spec.device)
+            self._tables[("ptr", key)] = hit
+        return hit
+
+    def reduce(self, key: object, sources: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Enqueue ``out = sum(sources)`` in float32, in list order, rounded once (every source a
+        ``[rows, cols]`` view with the same row stride and unit column stride)."""
+        from tpfuse.kernels.reduce import reduce_kernel
+
+        rows, cols = out.shape
+        if rows * cols == 0:
+            return
+        stride = sources[0].stride(0)
+        if any(s.shape != out.shape or s.stride() != (stride, 1) for s in sources) or out.stride(1) != 1:
+            raise AssertionError("reduce: sources must be [rows, cols] views with one row stride")
+        table = self.pointer_table(key, sources)
+        block_r, block_c = 4, 256
+        grid = (triton_cdiv(rows, block_r) * triton_cdiv(cols, block_c),)
+        reduce_kernel[grid](table, len(sources), out, rows, cols, stride, out.stride(0),
+                            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+
+    def incoming(self, region: str, peers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``region[p]`` for each peer ``p``: what peers write and this rank waits on."""
+        return self.flag_table(region, [(self.rank, p) for p in peers])
+
+    def outgoing(self, region: str, peers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Peer ``p``'s ``region[rank]`` for each ``p``: what this rank writes to tell them."""
+        return self.flag_table(region, [(p, self.rank) for p in peers])
+
+    # -- streams ------------------------------------------------------------------------------
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        """The side stream the copies run on (one per workspace)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.spec.device)
+        return self._stream
+
+    # -- flag kernels -------------------------------------------------------------------------
+    def _launch(self, kernel, *args, **constexprs) -> None:
+        kernel[(1,)](*args, num_warps=1, **constexprs)
+
+    def wait(self, table: tuple[torch.Tensor, torch.Tensor], what: int, *, lag: int = 0,
+             advance: bool = False) -> None:
+        """Enqueue on the current stream: (``advance``: gen += 1, then) wait until every flag of
+        ``table`` is ``>= gen - lag``; bounded by :func:`timeout_s`."""
+        from tpfuse.kernels.flags import wait_kernel
+
+        addrs, peers = table
+        asm = self.spec.device.type == "cuda" and not _interpreting()
+        bound = int(timeout_s() * 1e9) if asm else int(timeout_s() * 20_000)   # ns, or spins
+        self._launch(wait_kernel, self.gen, addrs, peers, addrs.numel(), lag, bound, self.error, what,
+                     self.rank, ADVANCE=advance, USE_ASM=asm)
+
+    def signal(self, table: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Enqueue on the current stream: every flag of ``table`` = gen (release, system scope)."""
+        from tpfuse.kernels.flags import signal_kernel
+
+        addrs, _ = table
+        if addrs.numel():
+            self._launch(signal_kernel, self.gen, addrs, addrs.numel())
+
+    def begin(self, credits: tuple[torch.Tensor, torch.Tensor], what: int = WAIT_CREDIT) -> None:
+        """First work of a call: refuse a broken workspace, advance the generation and wait for
+        the credits of the previous call (``flag >= gen - 1``)."""
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
+        self.calls += 1
+        self.wait(credits, what, lag=1, advance=True)
+
+    def poison_on_error(self, *outputs: torch.Tensor) -> None:
+        """Enqueue: NaN into ``outputs`` if a wait of this call timed out (for captured calls)."""
+        from tpfuse.kernels.flags import poison_on_error_kernel
+
+        block = 1024
+        for out in outputs:
+            if out.numel() and out.is_floating_point():
+                poison_on_error_kernel[(triton_cdiv(out.numel(), block),)](self.error, out, out.numel(), BLOCK=block)
+
+    def check(self, op: str) -> None:
+        """Raise ``TimeoutError`` (and mark the workspace broken) if a wait timed out.  Synchronizes."""
+        words = self.error.tolist()
+        if words[0] == 0:
+            return
+        kind, meaning = WAIT_KINDS.get(words[1], ("?", "to signal"))
+        message = (f"tpfuse {op}: rank {words[5]} waited more than {timeout_s():g} s (TPFUSE_TIMEOUT_S) for "
+                   f"rank {words[2]} {meaning} ({kind} flag: wanted generation >= {words[3]}, last saw "
+                   f"{words[4]}; this workspace has begun {self.calls} calls). Rank {words[2]} is dead, "
+                   f"late, or called a different op sequence.")
+        self.broken = (f"tpfuse {op}: this rank's symmetric-memory workspace is broken by an earlier timeout "
+                       f"({message}); call tpfuse.release_workspaces() on every rank, then call again")
+        raise TimeoutError(message)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------------------------
+# The factory and the registry of live workspaces
+# --------------------------------------------------------------------------------------------
+
+_LIVE: dict[tuple, Workspace] = {}
+_RETIRED: list[Workspace] = []     # outgrown: peers may still read them until released
+
+
+def _next_capacity(need: int, old: int) -> int:
+    cap = max(_MIN_CAPACITY, old)
+    while cap < need:
+        cap *= 2
+    return cap
+
+
+def _allocate(spec: WorkspaceSpec, group) -> Workspace:
+    """Collective: allocate this rank's symmetric buffer, zero its flags, rendezvous."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buf = symm_mem.empty(FLAG_BYTES + spec.capacity, dtype=torch.uint8, device=spec.device)
+    buf[:FLAG_BYTES].zero_()
+    torch.cuda.synchronize(spec.device)   # zeroed before any peer can learn the address
+    handle = symm_mem.rendezvous(buf, spec.group_name)
+    size = FLAG_BYTES + spec.capacity
+    buffers = [buf if r == spec.rank else handle.get_buffer(r, (size,), torch.uint8, 0)
+               for r in range(spec.world_size)]
+    ws = Workspace(spec, buffers, keepalive=(buf, handle))
+    # Compile the NaN-on-error kernel now: a CUDA graph capture cannot load a new module, and
+    # captured calls are the only ones that launch it (outputs are fresh, 16-byte aligned).
+    ws.poison_on_error(torch.empty(16, dtype=spec.dtype, device=spec.device))
+    return ws
+
+
+def get_workspace(ctx, op: str, dtype: torch.dtype, device: torch.device, need: int) -> Workspace:
+    """The workspace of (ctx's group, op, dtype, device) with at least ``need`` data bytes;
+    created (collectively) on first use and grown the same way.  ``need`` must be a function of
+    what every rank agrees on."""
+    key = (ctx.group_name, op, dtype, device)
+    ws = _LIVE.get(key)
+    if ws is not None and ws.broken is not None:
+        raise RuntimeError(ws.broken)
+    if ws is not None and ws.spec.capacity >= need:
+        return ws
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"tpfuse {op}: strategy copy_engine needs a {need} B symmetric-memory workspace that does not exist "
+            f"yet, and a CUDA graph is being captured (allocating it is a collective rendezvous). Call the op "
+            f"once eagerly with the largest shape before capturing (a warm-up call).")
+    old = 0
+    if ws is not None:
+        old = ws.spec.capacity
+        _RETIRED.append(ws)
+    spec = WorkspaceSpec(ctx.group_name, op, dtype, device, ctx.rank, ctx.world_size, _next_capacity(need, old))
+    ws = _allocate(spec, ctx.group)
+    _LIVE[key] = ws
+    try:   # a destroyed group takes its workspaces along
+        weakref.finalize(ctx.group, _drop_group, ctx.group_name)
+    except TypeError:
+        pass
+    return ws
+
+
+def _drop_group(group_name: str) -> None:
+    for key in [k for k in _LIVE if k[0] == group_name]:
+        _RETIRED.append(_LIVE.pop(key))
+
+
+def release_workspaces() -> None:
+    """Free every symmetric-memory workspace of this process (after waiting for the GPU).
+
+    Call it on every rank at the same point (no tpfuse op in flight anywhere): the next call
+    builds fresh ones with a rendezvous.  This also clears workspaces broken by a timeout."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    _LIVE.clear()
+    _RETIRED.clear()
+
+
+def check_workspaces() -> None:
+    """Raise ``TimeoutError`` if a wait of any live workspace timed out (for calls captured in
+    CUDA graphs, which cannot check themselves).  Synchronizes."""
+    for (_, op, _, _), ws in list(_LIVE.items()):
+        ws.check(op)
