@@ -230,7 +230,7 @@ class Workspace:
 
         addrs, peers = table
         asm = self.spec.device.type == "cuda" and not _interpreting()
-        bound = int(timeout_s() * 1e9) if asm else int(timeout_s() * 20_000)   # ns, or spins
+        bound = int(timeout_s() * 1e9) if asm else max(1, int(timeout_s() * 1000))   # ns, or spins (~1 ms each interpreted)
         self._launch(wait_kernel, self.gen, addrs, peers, addrs.numel(), lag, bound, self.error, what,
                      self.rank, ADVANCE=advance, USE_ASM=asm)
 
@@ -321,7 +321,7 @@ def get_workspace(ctx, op: str, dtype: torch.dtype, device: torch.device, need: 
         raise RuntimeError(ws.broken)
     if ws is not None and ws.spec.capacity >= need:
         return ws
-    if torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"tpfuse {op}: strategy copy_engine needs a {need} B symmetric-memory workspace that does not exist "
             f"yet, and a CUDA graph is being captured (allocating it is a collective rendezvous). Call the op "

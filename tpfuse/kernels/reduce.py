@@ -15,12 +15,12 @@ import triton.language as tl
 def reduce_kernel(table_ptr, num_src, out_ptr, rows, cols, src_stride, out_stride,
                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)
-    tiles_c = tl.cdiv(cols, BLOCK_C)
+    tiles_c = (cols + BLOCK_C - 1) // BLOCK_C
     r = (pid // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = (pid % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (r[:, None] < rows) & (c[None, :] < cols)
     src_offs = r.to(tl.int64)[:, None] * src_stride + c[None, :]
-    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    acc = tl.full((BLOCK_R, BLOCK_C), 0.0, tl.float32)   # tl.full, not tl.zeros: a builtin also under the interpreter
     for i in range(num_src):
         src = tl.load(table_ptr + i).to(tl.pointer_type(out_ptr.dtype.element_ty))
         acc += tl.load(src + src_offs, mask=mask, other=0.0).to(tl.float32)
