@@ -21,7 +21,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed; the interpreter tests need it")
 
-from tpfuse import gemm_core as gc  # noqa: E402
+from tpfuse import gemm as gc  # noqa: E402
+from tpfuse.gemm import device, launch  # noqa: E402
+from tpfuse.kernels import abi  # noqa: E402
 
 CFG = gc.GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
 # relative Frobenius error allowed: ~3x the output rounding of each dtype
@@ -31,7 +33,7 @@ TOL = {torch.bfloat16: 1.2e-2, torch.float16: 1.5e-3, torch.float32: 1e-5}
 def _purge_kernels():
     for name in ("tpfuse.kernels.gemm", "tpfuse.kernels.signals"):
         sys.modules.pop(name, None)
-    gc._triton.cache_clear()
+    device.triton_modules.cache_clear()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -94,7 +96,7 @@ def test_tile_orders_compute_every_tile(order, start):
 
 def _split_k_counters():
     """Tile counters of every split-K buffer pair in use (all must be zero between calls)."""
-    return [c for _, c in gc._SPLIT_K_BUFFERS.values()]
+    return [c for _, c in launch._SPLIT_K_BUFFERS.values()]
 
 
 def _calls_in_a_row(cfg, m, k, n, dtype, b_layout, seeds):
@@ -195,19 +197,18 @@ def test_stream_k_with_hooks():
     assert signals.tolist() == [0, 0, 0, 0], "garbage chunks must never be signalled ready"
 
 
-@pytest.mark.parametrize("count,flatten,mode", [("auto", True, 4), ("auto", False, 3), ("epilogue", True, 3)])
+@pytest.mark.parametrize("count,flatten,mode", [("auto", True, 4), ("auto", False, 3), ("after_loop", True, 3)])
 @pytest.mark.parametrize("programs,stream_k", [(5, 1), (7, 2), (29, 2)])
-def test_stream_k_epilogue_counts_that_return_nothing(programs, stream_k, count, flatten, mode, monkeypatch):
+def test_stream_k_epilogue_counts_that_return_nothing(programs, stream_k, count, flatten, mode):
     # 24 tiles in 32-row chunks (every tile in one chunk): counts that return nothing with
     # stream-K, made inside the next tile's main loop in flattened tile loops (EPI_COUNT=4),
     # after it otherwise (3). The whole tiles before the shared ones are counted as usual; the
     # tiles shared out by K-steps (4, 10, all 24) are stored and counted by whichever segment
     # sums them; with 29 programs every chunk's poll tile is one of those.
-    monkeypatch.setenv("TPFUSE_EPI_COUNT", count)
-    modes = _record_count_modes(monkeypatch)
     cfg = dataclasses.replace(CFG, num_programs=programs, stream_k=stream_k, flatten=flatten)
     assert gc.stream_k_tiles(24, programs, stream_k) > 0, "the case must exercise stream-K"
-    _epilogue_over_generations(128, 40, 45, 32, cfg, start_chunk=1, seed=37)
+    modes = _epilogue_over_generations(128, 40, 45, 32, cfg, start_chunk=1, seed=37,
+                                       options=gc.GemmOptions(epi_count=count))
     assert modes == {mode}
 
 
@@ -324,10 +325,10 @@ def test_wait_hook_with_signals_preset():
     assert signal.tolist() == [5, 7, 5, 9, 5], "a wait must not write the signal"
 
 
-@pytest.mark.parametrize("per_chunk_signals,split_k,count_scope",
-                         [(False, 1, "gpu"), (True, 1, "sys"), (False, 2, "sys"), (True, 3, "gpu")])
-def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, split_k, count_scope, monkeypatch):
-    monkeypatch.setenv("TPFUSE_EPI_COUNT", count_scope)
+@pytest.mark.parametrize("per_chunk_signals,split_k,count",
+                         [(False, 1, "returning"), (True, 1, "auto"), (False, 2, "auto"), (True, 3, "returning")])
+def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, split_k, count):
+    options = gc.GemmOptions(epi_count=count)
     m, k, n, chunk_m = 100, 40, 45, 27          # 4 chunks: 27, 27, 27, 19 rows
     num_chunks = 4
     dests = [torch.full((chunk_m + 3, n), float("nan"), dtype=torch.bfloat16) for _ in range(num_chunks)]
@@ -345,7 +346,9 @@ def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, split_k, count_
         spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m,
                                             counters=spec.counters if spec else None)
         cfg = dataclasses.replace(CFG, split_k=split_k)
-        assert gc.matmul(a, b, config=cfg, tile_order="owner", start_chunk=2, epilogue=spec) is None
+        assert gc.matmul(a, b, config=cfg, tile_order="owner", start_chunk=2, epilogue=spec, options=options) is None
+        # 27-row chunks straddle 16-row tiles: the returning count whatever was asked
+        assert gc.last_plan().epi_count == abi.EPI_COUNT_RETURNING
         assert sig_value() == [generation] * num_chunks
         assert spec.counters.tolist() == [0] * num_chunks
         for c, d in enumerate(dests):
@@ -354,10 +357,11 @@ def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, split_k, count_
             assert torch.isnan(d[rows:]).all(), f"dest {c} written past its chunk"
 
 
-def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed):
+def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, options=None):
     """Route each chunk of ``a @ b`` (owner order) to a destination of its own over two
     generations: every chunk published, counters back at zero, each destination exact and
-    untouched past its rows."""
+    untouched past its rows. Returns the epilogue count modes the calls' plans took."""
+    modes = set()
     num_chunks = -(-m // chunk_m)
     dests = [torch.full((chunk_m, n), float("nan"), dtype=torch.bfloat16) for _ in range(num_chunks)]
     signals = torch.zeros(num_chunks, dtype=torch.int32)
@@ -368,56 +372,43 @@ def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed):
             d.fill_(float("nan"))
         spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m,
                                             counters=spec.counters if spec else None)
-        gc.matmul(a, b, config=config, tile_order="owner", start_chunk=start_chunk, epilogue=spec)
+        gc.matmul(a, b, config=config, tile_order="owner", start_chunk=start_chunk, epilogue=spec, options=options)
+        modes.add(gc.last_plan().epi_count)
         assert signals.tolist() == [generation] * num_chunks
         assert spec.counters.tolist() == [0] * num_chunks
         for c, d in enumerate(dests):
             rows = min(chunk_m, m - c * chunk_m)
             _assert_close(d[:rows], ref[c * chunk_m:c * chunk_m + rows], torch.bfloat16)
             assert torch.isnan(d[rows:]).all(), f"dest {c} written past its chunk"
-
-
-def _record_count_modes(monkeypatch) -> set:
-    """The EPI_COUNT constexpr of every launch from now on (the plan's last constexpr)."""
-    modes = set()
-    real_launch = gc._launch
-
-    def launch(plan, *args, **kwargs):
-        modes.add(plan.constexprs[-1])
-        return real_launch(plan, *args, **kwargs)
-
-    monkeypatch.setattr(gc, "_launch", launch)
     return modes
 
 
-@pytest.mark.parametrize("count_scope", ["auto", "epilogue", "gpu", "sys"])
+@pytest.mark.parametrize("count", ["auto", "after_loop", "returning"])
 @pytest.mark.parametrize("programs,chunk_m", [(3, 32), (5, 24), (2, 128)])
-def test_epilogue_publishes_with_many_tiles_per_program(programs, chunk_m, count_scope, monkeypatch):
+def test_epilogue_publishes_with_many_tiles_per_program(programs, chunk_m, count):
     # Few programs, each running several tiles of a chunk in a row (24-row chunks: some tiles
     # straddle two chunks; one 128-row chunk: every program's tiles in it).
     # auto takes EPI_COUNT=4 where every tile lies in one chunk (flattened tile loop): counts
-    # that return nothing, made inside the next tile's main loop (=epilogue: 3, after it), a
+    # that return nothing, made inside the next tile's main loop (after_loop: 3, after it), a
     # poller per chunk, handoff at the poller's end. The interpreter runs the programs one after
     # the other, which takes both ways a chunk gets published: with 3 programs and 32-row
     # chunks, chunk 1's poller (program 1) finds it complete inside its tile loop; chunks 0, 2
     # and 3 are handed off incomplete and published at a later program's end.
-    monkeypatch.setenv("TPFUSE_EPI_COUNT", count_scope)
-    modes = _record_count_modes(monkeypatch)
-    _epilogue_over_generations(128, 32, 64, chunk_m, dataclasses.replace(CFG, num_programs=programs, flatten=True),
-                               start_chunk=-(-128 // chunk_m) - 1, seed=40)
+    modes = _epilogue_over_generations(128, 32, 64, chunk_m,
+                                       dataclasses.replace(CFG, num_programs=programs, flatten=True),
+                                       start_chunk=-(-128 // chunk_m) - 1, seed=40,
+                                       options=gc.GemmOptions(epi_count=count))
     aligned = chunk_m % 16 == 0
-    assert modes == {{"auto": 4 if aligned else 1, "epilogue": 3 if aligned else 1, "gpu": 1, "sys": 2}[count_scope]}
+    assert modes == {{"auto": 4 if aligned else 1, "after_loop": 3 if aligned else 1, "returning": 1}[count]}
 
 
 @pytest.mark.parametrize("m,chunk_m,start_chunk,programs", [(100, 32, 2, 2), (128, 32, 2, 3), (128, 128, 0, 2),
                                                            (100, 48, 0, 3)])
-def test_count_in_loop_merges_runs_of_one_chunk(m, chunk_m, start_chunk, programs, monkeypatch):
+def test_count_in_loop_merges_runs_of_one_chunk(m, chunk_m, start_chunk, programs):
     # EPI_COUNT=4 (flattened tile loop): a program's consecutive tiles of one chunk are counted
     # as one run, the merge decided a tile ahead from the owner order's chunk segments; m = 100
     # leaves a short last chunk (4 rows), in the middle of the rotation with start_chunk = 2.
-    monkeypatch.delenv("TPFUSE_EPI_COUNT", raising=False)
-    modes = _record_count_modes(monkeypatch)
-    _epilogue_over_generations(m, 32, 64, chunk_m, dataclasses.replace(CFG, num_programs=programs, flatten=True),
+    modes = _epilogue_over_generations(m, 32, 64, chunk_m, dataclasses.replace(CFG, num_programs=programs, flatten=True),
                                start_chunk=start_chunk, seed=41)
     assert modes == {4}
 
@@ -554,12 +545,13 @@ def test_empty_m_and_zero_k():
 
 
 def test_import_needs_no_triton_and_no_gpu():
-    # gemm_core adds no triton import to what the package itself imports, and no device probe
+    # tpfuse.gemm adds no triton import to what the package itself imports, and no device probe
     code = ("import sys; import tpfuse; had = 'triton' in sys.modules; "
-            "import tpfuse.gemm_core as g; "
+            "import tpfuse.gemm as g; import tpfuse.gemm.offline; "
             "assert 'tpfuse.kernels.gemm' not in sys.modules, 'kernel module imported eagerly'; "
+            "assert 'tpfuse.kernels.gemm_ws' not in sys.modules, 'Gluon kernel imported eagerly'; "
             "assert had or 'triton' not in sys.modules, 'triton imported eagerly'; "
-            "assert not g._device_info.cache_info().currsize")
+            "assert not g.device.device_info.cache_info().currsize")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
     subprocess.run([sys.executable, "-c", code], check=True, env=env,
@@ -580,26 +572,25 @@ def test_candidates_include_deep_pipelines_once_each():
     assert gc.default_config(512, 3584, 4096) in prefill and gc.default_config(128, 3584, 4096) in decode
 
 
-def test_epilogue_takes_tma_descriptors_only_where_they_fit(monkeypatch):
+def test_epilogue_takes_tma_descriptors_only_where_they_fit():
     # Host rule only (the interpreter has no TMA): one descriptor per chunk when the spec
     # knows its destinations, they are 16-byte aligned, there are at most 8 chunks and every
     # tile lies in one chunk.
     dests = [torch.empty(40, 64, dtype=torch.bfloat16) for _ in range(4)]
     spec = gc.EpilogueSpec.from_tensors(dests, torch.zeros(4, dtype=torch.int32), 1, 40)
     assert spec.align_elems == 8 and len(spec.dests) == 4
-    assert gc._epilogue_tma_dests(spec, True, 4, 8) == 4
-    assert gc._epilogue_tma_dests(spec, True, 4, 16) == 0        # 40-row chunks, 16-row tiles straddle
-    assert gc._epilogue_tma_dests(spec, False, 4, 8) == 0        # plain-pointer launch or tma_store=False
-    assert gc._epilogue_tma_dests(dataclasses.replace(spec, dests=()), True, 4, 8) == 0
-    assert gc._epilogue_tma_dests(dataclasses.replace(spec, align_elems=0), True, 4, 8) == 0
-    assert gc._epilogue_tma_dests(None, True, 4, 8) == 0
+    assert launch.epilogue_tma_dests(spec, True, 4, 8) == 4
+    assert launch.epilogue_tma_dests(spec, True, 4, 16) == 0        # 40-row chunks, 16-row tiles straddle
+    assert launch.epilogue_tma_dests(spec, False, 4, 8) == 0        # plain-pointer launch or tma_store=False
+    assert launch.epilogue_tma_dests(dataclasses.replace(spec, dests=()), True, 4, 8) == 0
+    assert launch.epilogue_tma_dests(dataclasses.replace(spec, align_elems=0), True, 4, 8) == 0
+    assert launch.epilogue_tma_dests(None, True, 4, 8) == 0
     one = gc.EpilogueSpec.from_tensors(dests[:1], torch.zeros(1, dtype=torch.int32), 1, 40)
-    assert gc._epilogue_tma_dests(one, True, 1, 16) == 1         # one chunk: nothing to straddle
+    assert launch.epilogue_tma_dests(one, True, 1, 16) == 1         # one chunk: nothing to straddle
     many = [torch.empty(8, 64, dtype=torch.bfloat16) for _ in range(9)]
     spec9 = gc.EpilogueSpec.from_tensors(many, torch.zeros(9, dtype=torch.int32), 1, 8)
-    assert gc._epilogue_tma_dests(spec9, True, 9, 8) == 0        # > 8: pointer stores
-    monkeypatch.setenv("TPFUSE_EPI_TMA", "0")
-    assert gc._epilogue_tma_dests(spec, True, 4, 8) == 0
+    assert launch.epilogue_tma_dests(spec9, True, 9, 8) == 0        # > 8: pointer stores
+    assert launch.epilogue_tma_dests(spec, True, 4, 8, gc.GemmOptions(epi_tma=False)) == 0
 
 
 def test_epilogue_descriptors_cover_each_chunk_and_check_rows():
@@ -607,38 +598,38 @@ def test_epilogue_descriptors_cover_each_chunk_and_check_rows():
     dests = [torch.empty(40, 64, dtype=torch.bfloat16) for _ in range(3)]
     spec = gc.EpilogueSpec.from_tensors(dests, torch.zeros(3, dtype=torch.int32), 1, 40)
     cfg = gc.GemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, EPI_SUBTILE=2)
-    plan = gc._Plan(100, 64, 32, False, True, cfg, (1, 1, 1), 40, 3, 0, False, (), 4, 1, epi_tma=3)
-    descs = gc._epilogue_descriptors(spec, plan)
+    plan = launch.LaunchPlan(100, 64, 32, cfg, use_tma=True, chunk_m=40, num_chunks=3, epi_tma=3)
+    descs = launch._epilogue_descriptors(spec, plan)
     assert [list(d.shape) for d in descs] == [[40, 64], [40, 64], [20, 64]]   # last chunk: 20 rows
     assert all(list(d.block_shape) == [16, 16] for d in descs)
     assert [d.base.data_ptr() for d in descs] == [d.data_ptr() for d in dests]
-    assert gc._epilogue_descriptors(spec, plan) is descs                        # cached on the spec
+    assert launch._epilogue_descriptors(spec, plan) is descs                        # cached on the spec
     short = gc.EpilogueSpec.from_tensors([torch.empty(40, 64, dtype=torch.bfloat16),
                                           torch.empty(10, 64, dtype=torch.bfloat16)],
                                          torch.zeros(2, dtype=torch.int32), 1, 40)
     plan2 = dataclasses.replace(plan, m=80, num_chunks=2, epi_tma=2)
     with pytest.raises(ValueError, match=r"dests\[1\] is \(10, 64\); chunk 1 needs at least \(40, 64\)"):
-        gc._epilogue_descriptors(short, plan2)
+        launch._epilogue_descriptors(short, plan2)
 
 
 def test_stacked_destinations_take_one_descriptor_for_every_chunk():
     # Chunks of one output tensor (out[c * chunk_m:] slices): one descriptor over all M rows,
     # whatever the number of chunks and their height, since a tile is stored at its own row.
     pytest.importorskip("triton.tools.tensor_descriptor")
-    stacked = gc._triton()[2].EPI_TMA_STACKED.value
+    stacked = abi.EPI_TMA_STACKED
     out = torch.empty(100, 64, dtype=torch.bfloat16)
     dests = [out[c * 40:(c + 1) * 40] for c in range(3)]          # the last chunk has 20 rows
     spec = gc.EpilogueSpec.from_tensors(dests, torch.zeros(3, dtype=torch.int32), 1, 40)
-    assert gc._stacked(spec)
-    assert gc._epilogue_tma_dests(spec, True, 3, 16) == stacked   # 40-row chunks, 16-row tiles
-    assert gc._epilogue_tma_dests(spec, False, 3, 16) == 0
+    assert gc.hooks.stacked_dests(spec)
+    assert launch.epilogue_tma_dests(spec, True, 3, 16) == stacked   # 40-row chunks, 16-row tiles
+    assert launch.epilogue_tma_dests(spec, False, 3, 16) == 0
     wide = torch.empty(9 * 8, 64, dtype=torch.bfloat16)
     spec9 = gc.EpilogueSpec.from_tensors([wide[c * 8:(c + 1) * 8] for c in range(9)],
                                          torch.zeros(9, dtype=torch.int32), 1, 8)
-    assert gc._epilogue_tma_dests(spec9, True, 9, 8) == stacked   # more than 8 chunks
+    assert launch.epilogue_tma_dests(spec9, True, 9, 8) == stacked   # more than 8 chunks
     cfg = gc.GemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, EPI_SUBTILE=2)
-    plan = gc._Plan(100, 64, 32, False, True, cfg, (1, 1, 1), 40, 3, 0, False, (), 4, 1, epi_tma=stacked)
-    (desc,) = gc._epilogue_descriptors(spec, plan)
+    plan = launch.LaunchPlan(100, 64, 32, cfg, use_tma=True, chunk_m=40, num_chunks=3, epi_tma=stacked)
+    (desc,) = launch._epilogue_descriptors(spec, plan)
     assert list(desc.shape) == [100, 64] and list(desc.block_shape) == [16, 16]
     assert desc.base.data_ptr() == out.data_ptr() and list(desc.strides) == [64, 1]
     # not stacked: another order, a gap, other storage, another width
@@ -648,14 +639,14 @@ def test_stacked_destinations_take_one_descriptor_for_every_chunk():
                   [dests[0], dests[1].clone(), dests[2]],
                   [d[:, :32] if c == 1 else d for c, d in enumerate(dests)]):
         spec_o = gc.EpilogueSpec.from_tensors(other, sig, 1, 40)
-        assert not gc._stacked(spec_o)
-        assert gc._epilogue_tma_dests(spec_o, True, 3, 8) == 3    # per-chunk descriptors
+        assert not gc.hooks.stacked_dests(spec_o)
+        assert launch.epilogue_tma_dests(spec_o, True, 3, 8) == 3    # per-chunk descriptors
     # the last chunk's rows must lie in the tensor
     short = torch.empty(90, 64, dtype=torch.bfloat16)
     spec_s = gc.EpilogueSpec.from_tensors([short[0:40], short[40:80], short[80:90]], sig, 1, 40)
-    assert gc._stacked(spec_s)
+    assert gc.hooks.stacked_dests(spec_s)
     with pytest.raises(ValueError, match=r"dests\[2\] is \(10, 64\); chunk 2 needs at least \(20, 64\)"):
-        gc._epilogue_descriptors(spec_s, plan)
+        launch._epilogue_descriptors(spec_s, plan)
 
 
 def test_with_generation_keeps_what_was_derived_from_the_buffers():
@@ -665,15 +656,15 @@ def test_with_generation_keeps_what_was_derived_from_the_buffers():
     out = torch.empty(100, 64, dtype=torch.bfloat16)
     spec = gc.EpilogueSpec.from_tensors([out[c * 40:(c + 1) * 40] for c in range(3)],
                                         torch.zeros(3, dtype=torch.int32), 1, 40)
-    stacked = gc._triton()[2].EPI_TMA_STACKED.value
+    stacked = abi.EPI_TMA_STACKED
     cfg = gc.GemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)
-    plan = gc._Plan(100, 64, 32, False, True, cfg, (1, 1, 1), 40, 3, 0, False, (), 4, 1, epi_tma=stacked)
-    (desc,) = gc._epilogue_descriptors(spec, plan)
-    assert gc._stacked(spec)
+    plan = launch.LaunchPlan(100, 64, 32, cfg, use_tma=True, chunk_m=40, num_chunks=3, epi_tma=stacked)
+    (desc,) = launch._epilogue_descriptors(spec, plan)
+    assert gc.hooks.stacked_dests(spec)
     nxt = spec.with_generation(2)
     assert nxt.generation == 2 and spec.generation == 1 and nxt.dests == spec.dests
     assert nxt.counters is spec.counters and nxt.signal_ptrs is spec.signal_ptrs
-    assert nxt.__dict__["_stacked"] is True and gc._epilogue_descriptors(nxt, plan)[0] is desc
+    assert nxt.__dict__["_stacked"] is True and launch._epilogue_descriptors(nxt, plan)[0] is desc
     assert dataclasses.replace(spec, generation=2).__dict__.get("_tma_descs") is None   # what it saves
     fresh = gc.EpilogueSpec.from_tensors([out[:40]], torch.zeros(1, dtype=torch.int32), 1, 40).with_generation(5)
     assert fresh.generation == 5 and "_tma_descs" not in fresh.__dict__   # nothing derived yet: nothing kept

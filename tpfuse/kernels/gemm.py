@@ -63,6 +63,8 @@ this tile's epilogue. It does so only when the tile loop holds exactly one loop 
 import triton
 import triton.language as tl
 
+from . import abi
+
 from .signals import (HANDOFF, bulk_writes_done, count_release_red, count_release_red_if, cta_barrier,
                       cta_barrier_if, handoff_red,
                       poll_publish, poll_read, publish_handed_off, record_timeout, reset_and_publish,
@@ -70,16 +72,16 @@ from .signals import (HANDOFF, bulk_writes_done, count_release_red, count_releas
 
 # EPI_COUNT=3 is taken with at most this many chunks (the end of a program checks them all at
 # once) and fewer tiles than this in all (a chunk's count must stay below its HANDOFF bit)
-MAX_POLLED_CHUNKS = tl.constexpr(64)
+MAX_POLLED_CHUNKS = tl.constexpr(abi.MAX_POLLED_CHUNKS)
 MAX_COUNTED_TILES = HANDOFF
 # EPI_TMA value for destinations stacked as one tensor's rows (chunk c's destination starts at
 # row c * chunk_m of the first one's): one descriptor, epi_d0, over all M rows, so a tile is
 # stored at its own row as the plain output is (one code path instead of one per chunk)
-EPI_TMA_STACKED = tl.constexpr(9)
+EPI_TMA_STACKED = tl.constexpr(abi.EPI_TMA_STACKED)
 # EPI_COUNT=4: the previous tile is counted at this K-step of the next tile's main loop (or its
 # last, if it has fewer): late enough for the previous tile's TMA stores to have drained, and
 # with this K-step's MMAs in flight, so the release's fence waits under them
-COUNT_STEP = tl.constexpr(4)
+COUNT_STEP = tl.constexpr(abi.COUNT_STEP)
 
 
 @triton.jit

@@ -1,13 +1,14 @@
-"""Compile ``gemm_kernel`` for sm_90 without a GPU and report what the compiler made of it.
+"""Compile the GEMM kernels for sm_90 without a GPU and report what the compiler made of them.
 
-    python3 benchmarks/kernel_offline.py [--m 512 --n 3584 --k 4096] [--config 128x128x64:num_stages=6]
-                                         [--epilogue] [--tile-order owner] [--dump DIR]
+    python3 -m tpfuse.gemm.offline [--m 512 --n 3584 --k 4096] [--config 128x128x64:num_stages=6]
+                                   [--epilogue] [--tile-order owner] [--dump DIR]
 
 Triton ships ptxas, so the TTGIR, PTX and cubin of any config come out on a CPU-only machine.
 Prints registers, spill stack, shared memory, and counts of a few instructions (wgmma, TMA
 loads/stores, barriers); ``--dump DIR`` writes the TTGIR, PTX and SASS. The compile sees what a
 launch would specialize on (16-byte alignment of pointers and of ints that are multiples of 16);
-the hook arguments are not specialized, as in ``gemm_core``. Costs no device time.
+the hook arguments are not specialized, as in :mod:`tpfuse.gemm.launch`. Costs no device time.
+The CPU tests (tests/cpu/test_kernel_tools.py) check the compiled code with it.
 """
 from __future__ import annotations
 
@@ -22,12 +23,23 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
+from ..kernels import abi
+from .config import GemmConfig
 
-from profile_kernels import parse_spec  # noqa: E402
+__all__ = ["parse_spec", "compile_kernel", "compile_ws_kernel", "sass_of"]
+
+
+def parse_spec(spec: str) -> GemmConfig | None:
+    """``"128x256x64:num_stages=4,flatten=true"`` -> GemmConfig (``"cublas"`` -> None)."""
+    if spec == "cublas":
+        return None
+    tile, _, rest = spec.partition(":")
+    bm, bn, bk = (int(x) for x in tile.split("x"))
+    kw = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    for item in filter(None, rest.split(",")):
+        key, _, val = item.partition("=")
+        kw[key] = val.lower() == "true" if val.lower() in ("true", "false") else int(val)
+    return GemmConfig(**kw)
 
 NOT_SPECIALIZED = {"chunk_m", "num_chunks", "start_chunk", "wait_gen", "wait_timeout", "stride_dm",
                    "epi_gen", "wait_signal", "err_ptr", "dest_offs", "signal_ptrs", "counters",
@@ -103,26 +115,27 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
                       tile_order: int = 2, b_kmajor: bool = True, wait: bool = False):
     """triton.compile of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py) for bf16
     ``a[m, k] @ b`` (``weight[n, k].t()`` or row-major ``[k, n]``) on sm_90, launched as
-    gemm_core launches it; ``epi_tma``: -1 no hook (plain output), else the epilogue hook through
+    tpfuse.gemm.launch launches it; ``epi_tma``: -1 no hook (plain output), else the epilogue hook through
     that many per-chunk descriptors (chunks of ``m // epi_tma`` rows) or, 9, one over stacked
     destinations; ``wait``: the wait hook (without the epilogue hook)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    from .launch import _gluon_descriptor as make_descriptor
     W = importlib.import_module("tpfuse.kernels.gemm_ws")
     bm, bn, bk = block
     a = torch.empty(m, k, dtype=torch.bfloat16)
     c = torch.empty(m, n, dtype=torch.bfloat16)
     if b_kmajor:
-        b_desc = W.make_descriptor(torch.empty(n, k, dtype=torch.bfloat16), (n, k), (k, 1), (bn, bk))
+        b_desc = make_descriptor(torch.empty(n, k, dtype=torch.bfloat16), (n, k), (k, 1), (bn, bk))
     else:
-        b_desc = W.make_descriptor(torch.empty(k, n, dtype=torch.bfloat16), (k, n), (n, 1), (bk, bn))
-    c_desc = W.make_descriptor(c, (m, n), (n, 1), (bm, bn))
+        b_desc = make_descriptor(torch.empty(k, n, dtype=torch.bfloat16), (k, n), (n, 1), (bk, bn))
+    c_desc = make_descriptor(c, (m, n), (n, 1), (bm, bn))
     hook = epi_tma >= 0
     descs = 1 if epi_tma == W.EPI_TMA_STACKED.value else max(epi_tma, 0)
     chunks = max(descs, 1)
-    args = dict(a_desc=W.make_descriptor(a, (m, k), (k, 1), (bm, bk)), b_desc=b_desc, c_desc=c_desc, M=m, N=n, K=k,
+    args = dict(a_desc=make_descriptor(a, (m, k), (k, 1), (bm, bk)), b_desc=b_desc, c_desc=c_desc, M=m, N=n, K=k,
                 chunk_m=m // chunks, num_chunks=chunks, start_chunk=0,
                 wait_signal=torch.empty(4, dtype=torch.int32) if wait else None, wait_gen=1, wait_timeout=10**9,
                 err_ptr=torch.empty(8, dtype=torch.int32) if wait else None,
@@ -131,11 +144,11 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
                 **{f"epi_d{q}": c_desc if q < descs else None for q in range(8)})
     cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, TILE_ORDER=tile_order,
                 B_KMAJOR=b_kmajor, EPILOGUE=hook, EPI_TMA=max(epi_tma, 0), DIAG=0, WAIT=wait,
-                num_warps=W.NUM_WARPS)
+                num_warps=abi.WS_NUM_WARPS)
     sig, attrs, constexprs = _signature(W.gemm_ws_kernel.arg_names, args, cons,
                                         lambda name, v: name in ("M", "N", "K") and v % 16 == 0)
     src = GluonASTSource(fn=W.gemm_ws_kernel, signature=sig, attrs=attrs, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=W.NUM_WARPS, maxnreg=W.MAXNREG))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=abi.WS_NUM_WARPS, maxnreg=abi.WS_MAXNREG))
 
 
 def sass_of(cubin: bytes) -> tuple[str, str]:
@@ -156,7 +169,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=3584)
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--config", nargs="+", default=["128x128x64:num_stages=6"],
-                    help="specs as in benchmarks/profile_kernels.py")
+                    help="specs as parse_spec reads them: 128x256x64:num_stages=4,flatten=true")
     ap.add_argument("--epilogue", action="store_true", help="epilogue hook on (pointer stores to destinations)")
     ap.add_argument("--epilogue-tma", type=int, default=0, metavar="CHUNKS",
                     help="with --epilogue: store through CHUNKS TMA descriptors (one per chunk; "
