@@ -357,7 +357,7 @@ def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, split_k, count)
             assert torch.isnan(d[rows:]).all(), f"dest {c} written past its chunk"
 
 
-def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, options=None):
+def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, options=None, num_sms=None):
     """Route each chunk of ``a @ b`` (owner order) to a destination of its own over two
     generations: every chunk published, counters back at zero, each destination exact and
     untouched past its rows. Returns the epilogue count modes the calls' plans took."""
@@ -372,7 +372,8 @@ def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, opti
             d.fill_(float("nan"))
         spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m,
                                             counters=spec.counters if spec else None)
-        gc.matmul(a, b, config=config, tile_order="owner", start_chunk=start_chunk, epilogue=spec, options=options)
+        gc.matmul(a, b, config=config, tile_order="owner", start_chunk=start_chunk, epilogue=spec, options=options,
+                  num_sms=num_sms)
         modes.add(gc.last_plan().epi_count)
         assert signals.tolist() == [generation] * num_chunks
         assert spec.counters.tolist() == [0] * num_chunks
@@ -668,3 +669,49 @@ def test_with_generation_keeps_what_was_derived_from_the_buffers():
     assert dataclasses.replace(spec, generation=2).__dict__.get("_tma_descs") is None   # what it saves
     fresh = gc.EpilogueSpec.from_tensors([out[:40]], torch.zeros(1, dtype=torch.int32), 1, 40).with_generation(5)
     assert fresh.generation == 5 and "_tma_descs" not in fresh.__dict__   # nothing derived yet: nothing kept
+
+
+@pytest.mark.parametrize("num_sms", [1, 2])
+@pytest.mark.parametrize("config", [CFG, dataclasses.replace(CFG, num_programs=4, stream_k=1)],
+                         ids=["persistent", "stream_k"])
+def test_num_sms_caps_the_grid_and_every_tile_is_computed(num_sms, config):
+    # 9 x 5 = 45 tiles of 16x16 on 1 or 2 programs: each program loops over many tiles (and,
+    # with stream-K on 2 programs, the last tile is shared out by K-steps)
+    a, b, ref = _operands(130, 70, 65, torch.bfloat16, "weight_t", seed=60)
+    out = torch.full((130, 65), float("nan"), dtype=torch.bfloat16)
+    gc.matmul(a, b, out=out, config=config, num_sms=num_sms)
+    plan = gc.last_plan()
+    assert plan.programs == num_sms and plan.num_tiles == 45 and f"num_sms={num_sms}" in plan.explain()
+    _assert_close(out, ref, torch.bfloat16)
+    # a budget above what the config launches changes nothing
+    gc.matmul(a, b, out=out, config=config, num_sms=1000)
+    assert gc.last_plan().programs == (config.num_programs or device.INTERPRETER_PROGRAMS)
+    # the epilogue hook with a capped grid: chunks still routed and published
+    modes = _epilogue_over_generations(128, 32, 64, 32, dataclasses.replace(CFG, flatten=True), start_chunk=1,
+                                       seed=61, num_sms=num_sms)
+    assert modes == {abi.EPI_COUNT_IN_LOOP} and gc.last_plan().programs == num_sms
+
+
+@pytest.mark.parametrize("num_sms,exc,match", [(0, ValueError, "num_sms=0"), (-3, ValueError, "num_sms=-3"),
+                                               (2.0, TypeError, "num_sms=2.0"), (True, TypeError, "num_sms=True"),
+                                               ("4", TypeError, "num_sms='4'")])
+def test_num_sms_is_validated(num_sms, exc, match):
+    a = torch.randn(16, 16, dtype=torch.bfloat16)
+    with pytest.raises(exc, match=match):
+        gc.matmul(a, a, num_sms=num_sms)
+
+
+def test_launch_plan_says_which_kernel_ran_and_why():
+    a, b, _ = _operands(37, 53, 29, torch.bfloat16, "weight_t", seed=62)
+    gc.matmul(a, b)
+    plan = gc.last_plan()
+    assert plan.kernel == "gemm_kernel" and plan.config_source.startswith("heuristic")
+    assert plan.config == gc.default_config(37, 29, 53, num_sms=device.INTERPRETER_PROGRAMS)
+    assert "plain-pointer loads" in plan.explain() and "37x29x53: gemm_kernel" in plan.explain()
+    gc.matmul(a, b, config=CFG, options=gc.GemmOptions(gluon=False))
+    assert gc.last_plan().config_source == "argument" and gc.last_plan().options.gluon is False
+    counts = gc.launch_counts()
+    gc.matmul(a, b, config=CFG)
+    assert gc.launch_counts()["interpreter"] == counts["interpreter"] + 1
+    gc.matmul(a[:0], b)
+    assert gc.last_plan().kernel == "none" and gc.launch_counts()["interpreter"] == counts["interpreter"] + 1
