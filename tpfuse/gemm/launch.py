@@ -505,7 +505,7 @@ def _launch_gemm_kernel(plan: LaunchPlan, plan_key, args: list, device) -> None:
 
 
 def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, counters=None, signal_ptrs=None,
-               generation=0, epi_descs=None, diag=0, wait_signal=None, wait_gen=0, wait_timeout_ns=0,
+               generation=0, epi_descs=None, wait_signal=None, wait_gen=0, wait_timeout_ns=0,
                err=None) -> None:
     """The Gluon kernel on ``a [M, K] @ b [K, N]`` (``b`` row-major or ``weight.t()``) into
     ``out``, or with ``dests`` (the epilogue hook) into one destination per chunk (``stacked``:
@@ -543,17 +543,17 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, cou
     # specialized but for their width and dtype), so a cached compiled kernel fits this call
     c0 = dests[0] if epilogue else out
     spec = ("gemm_ws", a.device, a.dtype, c0.dtype, m, n, k, a.stride(), b.stride(), c0.stride(), bm, bn, bk,
-            group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, sum(d is not None for d in epi), diag,
+            group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, sum(d is not None for d in epi),
             wait, tuple(-2**31 <= x < 2**31 for x in ints),
             tuple(None if t is None else t.dtype for t in (wait_signal, err, counters, signal_ptrs)))
     full = [a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
             wait_timeout_ns, err, counters, signal_ptrs, generation, *epi,
-            bm, bn, bk, group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, diag, wait, abi.WS_NUM_WARPS]
+            bm, bn, bk, group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, wait, abi.WS_NUM_WARPS]
     _launch_cached(spec, (grid, 1, 1), full, a.device, lambda: gemm_ws_kernel[(grid, )](
         a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen, wait_timeout_ns,
         err, counters, signal_ptrs, generation, *epi,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages, TILE_ORDER=tile_order_idx,
-        B_KMAJOR=b_kmajor, EPILOGUE=epilogue, EPI_TMA=epi_tma, DIAG=diag, WAIT=wait,
+        B_KMAJOR=b_kmajor, EPILOGUE=epilogue, EPI_TMA=epi_tma, WAIT=wait,
         num_warps=abi.WS_NUM_WARPS, maxnreg=abi.WS_MAXNREG), plan.options.direct_launch)
 
 

@@ -143,7 +143,7 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
                 signal_ptrs=torch.empty(4, dtype=torch.int64) if hook else None, epi_gen=1,
                 **{f"epi_d{q}": c_desc if q < descs else None for q in range(8)})
     cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, TILE_ORDER=tile_order,
-                B_KMAJOR=b_kmajor, EPILOGUE=hook, EPI_TMA=max(epi_tma, 0), DIAG=0, WAIT=wait,
+                B_KMAJOR=b_kmajor, EPILOGUE=hook, EPI_TMA=max(epi_tma, 0), WAIT=wait,
                 num_warps=abi.WS_NUM_WARPS)
     sig, attrs, constexprs = _signature(W.gemm_ws_kernel.arg_names, args, cons,
                                         lambda name, v: name in ("M", "N", "K") and v % 16 == 0)

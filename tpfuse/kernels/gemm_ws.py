@@ -76,18 +76,6 @@ _WAIT_ASM = gl.constexpr(
 # After the wait hook's acquire (generic proxy), before the TMA loads (async proxy) of the rows
 # it released: peers' writes to them are then ordered before the loads.
 _PROXY_FENCE_ASM = gl.constexpr("fence.proxy.async.global;\n\tmov.u32 $0, 0;")
-# Timing diagnostics only (launch(diag=...), benchmarks/probe_ws.py; never by gemm_core): the
-# count without the publication (2), as a red that returns nothing (3), without the proxy
-# fence (4); 1 = no count at all (stores only)
-_DIAG2_ASM = gl.constexpr(_COUNT_ASM.value.replace("@last fence.acq_rel.sys;\n\t", "")
-                          .replace("@last st.relaxed.sys.global.b32 [$4], $5;\n\t", ""))
-_DIAG3_ASM = gl.constexpr("{\n\t.reg .pred p;\n\t.reg .u32 lane;\n\tcp.async.bulk.wait_group 0;\n\t"
-                          "fence.proxy.async.global;\n\tbar.warp.sync -1;\n\tmov.u32 lane, %laneid;\n\t"
-                          "setp.eq.u32 p, lane, 0;\n\t@p red.release.gpu.global.add.u32 [$1], $2;\n\t"
-                          "mov.u32 $0, 0;\n\t}")
-_DIAG4_ASM = gl.constexpr(_COUNT_ASM.value.replace("fence.proxy.async.global;\n\t", ""))
-
-
 @gluon.jit
 def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr, status, verified):
     """The wait hook of one tile in the load warp, as gemm.py's ``_wait_chunks`` (which Gluon
@@ -112,7 +100,7 @@ def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_p
 @gluon.jit
 def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr, DIAG: gl.constexpr, WAIT: gl.constexpr):
+                    EPI_TMA: gl.constexpr, WAIT: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
      wait_signal, wait_gen, wait_timeout, err_ptr) = p
@@ -154,7 +142,7 @@ def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl
 @gluon.jit
 def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr, DIAG: gl.constexpr, WAIT: gl.constexpr):
+                    EPI_TMA: gl.constexpr, WAIT: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
      wait_signal, wait_gen, wait_timeout, err_ptr) = p
@@ -185,19 +173,8 @@ def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: g
                 row_end = gl.minimum((cc + 1) * chunk_m, M)
                 total = ((row_end - 1) // BLOCK_M - (cc * chunk_m) // BLOCK_M + 1) * num_pid_n
                 sig = gl.load(signal_ptrs + cc)
-                if DIAG == 0:
-                    gl.inline_asm_elementwise(_COUNT_ASM, "=r,l,r,r,l,r",
-                                              [counters + cc, 1, total, sig, epi_gen],
-                                              dtype=gl.int32, is_pure=False, pack=1)
-                elif DIAG == 2:
-                    gl.inline_asm_elementwise(_DIAG2_ASM, "=r,l,r,r,l,r", [counters + cc, 1, total, sig, epi_gen],
-                                              dtype=gl.int32, is_pure=False, pack=1)
-                elif DIAG == 3:
-                    gl.inline_asm_elementwise(_DIAG3_ASM, "=r,l,r,r,l,r", [counters + cc, 1, total, sig, epi_gen],
-                                              dtype=gl.int32, is_pure=False, pack=1)
-                elif DIAG == 4:
-                    gl.inline_asm_elementwise(_DIAG4_ASM, "=r,l,r,r,l,r", [counters + cc, 1, total, sig, epi_gen],
-                                              dtype=gl.int32, is_pure=False, pack=1)
+                gl.inline_asm_elementwise(_COUNT_ASM, "=r,l,r,r,l,r", [counters + cc, 1, total, sig, epi_gen],
+                                          dtype=gl.int32, is_pure=False, pack=1)
         tc += 1
     tma.store_wait(0)
 
@@ -205,7 +182,7 @@ def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: g
 @gluon.jit
 def _mma_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr, DIAG: gl.constexpr, WAIT: gl.constexpr, num_warps: gl.constexpr):
+                    EPI_TMA: gl.constexpr, WAIT: gl.constexpr, num_warps: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
      wait_signal, wait_gen, wait_timeout, err_ptr) = p
@@ -250,7 +227,7 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
                    epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                    STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr,
-                   EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, DIAG: gl.constexpr, WAIT: gl.constexpr,
+                   EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, WAIT: gl.constexpr,
                    num_warps: gl.constexpr):
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -276,7 +253,7 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
          wait_signal, wait_gen, wait_timeout, err_ptr)
     gl.warp_specialize([
         (_mma_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA,
-                          DIAG, WAIT, num_warps)),
-        (_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, DIAG, WAIT)),
-        (_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, DIAG, WAIT)),
+                          WAIT, num_warps)),
+        (_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, WAIT)),
+        (_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, WAIT)),
     ], [1, 1], [40, 40])
