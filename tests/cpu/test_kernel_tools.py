@@ -78,14 +78,14 @@ def test_offline_epilogue_hook_through_tma_keeps_a_staging_buffer_of_its_own():
 @pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
 def test_offline_epilogue_counts_tiles_at_gpu_scope_and_publishes_at_system_scope():
     # Per tile: a GPU-scope fence and count; the system-scope fence only where a chunk's
-    # signal is published. TPFUSE_EPI_COUNT=sys (EPI_COUNT=2) fences every tile. The default
+    # signal is published (the returning count, 1, and the counts that return nothing). The default
     # where it can (4; 3 counts after the next main loop instead of inside it) counts with a
     # RED, an atomic that returns nothing, so ptxas has no result register to wait for at the
     # tile loop's next iteration; the poller's handoff (HANDOFF = 1 << 24) is a RED too, so it
     # has no returning atomic at all.
     compile_kernel, sass_of = _offline_tools()
     cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
-    for mode in (1, 2, 3, 4):
+    for mode in (abi.EPI_COUNT_RETURNING, abi.EPI_COUNT_AFTER_LOOP, abi.EPI_COUNT_IN_LOOP):
         kern = compile_kernel(4096, 4096, 1792, cfg, epilogue=True, tile_order=2, epi_tma=8, epi_count=mode)
         sass, _ = sass_of(kern.asm["cubin"])
         atoms = re.findall(r"ATOMG\.E\.ADD\.STRONG\.(\w+)", sass)
@@ -96,7 +96,7 @@ def test_offline_epilogue_counts_tiles_at_gpu_scope_and_publishes_at_system_scop
             assert reds and set(reds) == {"GPU"} and not atoms, (reds, atoms)
             assert "0x1000000" in kern.asm["ptx"].replace("16777216", "0x1000000")
         else:
-            assert atoms and not reds and set(atoms) == ({"SYS"} if mode == 2 else {"GPU"}), atoms
+            assert atoms and not reds and set(atoms) == {"GPU"}, atoms
 
 
 def _enclosing_loops(ttgir: str, op: str) -> int:

@@ -227,21 +227,15 @@ def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
     publishing program's system-scope release is cumulative (PTX memory model: causality order
     runs through the GPU-scope release/acquire pairs of the count into the system-scope pair
     of the signal), so a peer that acquires the signal sees every tile of the chunk, wherever
-    its stores went. EPI_COUNT: 1 = that GPU-scope count; 2 = system scope
-    (TPFUSE_EPI_COUNT=sys: every tile pays a MEMBAR.SYS the CTA waits for); 0 = no count and
-    no publication (TPFUSE_EPI_COUNT=none: a timing diagnostic only); 3 (the default where the
-    host allows it) takes _count_and_poll in the tile loops and _end_counts after them instead."""
-    if EPI_COUNT == 0:
-        return
+    its stores went. EPI_COUNT: 1 = that GPU-scope count, read at once (abi.EPI_COUNT_RETURNING);
+    3 and 4 (the default where the host allows them) take _count_and_poll or _count_in_loop in
+    the tile loops and _end_counts after them instead."""
     # (the loop sits inside an ``if``, so that the tile loop can still be flattened)
     if c_hi >= c_lo:
         _tile_stores_done(EPI_TMA, USE_ASM)
         for cc in range(c_lo, c_hi + 1):
             tiles_in_chunk = _tiles_in_chunk(cc, M, chunk_m, num_pid_n, BLOCK_M)
-            if EPI_COUNT == 2:
-                done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="sys")
-            else:
-                done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="gpu")
+            done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="gpu")
             if done == tiles_in_chunk - 1:
                 # Last tile of chunk cc: this program has acquired every other tile's release,
                 # so its release publishes the whole chunk.
