@@ -536,6 +536,10 @@ def test_config_dict_round_trip_and_old_cache_entries():
     assert gc.GemmConfig.from_dict(old) == gc.GemmConfig()
     with pytest.raises(ValueError, match="unknown fields.*cluster"):
         gc.GemmConfig.from_dict(dict(old, cluster=2))
+    # removed fields: an old entry with the feature off loads, one with it on is refused
+    assert gc.GemmConfig.from_dict(dict(old, warp_specialize=False)) == gc.GemmConfig()
+    with pytest.raises(ValueError, match="warp_specialize=True is no longer supported"):
+        gc.GemmConfig.from_dict(dict(old, warp_specialize=True))
 
 
 def test_empty_m_and_zero_k():

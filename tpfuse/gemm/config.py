@@ -50,7 +50,6 @@ class GemmConfig:
     num_stages: int = 3
     EPI_SUBTILE: int = 1
     flatten: bool = False
-    warp_specialize: bool = False
     num_programs: Optional[int] = None
     split_k: int = 1
     stream_k: int = 0
@@ -90,10 +89,21 @@ class GemmConfig:
         """Inverse of :meth:`to_dict`; fields missing from ``d`` (entries written before they
         existed, e.g. ``split_k``) take their defaults."""
         names = {f.name for f in dataclasses.fields(cls)}
+        for name, off in _REMOVED_FIELDS.items():   # entries written when the field existed
+            if name in d:
+                if d[name] != off:
+                    raise ValueError(f"GemmConfig.from_dict: {name}={d[name]!r} is no longer supported "
+                                     f"(removed; docs/gemm_core.md, 'Tried and not kept')")
+                d = {key: v for key, v in d.items() if key != name}
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"GemmConfig.from_dict: unknown fields {sorted(unknown)}")
         return cls(**d)
+
+
+# Fields GemmConfig had once, with the value that meant "off": an entry of an older tuning
+# cache with the field off still loads; one with it on is refused (the feature is gone).
+_REMOVED_FIELDS = {"warp_specialize": False}
 
 
 def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
@@ -188,8 +198,6 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat1
                               tma_store=False))
     out.append(GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3))
     out.append(GemmConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3))
-    out.append(GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3,
-                          warp_specialize=True))
     out += _split_k_candidates(m, n, k, num_sms)
     out += _stream_k_candidates(m, n, k, num_sms)
     # dict.fromkeys: once each (the decode and prefill lists share tiles), in first-seen order

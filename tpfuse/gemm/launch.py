@@ -252,7 +252,7 @@ def epi_count_mode(options: GemmOptions = DEFAULT_OPTIONS, eligible_async: bool 
     ``abi.EPI_COUNT_AFTER_LOOP`` (3): a release at GPU scope that returns nothing (no warp
     waits for it), made after the next tile's main loop, one poller per chunk publishing it,
     handoff at the poller's end; where every tile lies in one chunk, on CUDA (inline PTX) or in
-    the interpreter, without split-K or warp specialization, with at most 64 chunks
+    the interpreter, without split-K, with at most 64 chunks
     (``eligible_async``). ``EPI_COUNT_IN_LOOP`` (4): the same with the count made a few K-steps
     into the next tile's main loop instead, so a chunk is published most of a tile earlier, in
     flattened tile loops (``in_loop``: in a nested K loop ptxas then serializes the wgmma
@@ -353,12 +353,12 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
     epi_count = 0
     if epilogue is not None:
         epi_count = epi_count_mode(options, (use_asm or interpreting()) and cfg.split_k == 1
-                                   and not cfg.warp_specialize and num_chunks <= abi.MAX_POLLED_CHUNKS
+                                   and num_chunks <= abi.MAX_POLLED_CHUNKS
                                    and num_tiles < abi.HANDOFF
                                    and (num_chunks == 1 or chunk_m % cfg.BLOCK_M == 0), cfg.flatten)
     constexprs = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.GROUP_M, cfg.EPI_SUBTILE,
                   TILE_ORDERS.index(tile_order), bool(use_tma), b_kmajor, c_dtype,
-                  wait is not None, epilogue is not None, use_asm, cfg.flatten, cfg.warp_specialize,
+                  wait is not None, epilogue is not None, use_asm, cfg.flatten,
                   interpreting(), epilogue.align_elems if epilogue is not None else 0, cfg.split_k,
                   sk_tiles > 0, epi_tma, cfg.tma_store, epi_count if epilogue is not None else 1)
     capability = device_info(device_index(device))["capability"] if device.type == "cuda" else (0, 0)

@@ -524,7 +524,7 @@ def gemm_kernel(
     EPI_SUBTILE: tl.constexpr, TILE_ORDER: tl.constexpr, USE_TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, C_DTYPE: tl.constexpr,
     WAIT: tl.constexpr, EPILOGUE: tl.constexpr, USE_ASM: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_FP32: tl.constexpr,
+    FLATTEN: tl.constexpr, DOT_FP32: tl.constexpr,
     DEST_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr, STREAM_K: tl.constexpr,
     EPI_TMA: tl.constexpr, TMA_STORE: tl.constexpr, EPI_COUNT: tl.constexpr,
 ):
@@ -559,8 +559,7 @@ def gemm_kernel(
         num_work = num_tiles
     else:
         num_work = num_tiles * SPLIT_K
-    for work_id in tl.range(start_pid, num_work, num_progs, flatten=FLATTEN,
-                            warp_specialize=WARP_SPECIALIZE):
+    for work_id in tl.range(start_pid, num_work, num_progs, flatten=FLATTEN):
         if SPLIT_K == 1:
             tile_id = work_id
             k_lo = 0
