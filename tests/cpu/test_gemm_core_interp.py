@@ -1,5 +1,5 @@
-"""GEMM core under TRITON_INTERPRET=1: index math, masks, tile orders, hooks, error word, split-K,
-stream-K.
+"""GEMM core under TRITON_INTERPRET=1: index math, masks, tile orders, hooks, error word,
+stream-K, the SM budget.
 
 Every output is poisoned with NaN first; results are compared with a float64 reference of the
 same (rounded) inputs with a tolerance a few times the output dtype's rounding. Small blocks
@@ -94,51 +94,22 @@ def test_tile_orders_compute_every_tile(order, start):
     _assert_close(out, ref, torch.bfloat16)
 
 
-def _split_k_counters():
-    """Tile counters of every split-K buffer pair in use (all must be zero between calls)."""
-    return [c for _, c in launch._SPLIT_K_BUFFERS.values()]
+def _tile_counters():
+    """Tile counters of every stream-K buffer pair in use (all must be zero between calls)."""
+    return [c for _, c in launch._STREAM_K_BUFFERS.values()]
 
 
 def _calls_in_a_row(cfg, m, k, n, dtype, b_layout, seeds):
     """One call per seed with fresh operands, each checked against float64 and leaving every
-    tile counter at zero (split-K and stream-K reset them themselves); returns the last
+    tile counter at zero (stream-K resets them itself); returns the last
     call's (a, b, out)."""
     for seed in seeds:
         a, b, ref = _operands(m, k, n, dtype, b_layout, seed=seed)
         out = torch.full((m, n), float("nan"), dtype=dtype)
         assert gc.matmul(a, b, out=out, config=cfg) is out
         _assert_close(out, ref, dtype)
-        assert all((c == 0).all() for c in _split_k_counters()), "a tile counter was left non-zero"
+        assert all((c == 0).all() for c in _tile_counters()), "a tile counter was left non-zero"
     return a, b, out
-
-
-@pytest.mark.parametrize("split_k,shape,b_layout,dtype,sub", [
-    # K = 70: 5 steps of 16 -> slices of 2 and 3; K % (BLOCK_K * split_k) != 0 everywhere
-    (2, (37, 70, 29), "row_major", torch.bfloat16, 1),
-    (3, (50, 100, 33), "weight_t", torch.float16, 1),        # 7 steps -> 2, 2, 3
-    (4, (45, 130, 27), "weight_t", torch.bfloat16, 2),       # 9 steps -> 2, 2, 2, 3; 2 subtiles
-    (3, (21, 61, 40), "row_major", torch.float16, 2),        # 4 steps -> 1, 1, 2
-], ids=["k2-bf16-row", "k3-fp16-wt", "k4-bf16-wt-sub2", "k3-fp16-row-sub2"])
-def test_split_k_matches_reference(split_k, shape, b_layout, dtype, sub):
-    m, k, n = shape
-    cfg = gc.GemmConfig(BLOCK_M=16, BLOCK_N=16 * sub, BLOCK_K=16, GROUP_M=2, num_warps=4,
-                        num_stages=1, EPI_SUBTILE=sub, split_k=split_k)
-    a, b, out = _calls_in_a_row(cfg, m, k, n, dtype, b_layout, seeds=(20, 21))
-    # Another grid changes which program adds the partials up; the sum is in slice order, so
-    # the bits do not change.
-    again = torch.full((m, n), float("nan"), dtype=dtype)
-    gc.matmul(a, b, out=again, config=dataclasses.replace(cfg, num_programs=3))
-    assert torch.equal(again, out)
-
-
-def test_split_k_with_wait_hook_and_round_order():
-    a, b, ref = _operands(100, 75, 40, torch.bfloat16, "weight_t", seed=22)
-    signal = torch.tensor([5, 6, 5, 5], dtype=torch.int32)
-    out = torch.full((100, 40), float("nan"), dtype=torch.bfloat16)
-    cfg = dataclasses.replace(CFG, split_k=2)
-    gc.matmul(a, b, out=out, config=cfg, tile_order="round", start_chunk=2,
-              wait=gc.WaitSpec(signal, generation=5, chunk_m=27, max_spins=10))
-    _assert_close(out, ref, torch.bfloat16)
 
 
 # ---- stream-K ---------------------------------------------------------------------------------
@@ -170,8 +141,6 @@ def test_stream_k_tiles_rule():
     assert gc.stream_k_tiles(448, 132, 0) == 0
     with pytest.raises(ValueError, match="stream_k=3"):
         gc.GemmConfig(stream_k=3)
-    with pytest.raises(ValueError, match="choose one way of cutting K"):
-        gc.GemmConfig(split_k=2, stream_k=1)
 
 
 def test_stream_k_with_hooks():
@@ -325,9 +294,8 @@ def test_wait_hook_with_signals_preset():
     assert signal.tolist() == [5, 7, 5, 9, 5], "a wait must not write the signal"
 
 
-@pytest.mark.parametrize("per_chunk_signals,split_k,count",
-                         [(False, 1, "returning"), (True, 1, "auto"), (False, 2, "auto"), (True, 3, "returning")])
-def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, split_k, count):
+@pytest.mark.parametrize("per_chunk_signals,count", [(False, "returning"), (True, "auto")])
+def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, count):
     options = gc.GemmOptions(epi_count=count)
     m, k, n, chunk_m = 100, 40, 45, 27          # 4 chunks: 27, 27, 27, 19 rows
     num_chunks = 4
@@ -345,8 +313,7 @@ def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, split_k, count)
             d.fill_(float("nan"))
         spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m,
                                             counters=spec.counters if spec else None)
-        cfg = dataclasses.replace(CFG, split_k=split_k)
-        assert gc.matmul(a, b, config=cfg, tile_order="owner", start_chunk=2, epilogue=spec, options=options) is None
+        assert gc.matmul(a, b, config=CFG, tile_order="owner", start_chunk=2, epilogue=spec, options=options) is None
         # 27-row chunks straddle 16-row tiles: the returning count whatever was asked
         assert gc.last_plan().epi_count == abi.EPI_COUNT_RETURNING
         assert sig_value() == [generation] * num_chunks
@@ -428,15 +395,14 @@ def test_wait_timeout_raises_with_chunk_and_generation():
         gc.matmul(a, b, config=CFG, wait=gc.WaitSpec(signal, 3, 16, max_spins=20))
 
 
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_failed_wait_does_not_publish(split_k):
+def test_failed_wait_does_not_publish():
     a, b, _ = _operands(64, 32, 32, torch.bfloat16, "row_major", seed=5)
     wait = gc.WaitSpec(torch.zeros(4, dtype=torch.int32), generation=1, chunk_m=16, max_spins=5)
     dests = [torch.empty(16, 32, dtype=torch.bfloat16) for _ in range(4)]
     signals = torch.zeros(4, dtype=torch.int32)
     epi = gc.EpilogueSpec.from_tensors(dests, signals, 1, 16)
     with pytest.raises(TimeoutError):
-        gc.matmul(a, b, config=dataclasses.replace(CFG, split_k=split_k), wait=wait, epilogue=epi)
+        gc.matmul(a, b, config=CFG, wait=wait, epilogue=epi)
     assert signals.tolist() == [0, 0, 0, 0], "garbage chunks must never be signalled ready"
 
 
@@ -458,8 +424,7 @@ def test_failed_wait_does_not_publish(split_k):
      ValueError, "num_chunks=2"),
     (lambda a, b: gc.matmul(a, b, out=torch.empty(16, 9, dtype=a.dtype)), ValueError, r"need \(16, 8\)"),
     (lambda a, b: gc.matmul(a, b, config="fast"), TypeError, "GemmConfig"),
-    (lambda a, b: gc.matmul(a, b, config=gc.GemmConfig(BLOCK_K=16, split_k=2)), ValueError,
-     r"split_k=2 but K=16 has only 1 steps of BLOCK_K=16.*smaller BLOCK_K"),
+    (lambda a, b: gc.matmul(a, b, options="fast"), TypeError, "GemmOptions"),
 ])
 def test_bad_input_names_argument_and_fix(call, exc, match):
     a = torch.randn(16, 16, dtype=torch.bfloat16)
@@ -473,8 +438,8 @@ def test_config_validation_and_smem_pruning():
         gc.GemmConfig(BLOCK_N=96)
     with pytest.raises(ValueError, match="EPI_SUBTILE=4"):
         gc.GemmConfig(EPI_SUBTILE=4)
-    with pytest.raises(ValueError, match="split_k=0"):
-        gc.GemmConfig(split_k=0)
+    with pytest.raises(TypeError, match="split_k"):   # removed: see docs/gemm_core.md
+        gc.GemmConfig(split_k=2)
     cands = gc.candidate_configs(4096, 4096, 4096, torch.bfloat16, smem_limit=150_000)
     assert cands and all(c.smem_bytes(2) <= 150_000 for c in cands)
     assert len(gc.candidate_configs(4096, 4096, 4096)) > len(cands)
@@ -486,26 +451,16 @@ MEASURED = [(m, n, k) for m in (16384, 4096, 2048, 512, 128)
             for n, k in ((3584, 4096), (4096, 1792), (7168, 8192), (8192, 3584), (13312, 16384), (16384, 6656))]
 
 
-def test_default_config_keeps_measured_winners_and_splits_only_tiny_grids():
-    assert all(gc.default_config(m, n, k).split_k == 1 for m, n, k in MEASURED)
-    # M=128, N=1024: 32 tiles of 64x64 for 132 SMs -> 4 slices of K=4096 (8 steps of 128 each)
-    cfg = gc.default_config(128, 1024, 4096)
-    assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.split_k) == (64, 64, 4)
-    assert gc.default_config(128, 1024, 4096, num_sms=16).split_k == 1
-    assert gc.default_config(128, 1024, 256).split_k == 1   # 2 steps of K: nothing to split
-
-
-def test_split_k_candidates_only_where_tiles_leave_sms_idle():
-    def splits(m, n, k, num_sms=132):
-        return [c for c in gc.candidate_configs(m, n, k, num_sms=num_sms) if c.split_k > 1]
-    assert not splits(4096, 4096, 4096) and not splits(2048, 7168, 8192)
-    for m, n, k in [(128, 3584, 4096), (128, 4096, 1792), (512, 3584, 4096), (512, 13312, 16384)]:
-        cands = splits(m, n, k)
-        assert 1 <= len(cands) <= 6, (m, n, k, cands)
-        for c in cands:
-            assert -(-k // c.BLOCK_K) // c.split_k >= 4, c      # every slice has >= 4 K-steps
-            assert c.BLOCK_M * c.BLOCK_N // (c.num_warps * 32 * c.EPI_SUBTILE) <= 64, c
-    assert not splits(512, 3584, 4096, num_sms=32)   # 56 tiles fill 32 SMs
+def test_default_config_keeps_the_measured_winners():
+    # tuned winners of the measured shapes (docs/gemm_core.md): 128x256 at M >= 2048,
+    # 128x128 x 6 stages where 128x256 leaves most SMs idle, deep narrow pipelines for decode
+    assert gc.default_config(16384, 3584, 4096) == gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                                                                 num_warps=8, num_stages=3)
+    assert gc.default_config(512, 3584, 4096) == gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                                                               num_warps=8, num_stages=6)
+    assert gc.default_config(128, 3584, 4096) == gc.GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
+                                                               num_warps=4, num_stages=6)
+    assert all(not c.stream_k for c in (gc.default_config(m, n, k) for m, n, k in MEASURED))
 
 
 def test_stream_k_candidates_only_for_ragged_waves():
@@ -527,19 +482,21 @@ def test_stream_k_candidates_only_for_ragged_waves():
 
 
 def test_config_dict_round_trip_and_old_cache_entries():
-    cfg = gc.GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, split_k=4)
+    cfg = gc.GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, tma_store=False)
     assert gc.GemmConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     sk = gc.GemmConfig(BLOCK_N=128, stream_k=2)
     assert gc.GemmConfig.from_dict(json.loads(json.dumps(sk.to_dict()))) == sk
     old = {k: v for k, v in gc.GemmConfig().to_dict().items()
-           if k not in ("split_k", "stream_k")}  # written before split-K and stream-K existed
+           if k not in ("stream_k", "tma_store")}  # written before stream-K and tma_store existed
     assert gc.GemmConfig.from_dict(old) == gc.GemmConfig()
     with pytest.raises(ValueError, match="unknown fields.*cluster"):
         gc.GemmConfig.from_dict(dict(old, cluster=2))
     # removed fields: an old entry with the feature off loads, one with it on is refused
-    assert gc.GemmConfig.from_dict(dict(old, warp_specialize=False)) == gc.GemmConfig()
+    assert gc.GemmConfig.from_dict(dict(old, warp_specialize=False, split_k=1)) == gc.GemmConfig()
     with pytest.raises(ValueError, match="warp_specialize=True is no longer supported"):
         gc.GemmConfig.from_dict(dict(old, warp_specialize=True))
+    with pytest.raises(ValueError, match="split_k=4 is no longer supported"):
+        gc.GemmConfig.from_dict(dict(old, split_k=4))
 
 
 def test_empty_m_and_zero_k():

@@ -17,8 +17,8 @@ from tpfuse.kernels import abi
 
 def test_parse_spec():
     assert parse_spec("cublas") is None
-    assert parse_spec("128x256x64:split_k=2,flatten=true,EPI_SUBTILE=2") == gc.GemmConfig(
-        BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, split_k=2, flatten=True, EPI_SUBTILE=2)
+    assert parse_spec("128x256x64:stream_k=2,flatten=true,EPI_SUBTILE=2") == gc.GemmConfig(
+        BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, stream_k=2, flatten=True, EPI_SUBTILE=2)
     with pytest.raises(ValueError, match="BLOCK_M=96"):
         parse_spec("96x128x64")
 
@@ -211,7 +211,7 @@ def test_offline_ws_kernel_takes_row_major_b_and_narrow_tiles():
 
 def test_ws_choice():
     # the Gluon kernel takes one hook on sm_90 -- the epilogue hook where it stores by TMA, or the
-    # wait hook into a TMA-stored output -- without split-K, for 128-row tiles 128 or 256 wide in
+    # wait hook into a TMA-stored output -- for 128-row tiles 128 or 256 wide in
     # bf16/fp16; GemmOptions(gluon=False) turns it off. Every "no" says why.
     sm90 = (9, 0)
     big = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
@@ -231,7 +231,6 @@ def test_ws_choice():
                       ((torch.bfloat16, big, epi, None, 0, True), "pointer stores"),
                       ((torch.bfloat16, big, epi, None, 8, False), "no inline PTX"),
                       ((torch.float32, big, epi, None, 8, True), "outside the Gluon kernel"),
-                      ((torch.bfloat16, dataclasses.replace(big, split_k=2), epi, None, 8, True), "outside"),
                       ((torch.bfloat16, dataclasses.replace(big, BLOCK_M=64), epi, None, 8, True), "outside")):
         got, reason = launch.ws_choice(sm90, *args)
         assert got == () and why in reason, (args, reason)

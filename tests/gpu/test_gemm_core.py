@@ -388,14 +388,14 @@ def test_misaligned_view_after_an_aligned_call_takes_the_pointer_path():
     _assert_close(out, ref, torch.bfloat16)
 
 
-# ---- split-K -------------------------------------------------------------------------------
+# ---- stream-K ------------------------------------------------------------------------------
 SK_128 = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
 SK_256 = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, EPI_SUBTILE=2)
 
 
 def _tile_counters_are_zero():
     torch.cuda.synchronize()
-    return all(int(c.abs().sum()) == 0 for _, c in launch._SPLIT_K_BUFFERS.values())
+    return all(int(c.abs().sum()) == 0 for _, c in launch._STREAM_K_BUFFERS.values())
 
 
 # (509, 3000, 1000): 16-byte aligned rows -> TMA on Hopper; K = 3000 is 23.4 steps of 128.
@@ -412,53 +412,14 @@ def _calls_in_a_row(m, k, n, dtype, b_layout, cfg, seeds):
     return a, b, out
 
 
-@pytest.mark.parametrize("split_k,base,shape,b_layout,dtype", [
-    (2, SK_128, (509, 3000, 1000), "weight_t", torch.bfloat16),
-    (3, SK_256, (509, 3000, 1000), "row_major", torch.bfloat16),
-    (4, SK_128, (128, 4091, 771), "row_major", torch.bfloat16),
-    (8, SK_256, (509, 3000, 1000), "weight_t", torch.float16),
-    (3, SK_128, (128, 4091, 771), "weight_t", torch.float16),
-], ids=["k2-128-tma-wt", "k3-256-tma-row", "k4-128-ptr-row", "k8-256-tma-wt-fp16", "k3-128-ptr-wt-fp16"])
-def test_split_k_matches_reference(split_k, base, shape, b_layout, dtype):
-    m, k, n = shape
-    cfg = dataclasses.replace(base, split_k=split_k)
-    a, b, out = _calls_in_a_row(m, k, n, dtype, b_layout, cfg, seeds=(5, 6))
-    again = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-    gc.matmul(a, b, out=again, config=cfg)
-    torch.cuda.synchronize()
-    assert torch.equal(again, out), "split-K result changed between identical calls"
-
-
-def test_split_k_is_bitwise_stable_when_slices_race():
-    # 32 tiles x 8 slices = 256 work items on all SMs: slices of a tile finish in a different
-    # order on every run; the sum is in slice order, so every run gives the same bits.
-    a, b, ref = _operands(256, 8192, 2048, torch.bfloat16, "weight_t", seed=7)
-    cfg = dataclasses.replace(SK_128, split_k=8)
-    first = gc.matmul(a, b, config=cfg)
-    _assert_close(first, ref, torch.bfloat16)
-    out = torch.empty_like(first)
-    for _ in range(50):
-        out.fill_(float("nan"))
-        gc.matmul(a, b, out=out, config=cfg)
-        torch.cuda.synchronize()
-        assert torch.equal(out, first)
-    assert _tile_counters_are_zero()
-
-
 def _k_shared_epilogue(config, tma, seed):
-    """Epilogue hook over generations with tiles whose K is shared out (split-K, stream-K):
+    """Epilogue hook over generations with tiles whose K is shared out (stream-K):
     128-row chunks take TMA stores (unless epi_tma=False), 131-row ones pointer stores.
-    gluon=False: stream-K's shared tiles are gemm_kernel's (split-K never takes gemm_ws)."""
+    gluon=False: stream-K's shared tiles are gemm_kernel's."""
     chunk_m = 128 if tma else 131
     _epilogue_over_generations(4 * chunk_m, 2048, 1536, chunk_m, config, start_chunk=1, seed=seed,
                                after=_tile_counters_are_zero, expect_tma=tma,
                                options=gc.GemmOptions(epi_tma=tma, gluon=False))
-
-
-@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
-@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
-def test_split_k_with_epilogue_hook_several_generations(tma, flatten):
-    _k_shared_epilogue(dataclasses.replace(SK_256, split_k=3, flatten=flatten), tma, 10)
 
 
 def _k_shared_wait(config, seed):
@@ -471,11 +432,6 @@ def _k_shared_wait(config, seed):
     _assert_close(out, ref, torch.bfloat16)
 
 
-def test_split_k_with_wait_hook_signals_preset():
-    _k_shared_wait(dataclasses.replace(SK_128, split_k=4), seed=14)
-
-
-# ---- stream-K ------------------------------------------------------------------------------
 # (shape, config): all tiles shared out (under one wave), the last partial wave only (mode 1),
 # it and one full wave (mode 2), the plain-pointer path, a decode-sized tile.
 @pytest.mark.parametrize("mode,base,shape,b_layout,dtype", [

@@ -34,9 +34,7 @@ _H200_NUM_SMS = 132
 class GemmConfig:
     """One kernel configuration. Tile = BLOCK_M x BLOCK_N x BLOCK_K; the epilogue stores the
     tile in ``EPI_SUBTILE`` column slices (1 or 2); ``num_programs`` caps the persistent grid
-    (None: one program per SM). ``split_k`` > 1 cuts K into that many slices of whole
-    BLOCK_K steps, each its own work item; the last slice of a tile to finish adds the others'
-    fp32 partials (docs/gemm_core.md, "Split-K"). ``stream_k`` 1 or 2 shares the tiles of the
+    (None: one program per SM; ``matmul(num_sms=...)`` caps it further). ``stream_k`` 1 or 2 shares the tiles of the
     last, partly filled wave (2: that wave and one full wave more) out to every program by
     BLOCK_K steps, so no SM idles at the end (docs/gemm_core.md, "Stream-K"); 0 = off.
     ``tma_store`` False keeps TMA loads but stores the output through pointers: no staging
@@ -51,7 +49,6 @@ class GemmConfig:
     EPI_SUBTILE: int = 1
     flatten: bool = False
     num_programs: Optional[int] = None
-    split_k: int = 1
     stream_k: int = 0
     tma_store: bool = True
 
@@ -66,14 +63,9 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.GROUP_M={self.GROUP_M}: must be >= 1")
         if self.num_programs is not None and self.num_programs < 1:
             raise ValueError(f"GemmConfig.num_programs={self.num_programs}: must be >= 1 or None")
-        if not isinstance(self.split_k, int) or self.split_k < 1:
-            raise ValueError(f"GemmConfig.split_k={self.split_k!r}: must be an int >= 1 (1 = no split-K)")
         if self.stream_k not in (0, 1, 2):
             raise ValueError(f"GemmConfig.stream_k={self.stream_k!r}: must be 0 (off), 1 (the last partial "
                              "wave) or 2 (the last partial wave and one full wave)")
-        if self.stream_k and self.split_k > 1:
-            raise ValueError(f"GemmConfig: split_k={self.split_k} and stream_k={self.stream_k} together; "
-                             "choose one way of cutting K")
 
     def smem_bytes(self, elem_size: int) -> int:
         """Shared memory estimate: pipelined A and B stages plus one TMA-store subtile (none
@@ -87,7 +79,7 @@ class GemmConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "GemmConfig":
         """Inverse of :meth:`to_dict`; fields missing from ``d`` (entries written before they
-        existed, e.g. ``split_k``) take their defaults."""
+        existed, e.g. ``stream_k``) take their defaults; removed fields: see ``_REMOVED_FIELDS``."""
         names = {f.name for f in dataclasses.fields(cls)}
         for name, off in _REMOVED_FIELDS.items():   # entries written when the field existed
             if name in d:
@@ -103,7 +95,7 @@ class GemmConfig:
 
 # Fields GemmConfig had once, with the value that meant "off": an entry of an older tuning
 # cache with the field off still loads; one with it on is refused (the feature is gone).
-_REMOVED_FIELDS = {"warp_specialize": False}
+_REMOVED_FIELDS = {"warp_specialize": False, "split_k": 1}
 
 
 def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
@@ -111,36 +103,20 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     """Heuristic config for one GEMM shape (pure; used when the tuning cache has no entry).
 
     From the tuning winners on one NVIDIA H200, bf16, per-rank Llama-3 shapes at TP 8
-    (``benchmarks/results/gemm_core_h200_2026-11-30_deep_stages_tuning_log.json``): 128x256x64
+    (the deep-stages tuning log of 2026-11-30, in git history up to a1b897c): 128x256x64
     tiles, 8 warps, 3 stages for M >= 2048; 128x128x64 with 6 stages when 128x256 tiles leave
     most SMs idle (M=512, N=3584: 56 tiles for 132 SMs; one tile per SM and cold inputs want
     many loads in flight); decode (M <= 128) streams B through deep pipelines, with narrow tiles
     when B is small (8B: 64x64x128 x 6 stages) and wider ones as B grows (70B: 128x64x64 x 8,
-    405B: 128x128x64 x 5).
-
-    Split-K (kept to shapes none of the measured ones hits: graph-timed tuning on 2026-11-30
-    picked no split-K candidate for any of the 30 shapes, smaller tiles won): when the
-    chosen tiles would keep at most a quarter of ``num_sms`` busy, ``split_k`` is the largest of
-    2, 4, 8 that keeps ``tiles * split_k <= num_sms`` and at least 4 BLOCK_K steps per slice.
+    405B: 128x128x64 x 5). ``num_sms`` is not used by the tile choice today (kept so the
+    heuristic can depend on the grid, as stream-K's candidates do).
     """
-    cfg = _default_tiles(m, n, k, dtype)
-    tiles, k_steps = _grid(m, n, k, cfg)
-    if tiles <= num_sms // 4 and cfg.BLOCK_M * cfg.BLOCK_N <= 128 * 128:
-        fits = _one_wave_splits(tiles, k_steps, num_sms)
-        if fits:
-            cfg = dataclasses.replace(cfg, split_k=fits[-1])
-    return cfg
+    return _default_tiles(m, n, k, dtype)
 
 
 def _grid(m: int, n: int, k: int, cfg: GemmConfig) -> tuple[int, int]:
     """(output tiles, BLOCK_K steps) of ``cfg`` on an ``m x n x k`` GEMM."""
     return -(-m // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N), -(-k // cfg.BLOCK_K)
-
-
-def _one_wave_splits(tiles: int, k_steps: int, num_sms: int) -> list[int]:
-    """split_k values of 2, 4, 8 that keep ``tiles * split_k`` in one wave and >= 4 BLOCK_K
-    steps per slice, ascending."""
-    return [s for s in (2, 4, 8) if tiles * s <= num_sms and k_steps // s >= 4]
 
 
 def _default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
@@ -161,8 +137,8 @@ def _default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
 def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
                       smem_limit: int = _SM90_SMEM_BYTES,
                       num_sms: int = _H200_NUM_SMS) -> list[GemmConfig]:
-    """Small tuning space for one shape, pruned by shared memory; split-K variants only for
-    shapes whose output tiles leave SMs idle (:func:`_split_k_candidates`)."""
+    """Small tuning space for one shape, pruned by shared memory; stream-K variants only for
+    shapes whose tiles end in a partly filled wave (:func:`_stream_k_candidates`)."""
     elem = torch.empty((), dtype=dtype).element_size()
     out = []
     if m <= 256:   # decode: bound by reading B; narrow tiles put more programs in flight,
@@ -198,58 +174,18 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat1
                               tma_store=False))
     out.append(GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3))
     out.append(GemmConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3))
-    out += _split_k_candidates(m, n, k, num_sms)
     out += _stream_k_candidates(m, n, k, num_sms)
     # dict.fromkeys: once each (the decode and prefill lists share tiles), in first-seen order
     return [c for c in dict.fromkeys(out) if c.smem_bytes(elem) <= smem_limit]
 
 
-# Tiles that split-K candidates are made of: the 128x256 prefill winner (epilogue in two
-# subtiles, so the reduction holds half a tile of partials at a time) and two decode winners.
-# All keep <= 128 fp32 accumulator registers per thread, so adding partials does not spill.
-_SPLIT_K_BASES = (
-    GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, EPI_SUBTILE=2),
-    GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
-    GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
-)
-
-
-def _split_k_candidates(m: int, n: int, k: int, num_sms: int) -> list[GemmConfig]:
-    """Split-K variants (at most ~6) for shapes with idle SMs. Per base tile:
-
-    * few tiles (``tiles <= num_sms / 2``): the largest ``split_k`` of 2, 4, 8 with
-      ``tiles * split_k <= num_sms`` (one full wave), and twice that if it stays within two waves;
-    * a ragged second wave (128x256 only; ``num_sms < tiles < 2 * num_sms`` with the grid less
-      than 85 % busy over the waves): the ``split_k`` of 2, 3, 4 that fills the waves best, if
-      it fills them >= 90 % (e.g. 208 tiles on 132 SMs: 79 % busy; split 3: 95 %).
-
-    Every slice keeps >= 4 BLOCK_K steps (>= 16 for the ragged-wave case, where K must be long
-    enough to pay for writing and re-reading the partials)."""
-    out = []
-    for base in _SPLIT_K_BASES:
-        tiles, k_steps = _grid(m, n, k, base)
-        splits = []
-        if tiles <= num_sms // 2:
-            fits = _one_wave_splits(tiles, k_steps, num_sms)
-            if fits:
-                splits.append(fits[-1])
-                s2 = 2 * fits[-1]
-                if s2 <= 8 and tiles * s2 <= 2 * num_sms and k_steps // s2 >= 4:
-                    splits.append(s2)
-        elif base.BLOCK_N == 256 and num_sms < tiles < 2 * num_sms:
-            def busy(items):
-                return items / (-(-items // num_sms) * num_sms)
-            best = max((2, 3, 4), key=lambda s: busy(tiles * s))
-            if busy(tiles) < 0.85 and busy(tiles * best) >= 0.9 and k_steps // best >= 16:
-                splits.append(best)
-        out += [dataclasses.replace(base, split_k=s) for s in splits]
-    return out
-
-
 # Tiles that stream-K candidates are made of: the prefill winners (128x256 with the epilogue
 # in two subtiles, so the reduction holds half a tile of partials at a time; 128x128 with
 # BLOCK_K 128 and 64) and, for decode-sized M, the narrow tiles that stream B.
-_STREAM_K_BASES = _SPLIT_K_BASES[:2] + (
+# All keep <= 128 fp32 accumulator registers per thread, so adding partials does not spill.
+_STREAM_K_BASES = (
+    GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, EPI_SUBTILE=2),
+    GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
     GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
 )
 _STREAM_K_DECODE_BASES = (

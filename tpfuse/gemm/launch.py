@@ -95,7 +95,7 @@ class LaunchPlan:
 _PLANS: dict = {}            # call signature -> LaunchPlan
 _LAST_PLAN: list = [None]    # the plan of the latest call (last_plan())
 _MAX_PLANS = 4096            # a bound, not a tuned number: plans are small, shapes in a model are few
-_SPLIT_K_BUFFERS: dict = {}  # (device, raw stream) -> (fp32 workspace, int32 tile counters)
+_STREAM_K_BUFFERS: dict = {}  # (device, raw stream) -> (fp32 workspace, int32 tile counters)
 _COMPILED: dict = {}         # kernel specialization -> Triton CompiledKernel (direct launch)
 _LAUNCHES = collections.Counter()   # launch_counts()
 _DIRECT_BROKEN: list = [False]      # a direct launch failed once: the JIT from then on (warned)
@@ -208,8 +208,7 @@ def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0
               out_tma=False, options: GemmOptions = DEFAULT_OPTIONS) -> tuple[tuple, str]:
     """``((block, stages), why)`` of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py)
     for a launch with one hook, or ``((), why not)`` for gemm_kernel. Taken on sm_90
-    (``capability`` major 9) for bf16/fp16, for configs of 128-row tiles 128 or 256 wide without
-    split-K, with either the epilogue hook where it stores by TMA (``epi_tma``: every destination
+    (``capability`` major 9) for bf16/fp16, for configs of 128-row tiles 128 or 256 wide, with either the epilogue hook where it stores by TMA (``epi_tma``: every destination
     16-byte aligned, per-chunk descriptors or stacked destinations) -- its store warp counts and
     publishes off the MMA warps, which in gemm_kernel wait ~0.9 us per tile for it -- or the wait
     hook into a TMA-stored ``out`` (``out_tma``) -- its load warp waits, not the MMA warps. Not
@@ -229,9 +228,8 @@ def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0
         return (), "GemmOptions(gluon=False): gemm_kernel"
     if not use_asm:
         return (), "no inline PTX (signal_asm off or not on CUDA): gemm_kernel"
-    if cfg.split_k != 1 or dtype not in (torch.bfloat16, torch.float16) or cfg.BLOCK_M != 128 \
-            or cfg.BLOCK_N not in (128, 256):
-        return (), "config outside the Gluon kernel's (bf16/fp16, 128x128 or 128x256 tiles, no split-K): gemm_kernel"
+    if dtype not in (torch.bfloat16, torch.float16) or cfg.BLOCK_M != 128 or cfg.BLOCK_N not in (128, 256):
+        return (), "config outside the Gluon kernel's (bf16/fp16, 128x128 or 128x256 tiles): gemm_kernel"
     if capability[0] != 9:
         return (), f"compute capability {capability}: the Gluon kernel's wgmma is sm_90's; gemm_kernel"
     bn = cfg.BLOCK_N
@@ -252,7 +250,7 @@ def epi_count_mode(options: GemmOptions = DEFAULT_OPTIONS, eligible_async: bool 
     ``abi.EPI_COUNT_AFTER_LOOP`` (3): a release at GPU scope that returns nothing (no warp
     waits for it), made after the next tile's main loop, one poller per chunk publishing it,
     handoff at the poller's end; where every tile lies in one chunk, on CUDA (inline PTX) or in
-    the interpreter, without split-K, with at most 64 chunks
+    the interpreter, with at most 64 chunks
     (``eligible_async``). ``EPI_COUNT_IN_LOOP`` (4): the same with the count made a few K-steps
     into the next tile's main loop instead, so a chunk is published most of a tile earlier, in
     flattened tile loops (``in_loop``: in a nested K loop ptxas then serializes the wgmma
@@ -334,11 +332,6 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
             raise ValueError(f"matmul: use_tma=True but {why}; pass use_tma=None to fall back")
     else:
         reasons.append("plain-pointer loads: use_tma=False")
-    k_steps = triton.cdiv(k, cfg.BLOCK_K)
-    if cfg.split_k > k_steps:
-        raise ValueError(f"matmul: config.split_k={cfg.split_k} but K={k} has only {k_steps} steps of "
-                         f"BLOCK_K={cfg.BLOCK_K} and every K-slice needs at least one; use split_k <= {k_steps} "
-                         "or a smaller BLOCK_K")
     num_tiles = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
     programs = cfg.num_programs or num_sms(device)
     if num_sms_cap is not None and num_sms_cap < programs:
@@ -346,20 +339,20 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
         reasons.append(f"num_sms={num_sms_cap} caps the persistent grid")
     sk_tiles = stream_k_tiles(num_tiles, programs, cfg.stream_k)
     # stream-K shares its steps out to every program; otherwise no more programs than work items
-    grid = (programs if sk_tiles else min(num_tiles * cfg.split_k, programs), 1, 1)
+    grid = (programs if sk_tiles else min(num_tiles, programs), 1, 1)
     use_asm = device.type == "cuda" and not interpreting() and options.signal_asm
     c_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[a.dtype]
     epi_tma = epilogue_tma_dests(epilogue, use_tma and cfg.tma_store, num_chunks, cfg.BLOCK_M, options)
     epi_count = 0
     if epilogue is not None:
-        epi_count = epi_count_mode(options, (use_asm or interpreting()) and cfg.split_k == 1
+        epi_count = epi_count_mode(options, (use_asm or interpreting())
                                    and num_chunks <= abi.MAX_POLLED_CHUNKS
                                    and num_tiles < abi.HANDOFF
                                    and (num_chunks == 1 or chunk_m % cfg.BLOCK_M == 0), cfg.flatten)
     constexprs = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.GROUP_M, cfg.EPI_SUBTILE,
                   TILE_ORDERS.index(tile_order), bool(use_tma), b_kmajor, c_dtype,
                   wait is not None, epilogue is not None, use_asm, cfg.flatten,
-                  interpreting(), epilogue.align_elems if epilogue is not None else 0, cfg.split_k,
+                  interpreting(), epilogue.align_elems if epilogue is not None else 0,
                   sk_tiles > 0, epi_tma, cfg.tma_store, epi_count if epilogue is not None else 1)
     capability = device_info(device_index(device))["capability"] if device.type == "cuda" else (0, 0)
     ws, why_ws = ws_choice(capability, a.dtype, cfg, epilogue, wait, epi_tma, use_asm, m, n, programs,
@@ -431,26 +424,24 @@ def _gluon_descriptor(t, shape, strides, block):
     return TensorDescriptor(t, list(shape), list(strides), list(block), _shared_layout(tuple(block), str(t.dtype)))
 
 
-def _split_k_buffers(plan: LaunchPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 workspace ``[num_tiles, split_k, BLOCK_M, BLOCK_N]`` (stream-K: ``[programs, 2,
-    BLOCK_M, BLOCK_N]``) and int32 ``[num_tiles]`` tile counters for a split-K or stream-K
-    launch on the current stream, cached and grown as needed.
+def _stream_k_buffers(plan: LaunchPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 workspace ``[programs, 2, BLOCK_M, BLOCK_N]`` and int32 ``[num_tiles]`` tile
+    counters for a stream-K launch on the current stream, cached and grown as needed.
 
     One pair per (device, stream): launches on one stream run one after the other and can
     share it; launches on two streams may overlap, so they must not. The counters are
-    allocated zeroed and every completed launch leaves them at zero (the last slice of each
-    tile resets its counter), so no memset runs between calls. Under CUDA graph capture a
+    allocated zeroed and every completed launch leaves them at zero (the segment that completes
+    a tile resets its counter), so no memset runs between calls. Under CUDA graph capture a
     new pair is allocated from the graph's pool on the capture stream, its zeroing captured."""
     cfg = plan.config
-    slots = plan.grid[0] * 2 if plan.sk_tiles else plan.num_tiles * cfg.split_k
-    ws_numel = slots * cfg.BLOCK_M * cfg.BLOCK_N
+    ws_numel = plan.grid[0] * 2 * cfg.BLOCK_M * cfg.BLOCK_N
     key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
-    ws, counters = _SPLIT_K_BUFFERS.get(key, (None, None))
+    ws, counters = _STREAM_K_BUFFERS.get(key, (None, None))
     if ws is None or ws.numel() < ws_numel:
         ws = torch.empty(ws_numel, dtype=torch.float32, device=device)
     if counters is None or counters.numel() < plan.num_tiles:
         counters = torch.zeros(plan.num_tiles, dtype=torch.int32, device=device)
-    _SPLIT_K_BUFFERS[key] = (ws, counters)
+    _STREAM_K_BUFFERS[key] = (ws, counters)
     return ws, counters
 
 
@@ -677,7 +668,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
         epilogue.signal_ptrs if epilogue else None, epilogue.counters if epilogue else None,
         epilogue.generation if epilogue else 0,
         *_epilogue_descriptor_args(epilogue, plan),
-        *(_split_k_buffers(plan, device) if cfg.split_k > 1 or plan.sk_tiles else (None, None)),
+        *(_stream_k_buffers(plan, device) if plan.sk_tiles else (None, None)),
         plan.sk_tiles,
     ]
     _launch_gemm_kernel(plan, key, args, device)

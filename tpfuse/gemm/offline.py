@@ -100,7 +100,7 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
     cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.GROUP_M, EPI_SUBTILE=cfg.EPI_SUBTILE,
                 TILE_ORDER=tile_order, USE_TMA=True, B_KMAJOR=True, C_DTYPE=tl.bfloat16, WAIT=wait,
                 EPILOGUE=epilogue, USE_ASM=True, FLATTEN=cfg.flatten,
-                DOT_FP32=False, DEST_ALIGNED=8 if epilogue else 0, SPLIT_K=cfg.split_k,
+                DOT_FP32=False, DEST_ALIGNED=8 if epilogue else 0,
                 STREAM_K=bool(cfg.stream_k), EPI_TMA=epi_tma,
                 TMA_STORE=cfg.tma_store, EPI_COUNT=epi_count)
     sig, attrs, constexprs = _signature(

@@ -39,17 +39,6 @@ Hooks (constexpr, compiled away when off):
   its MMAs, so the chunk is published most of a tile earlier (``_count_in_loop``).
   Destinations stacked as one tensor's rows store through one descriptor (EPI_TMA_STACKED).
 
-Split-K (``SPLIT_K`` constexpr > 1; 1 compiles the plain path): the work items are
-(tile, k-slice) pairs, slice-major (item ``w`` = slice ``w // num_tiles`` of tile
-``w % num_tiles``), so the slices of one tile sit ``num_tiles`` items apart and run on different
-programs at the same time. Slice ``s`` accumulates k-tiles ``[s*k_tiles//SPLIT_K,
-(s+1)*k_tiles//SPLIT_K)`` in fp32 and stores that partial to its slot of the workspace
-``ws[tile_id, s]`` (``[num_tiles, SPLIT_K, BLOCK_M, BLOCK_N]`` fp32), then counts itself in
-``tile_counters[tile_id]`` (acq_rel, gpu scope, after a CTA barrier). The slice that counts last
-has acquired every other slice's partial: it sums the slots in slice order 0..SPLIT_K-1 (its
-own from registers), so the result does not depend on which slice came last, stores the tile
-through the usual epilogue (hooks included) and resets the counter to zero for the next call.
-
 Three granularities stay separate: CTA tile (BLOCK_M/N/K), epilogue subtile (EPI_SUBTILE
 column slices of the tile per store), communication chunk (chunk_m rows, num_chunks).
 
@@ -200,21 +189,6 @@ def _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stri
                         chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 0, USE_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
         _epilogue_store(acc_hi, c, off_m, off_n, M, N, c, stride_cm, stride_cn, dest_offs, stride_dm,
                         chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 1, USE_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
-
-
-@triton.jit
-def _sum_partials(ws_tile, SUB_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SUB_N: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Sum of the SPLIT_K partials of column subtile SUB_IDX, read back in slice order (this
-    slice's own too): the sum is the same whichever slice runs this, and the accumulator's
-    registers are free while it runs."""
-    offs = (tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
-            + (SUB_IDX * SUB_N + tl.arange(0, SUB_N))[None, :])
-    total = tl.load(ws_tile + offs, cache_modifier=".cg")
-    for j in tl.range(1, SPLIT_K, num_stages=1):
-        # .cg reads at L2, where the other slices' stores went: never a stale L1 line
-        total += tl.load(ws_tile + j * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-    return total
 
 
 @triton.jit
@@ -516,16 +490,15 @@ def gemm_kernel(
     # destination, or (EPI_TMA_STACKED) epi_d0 covers all M rows; the unused ones are None
     # (separate arguments: Triton 3.6's launcher does not take a tuple of descriptors)
     epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7,
-    # split-K: fp32 partials [num_tiles, SPLIT_K, BLOCK_M, BLOCK_N] and int32 [num_tiles] zeros;
-    # stream-K: fp32 partials [programs, 2, BLOCK_M, BLOCK_N], the same counters, and the number
-    # of tiles (the last ones of the order) that are shared out by K-steps
+    # stream-K: fp32 partials [programs, 2, BLOCK_M, BLOCK_N], int32 [num_tiles] zeros (tile
+    # counters), and the number of tiles (the last ones of the order) shared out by K-steps
     ws, tile_counters, sk_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SUBTILE: tl.constexpr, TILE_ORDER: tl.constexpr, USE_TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, C_DTYPE: tl.constexpr,
     WAIT: tl.constexpr, EPILOGUE: tl.constexpr, USE_ASM: tl.constexpr,
     FLATTEN: tl.constexpr, DOT_FP32: tl.constexpr,
-    DEST_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr, STREAM_K: tl.constexpr,
+    DEST_ALIGNED: tl.constexpr, STREAM_K: tl.constexpr,
     EPI_TMA: tl.constexpr, TMA_STORE: tl.constexpr, EPI_COUNT: tl.constexpr,
 ):
     start_pid = tl.program_id(0)
@@ -555,21 +528,12 @@ def gemm_kernel(
 
     if STREAM_K:
         num_work = num_tiles - sk_tiles   # whole tiles first; the last sk_tiles after the loop
-    elif SPLIT_K == 1:
-        num_work = num_tiles
     else:
-        num_work = num_tiles * SPLIT_K
+        num_work = num_tiles
     for work_id in tl.range(start_pid, num_work, num_progs, flatten=FLATTEN):
-        if SPLIT_K == 1:
-            tile_id = work_id
-            k_lo = 0
-            k_hi = k_tiles
-        else:
-            # slice-major: the slices of a tile are num_tiles items apart, on different programs
-            split = work_id // num_tiles
-            tile_id = work_id - split * num_tiles
-            k_lo = (split * k_tiles) // SPLIT_K
-            k_hi = ((split + 1) * k_tiles) // SPLIT_K
+        tile_id = work_id
+        k_lo = 0
+        k_hi = k_tiles
         off_m, off_n, c_lo, c_hi, status, verified = _tile_start(
             tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
             wait_timeout, err_ptr, status, verified, BLOCK_M, BLOCK_N, GROUP_M, TILE_ORDER, WAIT,
@@ -578,91 +542,52 @@ def gemm_kernel(
         acc, seen, sig = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk,
                                    stride_bn, pend_lo, cnt_n, poll_q, counters, signal_ptrs, BLOCK_M, BLOCK_N,
                                    BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32,
-                                   EPILOGUE and EPI_COUNT == 4 and SPLIT_K == 1, EPI_TMA, USE_ASM)
+                                   EPILOGUE and EPI_COUNT == 4, EPI_TMA, USE_ASM)
 
-        if SPLIT_K == 1:
-            if EPILOGUE:
-                # Count the previous tile now: its stores have drained during this tile's main
-                # loop, so the release below costs no wait (publication is a tile later).
-                if EPI_COUNT == 4:
-                    # ... or rather, it was counted a few K-steps into this main loop, under its
-                    # MMAs; poll with what was read there
-                    poll_q = _poll_chunk(poll_q, seen, sig, M, chunk_m, num_pid_n, counters, epi_gen, status,
-                                         BLOCK_M, USE_ASM)
-                    poll_q = _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM)
-                elif EPI_COUNT == 3:
-                    # ... with a release that returns nothing, so no warp waits for it. Pending
-                    # tiles of this tile's chunk wait for it and are counted with it, a tile
-                    # later (the chunk cannot be complete before this tile is counted anyway):
-                    # one release, and one fence, per run of a program's tiles in one chunk.
-                    merge = (pend_hi >= pend_lo) & (pend_lo == c_lo) & (pend_poll == 0)
-                    poll_q = _count_and_poll(pend_lo, tl.where(merge, pend_lo - 1, pend_hi), pend_n, pend_poll,
-                                             poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
-                                             status, BLOCK_M, EPI_TMA, USE_ASM)
-                else:
-                    _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                                       epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
-            _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
-                       chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
-                       DEST_ALIGNED, EPI_TMA)
-            if EPILOGUE:   # after the stores (see _carry)
-                pend_lo = _carry(c_lo, USE_ASM)
-                pend_hi = _carry(c_hi, USE_ASM)
-                if EPI_COUNT >= 3:
-                    pend_poll = _carry(_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N),
-                                       USE_ASM)
-                if EPI_COUNT == 4:
-                    # The run of pending tiles grows by this tile if this main loop did not count
-                    # it (cnt_n == 0: merged). It is counted in the next tile's main loop unless
-                    # that tile lies in this chunk too and this is no poll tile -- decided here,
-                    # a tile ahead: a count inside the K-steps can only take values the tile
-                    # loop carries (see _count_in_loop).
-                    run_n = tl.where((pend_n > 0) & (cnt_n == 0), pend_n + 1, 1)
-                    merge_next = (_next_in_segment(work_id, num_progs, num_work, c_lo, M, chunk_m, num_chunks,
-                                                   start_chunk, num_pid_n, BLOCK_M, TILE_ORDER)
-                                  & (_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N) == 0))
-                    pend_n = _carry(run_n, USE_ASM)
-                    cnt_n = _carry(tl.where(merge_next, 0, run_n), USE_ASM)
-                elif EPI_COUNT == 3:
-                    pend_n = _carry(tl.where(merge, pend_n + 1, 1), USE_ASM)
-        else:
-            if EPILOGUE:   # the previous stored tile, as above
+        if EPILOGUE:
+            # Count the previous tile now: its stores have drained during this tile's main
+            # loop, so the release below costs no wait (publication is a tile later).
+            if EPI_COUNT == 4:
+                # ... or rather, it was counted a few K-steps into this main loop, under its
+                # MMAs; poll with what was read there
+                poll_q = _poll_chunk(poll_q, seen, sig, M, chunk_m, num_pid_n, counters, epi_gen, status,
+                                     BLOCK_M, USE_ASM)
+                poll_q = _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM)
+            elif EPI_COUNT == 3:
+                # ... with a release that returns nothing, so no warp waits for it. Pending
+                # tiles of this tile's chunk wait for it and are counted with it, a tile
+                # later (the chunk cannot be complete before this tile is counted anyway):
+                # one release, and one fence, per run of a program's tiles in one chunk.
+                merge = (pend_hi >= pend_lo) & (pend_lo == c_lo) & (pend_poll == 0)
+                poll_q = _count_and_poll(pend_lo, tl.where(merge, pend_lo - 1, pend_hi), pend_n, pend_poll,
+                                         poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
+                                         status, BLOCK_M, EPI_TMA, USE_ASM)
+            else:
                 _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
                                    epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
-            # Partial to this slice's slot; every thread's stores happen before the release.
-            ws_tile = ws + tile_id.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
-            offs_ws = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            tl.store(ws_tile + split * (BLOCK_M * BLOCK_N) + offs_ws, acc)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(tile_counters + tile_id, 1, sem="acq_rel", scope="gpu")
-            is_last = arrived == SPLIT_K - 1
-            if EPILOGUE:
-                pend_lo = _carry(c_lo, USE_ASM)
-                pend_hi = tl.where(is_last, c_hi, c_lo - 1)   # empty unless this item stores
-            if is_last:
-                # Every other slice's release is acquired, so their partials are visible; this
-                # CTA's own were ordered by the barrier. Nobody touches this counter again in
-                # this launch; the next launch finds it at 0.
-                tl.atomic_xchg(tile_counters + tile_id, 0, sem="relaxed", scope="gpu")
-                if WAIT:
-                    # A slice whose wait failed (maybe on another program) fed garbage into
-                    # this tile: do as a failed waiter does and never publish its chunks.
-                    if tl.load(err_ptr, volatile=True) != 0:
-                        status = tl.full((), 2, tl.int32)
-                if EPI_SUBTILE == 1:
-                    total = _sum_partials(ws_tile, 0, BLOCK_M, BLOCK_N, SUB_N, SPLIT_K)
-                    _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                    dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 0,
-                                    C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
-                else:
-                    total = _sum_partials(ws_tile, 0, BLOCK_M, BLOCK_N, SUB_N, SPLIT_K)
-                    _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                    dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 0,
-                                    C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
-                    total = _sum_partials(ws_tile, 1, BLOCK_M, BLOCK_N, SUB_N, SPLIT_K)
-                    _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                    dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 1,
-                                    C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
+        _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
+                   chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
+                   DEST_ALIGNED, EPI_TMA)
+        if EPILOGUE:   # after the stores (see _carry)
+            pend_lo = _carry(c_lo, USE_ASM)
+            pend_hi = _carry(c_hi, USE_ASM)
+            if EPI_COUNT >= 3:
+                pend_poll = _carry(_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N),
+                                   USE_ASM)
+            if EPI_COUNT == 4:
+                # The run of pending tiles grows by this tile if this main loop did not count
+                # it (cnt_n == 0: merged). It is counted in the next tile's main loop unless
+                # that tile lies in this chunk too and this is no poll tile -- decided here,
+                # a tile ahead: a count inside the K-steps can only take values the tile
+                # loop carries (see _count_in_loop).
+                run_n = tl.where((pend_n > 0) & (cnt_n == 0), pend_n + 1, 1)
+                merge_next = (_next_in_segment(work_id, num_progs, num_work, c_lo, M, chunk_m, num_chunks,
+                                               start_chunk, num_pid_n, BLOCK_M, TILE_ORDER)
+                              & (_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N) == 0))
+                pend_n = _carry(run_n, USE_ASM)
+                cnt_n = _carry(tl.where(merge_next, 0, run_n), USE_ASM)
+            elif EPI_COUNT == 3:
+                pend_n = _carry(tl.where(merge, pend_n + 1, 1), USE_ASM)
     if STREAM_K:
         # The last sk_tiles tiles of the order, shared out by K-steps: their total_steps steps
         # are cut into num_progs equal runs [lo, hi), one per program, so every SM gets the

@@ -35,7 +35,7 @@ Wait hook (``WAIT``, the AG consumer side, without the epilogue hook): gemm.py's
 runs in the load warp before a tile's loads, followed by ``fence.proxy.async.global`` (the TMA
 loads are async-proxy reads of rows a peer wrote); the MMA warps wait only for operands. A timed
 out wait is recorded in the error word and the loads go on, so the kernel ends and the host
-raises TimeoutError. No split-K, no stream-K: the host (tpfuse/gemm/launch.py, ``ws_choice``)
+raises TimeoutError. No stream-K: the host (tpfuse/gemm/launch.py, ``ws_choice``)
 takes this kernel for one hook at a time on those paths.
 """
 from triton.experimental import gluon
