@@ -36,7 +36,7 @@ class GemmConfig:
     tile in ``EPI_SUBTILE`` column slices (1 or 2); ``num_programs`` caps the persistent grid
     (None: one program per SM; ``matmul(num_sms=...)`` caps it further). ``stream_k`` 1 or 2 shares the tiles of the
     last, partly filled wave (2: that wave and one full wave more) out to every program by
-    BLOCK_K steps, so no SM idles at the end (docs/gemm_core.md, "Stream-K"); 0 = off.
+    BLOCK_K steps, so no SM idles at the end (docs/gemm_core.md, "Kernels"); 0 = off.
     ``tma_store`` False keeps TMA loads but stores the output through pointers: no staging
     buffer, so its shared memory can hold one more pipeline stage (hooks and plain-pointer
     launches are not affected)."""

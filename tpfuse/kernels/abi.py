@@ -21,7 +21,7 @@ ERR_STATUS, ERR_TILE, ERR_CHUNK, ERR_GENERATION, ERR_SEEN, ERR_PROGRAM = range(6
 MAX_TMA_DESTS = 8
 EPI_TMA_STACKED = 9
 
-# EPI_COUNT (how the epilogue hook counts stored tiles; docs/gemm_core.md, "Hooks"):
+# EPI_COUNT (how the epilogue hook counts stored tiles; docs/gemm_core.md, "Hooks' contract"):
 EPI_COUNT_RETURNING = 1   # acq_rel at GPU scope, read at once; the chunk's last count publishes
 EPI_COUNT_AFTER_LOOP = 3  # a release that returns nothing, after the next tile's main loop; a poller per chunk
 EPI_COUNT_IN_LOOP = 4     # as 3, made COUNT_STEP K-steps into the next tile's main loop (flattened loops)

@@ -46,7 +46,7 @@ FLATTEN (configs with ``flatten=True``): Triton fuses the tile loop and the K lo
 pipelined loop, so the next tile's loads (and its prologue: coordinates, wait hook) run ahead of
 this tile's epilogue. It does so only when the tile loop holds exactly one loop and no
 ``tl.debug_barrier``: hence the owner order's closed form, the hooks' chunk loops inside an
-``if``, ``cta_barrier`` and ``_carry`` (docs/gemm_core.md, "Flattened tile loop"; CPU test
+``if``, ``cta_barrier`` and ``_carry`` (docs/gemm_core.md, "Kernels"; CPU test
 ``test_offline_hooked_kernels_flatten_into_one_pipelined_loop``).
 """
 import triton
