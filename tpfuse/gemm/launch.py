@@ -29,7 +29,6 @@ from .hooks import ERROR_WORDS, MAX_GENERATION, EpilogueSpec, WaitSpec, check_er
 __all__ = ["matmul", "LaunchPlan", "last_plan", "launch_counts", "clear_plans", "TILE_ORDERS"]
 
 TILE_ORDERS = abi.TILE_ORDERS
-KERNELS = ("gemm_kernel", "gemm_ws_kernel", "none")
 
 
 # --------------------------------------------------------------------------------------------
