@@ -326,7 +326,7 @@ def main(argv=None):
               f"{row['config']['BLOCK_M']}x{row['config']['BLOCK_N']}x{row['config']['BLOCK_K']} "
               f"w{row['config']['num_warps']}s{row['config']['num_stages']}"
               f"{' sub2' if row['config']['EPI_SUBTILE'] == 2 else ''}{' flat' if row['config']['flatten'] else ''}"
-              f"{' splitk%d' % row['config']['split_k'] if row['config'].get('split_k', 1) > 1 else ''}",
+              f"{' streamK%d' % row['config']['stream_k'] if row['config'].get('stream_k') else ''}",
               flush=True)
         summary = summarize(rows)
         (out_dir / args.name).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
