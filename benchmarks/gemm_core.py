@@ -2,7 +2,7 @@
 
     PYTHONUNBUFFERED=1 python benchmarks/gemm_core.py --out benchmarks/results
 
-For each shape: tune the candidate configs of ``tpfuse.gemm_core.candidate_configs`` (each
+For each shape: tune the candidate configs of ``tpfuse.gemm.candidate_configs`` (each
 checked against cuBLAS first), then time the best config, ``torch.matmul`` (cuBLAS), and the
 best config with hooks on (signals pre-set) in one run: ``triton.testing.do_bench`` median,
 random data, inputs rotated over enough copies to exceed L2 (do_bench also flushes L2).
@@ -14,7 +14,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -24,7 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tpfuse import gemm_core as gc  # noqa: E402
+from tpfuse import gemm as gc  # noqa: E402
+from tpfuse.kernels import abi  # noqa: E402
 
 MODELS = {"8B": (4096, 14336), "70B": (8192, 28672), "405B": (16384, 53248)}
 WORLD_SIZE = 8
@@ -112,11 +112,10 @@ def host_overhead_us(n=300):
     w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(64, 64, device="cuda", dtype=torch.bfloat16)
     res = {}
+    jit = gc.GemmOptions(direct_launch=False)
     for name, fn in (("ours", lambda: gc.matmul(a, w.t(), out=out)),
-                     ("ours_triton_jit_launch", lambda: gc.matmul(a, w.t(), out=out)),
+                     ("ours_triton_jit_launch", lambda: gc.matmul(a, w.t(), out=out, options=jit)),
                      ("cublas", lambda: torch.matmul(a, w.t(), out=out))):
-        os.environ["TPFUSE_FAST_LAUNCH"] = "0" if name == "ours_triton_jit_launch" else "1"
-        gc._COMPILED.clear()
         for _ in range(20):
             fn()
         torch.cuda.synchronize()
@@ -125,7 +124,6 @@ def host_overhead_us(n=300):
             fn()
         res[name] = (time.perf_counter() - t) / n * 1e6
         torch.cuda.synchronize()
-    os.environ["TPFUSE_FAST_LAUNCH"] = "1"
     return res
 
 
@@ -177,7 +175,7 @@ def run_shape(s: Shape, dtype, args, log):
     timings.sort(key=lambda t: t[0])
     if args.finalists > 1 and not args.no_tune:
         # One timing per candidate is exposed to drift: the leaders are timed again in
-        # interleaved rounds and ranked by the median of their timings (gemm_core.rerank_leaders)
+        # interleaved rounds and ranked by the median of their timings (tpfuse.gemm.rerank_leaders)
         def timed(cfg, sets=sets):   # sets: bound now (deleted at the end of run_shape)
             fn = lambda a, b, c: gc.matmul(a, b, out=c, config=cfg)  # noqa: E731
             return graph_bench(fn, sets, args.tune_rep) if args.tune_graphs else bench(fn, sets, args.tune_rep)
@@ -212,12 +210,12 @@ def run_shape(s: Shape, dtype, args, log):
                 gc.check_error_word(wait.error)
             if "epilogue" in kw and not bool((esig == 7).all()):
                 raise RuntimeError(f"signals after epilogue: {esig.tolist()}")
-            if "wait" in kw:   # which kernel took the hook (gemm_core._ws_choice)
-                row["wait_kernel"] = "gemm_ws" if gc._LAST_PLAN[0].ws else "gemm_kernel"
+            plan = gc.last_plan()   # which kernel took the hook, and why
+            if "wait" in kw:
+                row["wait_kernel"] = "gemm_ws" if plan.kernel == "gemm_ws_kernel" else "gemm_kernel"
             if "epilogue" in kw:
-                plan = gc._LAST_PLAN[0]
-                row["epilogue_kernel"] = "gemm_ws" if plan.ws else "gemm_kernel"
-                row["epilogue_stores"] = {0: "pointers", gc._triton()[2].EPI_TMA_STACKED.value: "tma_stacked"}.get(
+                row["epilogue_kernel"] = "gemm_ws" if plan.kernel == "gemm_ws_kernel" else "gemm_kernel"
+                row["epilogue_stores"] = {0: "pointers", abi.EPI_TMA_STACKED: "tma_stacked"}.get(
                     plan.epi_tma, "tma_per_chunk")
 
             if not math.isfinite(err) or err > tol:
@@ -328,7 +326,7 @@ def main(argv=None):
               f"{row['config']['BLOCK_M']}x{row['config']['BLOCK_N']}x{row['config']['BLOCK_K']} "
               f"w{row['config']['num_warps']}s{row['config']['num_stages']}"
               f"{' sub2' if row['config']['EPI_SUBTILE'] == 2 else ''}{' flat' if row['config']['flatten'] else ''}"
-              f"{' splitk%d' % row['config']['split_k'] if row['config'].get('split_k', 1) > 1 else ''}",
+              f"{' streamK%d' % row['config']['stream_k'] if row['config'].get('stream_k') else ''}",
               flush=True)
         summary = summarize(rows)
         (out_dir / args.name).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))

@@ -1,4 +1,4 @@
-"""Where the host time of one ``gemm_core.matmul`` call goes (GPU never the bottleneck).
+"""Where the host time of one ``tpfuse.gemm.matmul`` call goes (GPU never the bottleneck).
 
     python3 benchmarks/host_profile.py [--calls N]
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import sys
 import time
@@ -22,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tpfuse import gemm_core as gc  # noqa: E402
+from tpfuse import gemm as gc  # noqa: E402
 
 
 def per_call_us(fn, n: int) -> float:
@@ -53,21 +52,20 @@ def main(argv=None) -> int:
     print(f"per call: ours {per_call_us(ours, args.calls):.1f} us, torch.matmul "
           f"{per_call_us(torch_mm, args.calls):.1f} us, torch.empty(0) {per_call_us(lambda: torch.empty(0, device='cuda'), args.calls):.1f} us, "
           f"tensor.zero_ {per_call_us(lambda: empty.zero_(), args.calls):.1f} us")
-    if torch.cuda.get_device_capability()[0] == 9:   # the Gluon kernel's wait hook (gemm_core._ws_choice)
+    if torch.cuda.get_device_capability()[0] == 9:   # the Gluon kernel's wait hook (tpfuse.gemm.launch.ws_choice)
         big = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
         a2 = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
         w2 = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
         out2 = torch.empty(256, 256, device="cuda", dtype=torch.bfloat16)
         wait = gc.WaitSpec(torch.ones(2, dtype=torch.int32, device="cuda"), 1, 128,
                            error=gc.new_error_word("cuda"))
-        ws = lambda: gc.matmul(a2, w2.t(), out=out2, config=big, wait=wait, check=False)  # noqa: E731
         got = {}
-        for fast in ("1", "0"):
-            os.environ["TPFUSE_FAST_LAUNCH"] = fast
-            got[fast] = per_call_us(ws, args.calls)
-        os.environ["TPFUSE_FAST_LAUNCH"] = "1"
+        for direct in (True, False):
+            opts = gc.GemmOptions(direct_launch=direct)
+            got["1" if direct else "0"] = per_call_us(
+                lambda: gc.matmul(a2, w2.t(), out=out2, config=big, wait=wait, check=False, options=opts), args.calls)
         gc.check_error_word(wait.error)
-        assert gc._LAST_PLAN[0].ws, "the wait hook did not take the Gluon kernel"
+        assert gc.last_plan().kernel == "gemm_ws_kernel", gc.last_plan().explain()
         print(f"per call, the Gluon kernel's wait hook (256x256x64): direct launch {got['1']:.1f} us, "
               f"Triton's JIT launch {got['0']:.1f} us")
     prof = cProfile.Profile()

@@ -7,7 +7,7 @@
 #     (BED_WORLD_SIZES default "2 4", BED_ARGS e.g. --quick, BED_LIMIT_S default 600).  *_LIMIT_S: wall-clock caps of the steps.
 #     TESTS: pytest paths (default tests/gpu).   BENCH_LIMIT_S (default 420): wall-clock cap of the benchmark;
 #     BENCH_ROUNDS (default 9): its interleaved timing rounds (5 left a couple of points of
-#     spread in the per-shape hook overheads, docs/gemm_core.md);
+#     spread in the per-shape hook overheads, git history of BENCHMARKS.md);
 #     CALIB_LIMIT_S (default 300): of the calibration;
 #   it writes its JSON after every shape, so a capped run keeps the shapes it finished.
 set -uo pipefail

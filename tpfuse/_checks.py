@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from tpfuse._dist import GroupContext, all_gather_rows
+from tpfuse.strategies import STRATEGY_NAMES  # the registry (tpfuse/strategies/__init__.py)
 
 __all__ = ["OPS", "STRATEGY_NAMES", "check_call", "agreement_enabled", "agree", "signature"]
 
 OPS = ("ag_gemm", "gemm_rs", "gemm_ar")
-STRATEGY_NAMES = ("unfused", "ring", "copy_engine", "fused")
 _FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _REFERENCE_DTYPES = (torch.float64,)  # unfused and ring only
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4}

@@ -35,6 +35,7 @@ from typing import Any, Mapping
 from tpfuse.model import cost
 from tpfuse.model.hardware import HardwareProfile, get_profile
 from tpfuse.model.simulate import OPS, STRATEGIES, SimResult, default_comm_sms, draw_timeline, simulate
+from tpfuse import strategies
 
 # A strategy other than unfused is chosen on model predictions alone only if it is predicted at
 # least this much faster.  Measured on 2x H200 (BENCHMARKS.md, 2026-11-30): ring predicted within
@@ -175,9 +176,10 @@ def chunk_candidates(op: str, strategy: str, m: int, world_size: int) -> tuple[i
     Finer chunks must keep >= 16 rows: the smallest bf16 MMA tile height (wgmma m64 split over
     a warpgroup's 4 warps), below which a chunk pads its tile anyway."""
     w = world_size
-    if strategy == "unfused" or w == 1:
+    kind = strategies.model(strategy).kind   # the strategy's schedule (tpfuse/strategies/)
+    if kind == "collective" or w == 1:
         return (1,)
-    if strategy == "ring":
+    if kind == "ring":
         return (w,)
     if op == "gemm_ar":
         return tuple(c for c in (1, 2, 4, 8, 16) if c == 1 or m // c >= 16)
@@ -186,8 +188,8 @@ def chunk_candidates(op: str, strategy: str, m: int, world_size: int) -> tuple[i
 
 
 def comm_sms_candidates(strategy: str, hw: HardwareProfile) -> tuple[int, ...]:
-    """SMs the fused kernel may give to communication: fewer slow the link, more slow the GEMM."""
-    if strategy != "fused":
+    """SMs a persistent kernel may give to communication: fewer slow the link, more slow the GEMM."""
+    if strategies.model(strategy).comm_path != "sm":
         return (0,)
     top = default_comm_sms(hw)
     return tuple(sorted({max(1, top // 4), max(1, top // 2), top}))
@@ -241,9 +243,7 @@ def _reason(op, strategy, w, predicted, gemm_ms, comm_ms, measured, margin_kept=
                 "taken by communication.")
     hidden = predicted["unfused"] - predicted[strategy]
     bound = "GEMM" if gemm_ms >= comm_ms else "communication"
-    how = {"ring": "torch.distributed P2P ring steps overlapped with per-shard GEMMs",
-           "copy_engine": "copy-engine peer copies (no SMs taken) overlapped with per-chunk GEMMs",
-           "fused": "one persistent kernel whose communication SMs overlap its GEMM tiles"}[strategy]
+    how = strategies.description(strategy)
     return (f"{strategy} ({how}) hides {hidden:.4f} ms of the {comm_ms:.4f} ms collective{src}; "
             f"the pipeline is {bound}-bound, the best possible is max(GEMM, comm) = "
             f"{max(gemm_ms, comm_ms):.4f} ms.")

@@ -1,8 +1,8 @@
-"""GEMM core under TRITON_INTERPRET=1: index math, masks, tile orders, hooks, error word, split-K,
-stream-K.
+"""GEMM core under TRITON_INTERPRET=1: index math, masks, tile orders, hooks, error word,
+stream-K, the SM budget.
 
 Every output is poisoned with NaN first; results are compared with a float64 reference of the
-same (rounded) inputs with a tolerance a few times the output dtype's rounding. Small blocks
+same (rounded) inputs, within 3x torch.matmul's own error in that dtype (tpfuse/testing.py). Small blocks
 (16x16x16) and 4 persistent programs keep the interpreter quick and make every program loop
 over several tiles.
 """
@@ -21,17 +21,19 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed; the interpreter tests need it")
 
-from tpfuse import gemm_core as gc  # noqa: E402
+from tpfuse import gemm as gc  # noqa: E402
+from tpfuse import testing  # noqa: E402
+from tpfuse.gemm import device, launch  # noqa: E402
+from tpfuse.kernels import abi  # noqa: E402
 
 CFG = gc.GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
 # relative Frobenius error allowed: ~3x the output rounding of each dtype
-TOL = {torch.bfloat16: 1.2e-2, torch.float16: 1.5e-3, torch.float32: 1e-5}
 
 
 def _purge_kernels():
     for name in ("tpfuse.kernels.gemm", "tpfuse.kernels.signals"):
         sys.modules.pop(name, None)
-    gc._triton.cache_clear()
+    device.triton_modules.cache_clear()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,14 +56,13 @@ def _operands(m, k, n, dtype, b_layout, seed=0):
         b = torch.randn(n, k, generator=g).to(dtype).t()      # column-major view, no copy
     else:
         b = torch.randn(k, n, generator=g).to(dtype)
-    return a, b, a.double() @ b.double()
+    return a, b, testing.Reference.of(a, b)
 
 
 def _assert_close(out, ref, dtype):
-    assert not torch.isnan(out).any(), "an output element was never written"
-    assert torch.isfinite(out).all()
-    err = ((out.double() - ref).norm() / ref.norm()).item()
-    assert err < TOL[dtype], f"relative error {err} >= {TOL[dtype]}"
+    """Frobenius error against the float64 reference within 3x torch.matmul's own in ``dtype``
+    (tpfuse/testing.py); NaN (poison never overwritten) and Inf fail."""
+    testing.assert_close(out, ref, dtype=dtype, norm="fro")
 
 
 @pytest.mark.parametrize("shape", [(37, 53, 29), (130, 70, 65)], ids=lambda s: "x".join(map(str, s)))
@@ -92,51 +93,22 @@ def test_tile_orders_compute_every_tile(order, start):
     _assert_close(out, ref, torch.bfloat16)
 
 
-def _split_k_counters():
-    """Tile counters of every split-K buffer pair in use (all must be zero between calls)."""
-    return [c for _, c in gc._SPLIT_K_BUFFERS.values()]
+def _tile_counters():
+    """Tile counters of every stream-K buffer pair in use (all must be zero between calls)."""
+    return [c for _, c in launch._STREAM_K_BUFFERS.values()]
 
 
 def _calls_in_a_row(cfg, m, k, n, dtype, b_layout, seeds):
     """One call per seed with fresh operands, each checked against float64 and leaving every
-    tile counter at zero (split-K and stream-K reset them themselves); returns the last
+    tile counter at zero (stream-K resets them itself); returns the last
     call's (a, b, out)."""
     for seed in seeds:
         a, b, ref = _operands(m, k, n, dtype, b_layout, seed=seed)
         out = torch.full((m, n), float("nan"), dtype=dtype)
         assert gc.matmul(a, b, out=out, config=cfg) is out
         _assert_close(out, ref, dtype)
-        assert all((c == 0).all() for c in _split_k_counters()), "a tile counter was left non-zero"
+        assert all((c == 0).all() for c in _tile_counters()), "a tile counter was left non-zero"
     return a, b, out
-
-
-@pytest.mark.parametrize("split_k,shape,b_layout,dtype,sub", [
-    # K = 70: 5 steps of 16 -> slices of 2 and 3; K % (BLOCK_K * split_k) != 0 everywhere
-    (2, (37, 70, 29), "row_major", torch.bfloat16, 1),
-    (3, (50, 100, 33), "weight_t", torch.float16, 1),        # 7 steps -> 2, 2, 3
-    (4, (45, 130, 27), "weight_t", torch.bfloat16, 2),       # 9 steps -> 2, 2, 2, 3; 2 subtiles
-    (3, (21, 61, 40), "row_major", torch.float16, 2),        # 4 steps -> 1, 1, 2
-], ids=["k2-bf16-row", "k3-fp16-wt", "k4-bf16-wt-sub2", "k3-fp16-row-sub2"])
-def test_split_k_matches_reference(split_k, shape, b_layout, dtype, sub):
-    m, k, n = shape
-    cfg = gc.GemmConfig(BLOCK_M=16, BLOCK_N=16 * sub, BLOCK_K=16, GROUP_M=2, num_warps=4,
-                        num_stages=1, EPI_SUBTILE=sub, split_k=split_k)
-    a, b, out = _calls_in_a_row(cfg, m, k, n, dtype, b_layout, seeds=(20, 21))
-    # Another grid changes which program adds the partials up; the sum is in slice order, so
-    # the bits do not change.
-    again = torch.full((m, n), float("nan"), dtype=dtype)
-    gc.matmul(a, b, out=again, config=dataclasses.replace(cfg, num_programs=3))
-    assert torch.equal(again, out)
-
-
-def test_split_k_with_wait_hook_and_round_order():
-    a, b, ref = _operands(100, 75, 40, torch.bfloat16, "weight_t", seed=22)
-    signal = torch.tensor([5, 6, 5, 5], dtype=torch.int32)
-    out = torch.full((100, 40), float("nan"), dtype=torch.bfloat16)
-    cfg = dataclasses.replace(CFG, split_k=2)
-    gc.matmul(a, b, out=out, config=cfg, tile_order="round", start_chunk=2,
-              wait=gc.WaitSpec(signal, generation=5, chunk_m=27, max_spins=10))
-    _assert_close(out, ref, torch.bfloat16)
 
 
 # ---- stream-K ---------------------------------------------------------------------------------
@@ -168,8 +140,6 @@ def test_stream_k_tiles_rule():
     assert gc.stream_k_tiles(448, 132, 0) == 0
     with pytest.raises(ValueError, match="stream_k=3"):
         gc.GemmConfig(stream_k=3)
-    with pytest.raises(ValueError, match="choose one way of cutting K"):
-        gc.GemmConfig(split_k=2, stream_k=1)
 
 
 def test_stream_k_with_hooks():
@@ -195,19 +165,18 @@ def test_stream_k_with_hooks():
     assert signals.tolist() == [0, 0, 0, 0], "garbage chunks must never be signalled ready"
 
 
-@pytest.mark.parametrize("count,flatten,mode", [("auto", True, 4), ("auto", False, 3), ("epilogue", True, 3)])
+@pytest.mark.parametrize("count,flatten,mode", [("auto", True, 4), ("auto", False, 3), ("after_loop", True, 3)])
 @pytest.mark.parametrize("programs,stream_k", [(5, 1), (7, 2), (29, 2)])
-def test_stream_k_epilogue_counts_that_return_nothing(programs, stream_k, count, flatten, mode, monkeypatch):
+def test_stream_k_epilogue_counts_that_return_nothing(programs, stream_k, count, flatten, mode):
     # 24 tiles in 32-row chunks (every tile in one chunk): counts that return nothing with
     # stream-K, made inside the next tile's main loop in flattened tile loops (EPI_COUNT=4),
     # after it otherwise (3). The whole tiles before the shared ones are counted as usual; the
     # tiles shared out by K-steps (4, 10, all 24) are stored and counted by whichever segment
     # sums them; with 29 programs every chunk's poll tile is one of those.
-    monkeypatch.setenv("TPFUSE_EPI_COUNT", count)
-    modes = _record_count_modes(monkeypatch)
     cfg = dataclasses.replace(CFG, num_programs=programs, stream_k=stream_k, flatten=flatten)
     assert gc.stream_k_tiles(24, programs, stream_k) > 0, "the case must exercise stream-K"
-    _epilogue_over_generations(128, 40, 45, 32, cfg, start_chunk=1, seed=37)
+    modes = _epilogue_over_generations(128, 40, 45, 32, cfg, start_chunk=1, seed=37,
+                                       options=gc.GemmOptions(epi_count=count))
     assert modes == {mode}
 
 
@@ -324,10 +293,9 @@ def test_wait_hook_with_signals_preset():
     assert signal.tolist() == [5, 7, 5, 9, 5], "a wait must not write the signal"
 
 
-@pytest.mark.parametrize("per_chunk_signals,split_k,count_scope",
-                         [(False, 1, "gpu"), (True, 1, "sys"), (False, 2, "sys"), (True, 3, "gpu")])
-def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, split_k, count_scope, monkeypatch):
-    monkeypatch.setenv("TPFUSE_EPI_COUNT", count_scope)
+@pytest.mark.parametrize("per_chunk_signals,count", [(False, "returning"), (True, "auto")])
+def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, count):
+    options = gc.GemmOptions(epi_count=count)
     m, k, n, chunk_m = 100, 40, 45, 27          # 4 chunks: 27, 27, 27, 19 rows
     num_chunks = 4
     dests = [torch.full((chunk_m + 3, n), float("nan"), dtype=torch.bfloat16) for _ in range(num_chunks)]
@@ -344,8 +312,9 @@ def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, split_k, count_
             d.fill_(float("nan"))
         spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m,
                                             counters=spec.counters if spec else None)
-        cfg = dataclasses.replace(CFG, split_k=split_k)
-        assert gc.matmul(a, b, config=cfg, tile_order="owner", start_chunk=2, epilogue=spec) is None
+        assert gc.matmul(a, b, config=CFG, tile_order="owner", start_chunk=2, epilogue=spec, options=options) is None
+        # 27-row chunks straddle 16-row tiles: the returning count whatever was asked
+        assert gc.last_plan().epi_count == abi.EPI_COUNT_RETURNING
         assert sig_value() == [generation] * num_chunks
         assert spec.counters.tolist() == [0] * num_chunks
         for c, d in enumerate(dests):
@@ -354,10 +323,11 @@ def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, split_k, count_
             assert torch.isnan(d[rows:]).all(), f"dest {c} written past its chunk"
 
 
-def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed):
+def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, options=None, num_sms=None):
     """Route each chunk of ``a @ b`` (owner order) to a destination of its own over two
     generations: every chunk published, counters back at zero, each destination exact and
-    untouched past its rows."""
+    untouched past its rows. Returns the epilogue count modes the calls' plans took."""
+    modes = set()
     num_chunks = -(-m // chunk_m)
     dests = [torch.full((chunk_m, n), float("nan"), dtype=torch.bfloat16) for _ in range(num_chunks)]
     signals = torch.zeros(num_chunks, dtype=torch.int32)
@@ -368,56 +338,44 @@ def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed):
             d.fill_(float("nan"))
         spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m,
                                             counters=spec.counters if spec else None)
-        gc.matmul(a, b, config=config, tile_order="owner", start_chunk=start_chunk, epilogue=spec)
+        gc.matmul(a, b, config=config, tile_order="owner", start_chunk=start_chunk, epilogue=spec, options=options,
+                  num_sms=num_sms)
+        modes.add(gc.last_plan().epi_count)
         assert signals.tolist() == [generation] * num_chunks
         assert spec.counters.tolist() == [0] * num_chunks
         for c, d in enumerate(dests):
             rows = min(chunk_m, m - c * chunk_m)
             _assert_close(d[:rows], ref[c * chunk_m:c * chunk_m + rows], torch.bfloat16)
             assert torch.isnan(d[rows:]).all(), f"dest {c} written past its chunk"
-
-
-def _record_count_modes(monkeypatch) -> set:
-    """The EPI_COUNT constexpr of every launch from now on (the plan's last constexpr)."""
-    modes = set()
-    real_launch = gc._launch
-
-    def launch(plan, *args, **kwargs):
-        modes.add(plan.constexprs[-1])
-        return real_launch(plan, *args, **kwargs)
-
-    monkeypatch.setattr(gc, "_launch", launch)
     return modes
 
 
-@pytest.mark.parametrize("count_scope", ["auto", "epilogue", "gpu", "sys"])
+@pytest.mark.parametrize("count", ["auto", "after_loop", "returning"])
 @pytest.mark.parametrize("programs,chunk_m", [(3, 32), (5, 24), (2, 128)])
-def test_epilogue_publishes_with_many_tiles_per_program(programs, chunk_m, count_scope, monkeypatch):
+def test_epilogue_publishes_with_many_tiles_per_program(programs, chunk_m, count):
     # Few programs, each running several tiles of a chunk in a row (24-row chunks: some tiles
     # straddle two chunks; one 128-row chunk: every program's tiles in it).
     # auto takes EPI_COUNT=4 where every tile lies in one chunk (flattened tile loop): counts
-    # that return nothing, made inside the next tile's main loop (=epilogue: 3, after it), a
+    # that return nothing, made inside the next tile's main loop (after_loop: 3, after it), a
     # poller per chunk, handoff at the poller's end. The interpreter runs the programs one after
     # the other, which takes both ways a chunk gets published: with 3 programs and 32-row
     # chunks, chunk 1's poller (program 1) finds it complete inside its tile loop; chunks 0, 2
     # and 3 are handed off incomplete and published at a later program's end.
-    monkeypatch.setenv("TPFUSE_EPI_COUNT", count_scope)
-    modes = _record_count_modes(monkeypatch)
-    _epilogue_over_generations(128, 32, 64, chunk_m, dataclasses.replace(CFG, num_programs=programs, flatten=True),
-                               start_chunk=-(-128 // chunk_m) - 1, seed=40)
+    modes = _epilogue_over_generations(128, 32, 64, chunk_m,
+                                       dataclasses.replace(CFG, num_programs=programs, flatten=True),
+                                       start_chunk=-(-128 // chunk_m) - 1, seed=40,
+                                       options=gc.GemmOptions(epi_count=count))
     aligned = chunk_m % 16 == 0
-    assert modes == {{"auto": 4 if aligned else 1, "epilogue": 3 if aligned else 1, "gpu": 1, "sys": 2}[count_scope]}
+    assert modes == {{"auto": 4 if aligned else 1, "after_loop": 3 if aligned else 1, "returning": 1}[count]}
 
 
 @pytest.mark.parametrize("m,chunk_m,start_chunk,programs", [(100, 32, 2, 2), (128, 32, 2, 3), (128, 128, 0, 2),
                                                            (100, 48, 0, 3)])
-def test_count_in_loop_merges_runs_of_one_chunk(m, chunk_m, start_chunk, programs, monkeypatch):
+def test_count_in_loop_merges_runs_of_one_chunk(m, chunk_m, start_chunk, programs):
     # EPI_COUNT=4 (flattened tile loop): a program's consecutive tiles of one chunk are counted
     # as one run, the merge decided a tile ahead from the owner order's chunk segments; m = 100
     # leaves a short last chunk (4 rows), in the middle of the rotation with start_chunk = 2.
-    monkeypatch.delenv("TPFUSE_EPI_COUNT", raising=False)
-    modes = _record_count_modes(monkeypatch)
-    _epilogue_over_generations(m, 32, 64, chunk_m, dataclasses.replace(CFG, num_programs=programs, flatten=True),
+    modes = _epilogue_over_generations(m, 32, 64, chunk_m, dataclasses.replace(CFG, num_programs=programs, flatten=True),
                                start_chunk=start_chunk, seed=41)
     assert modes == {4}
 
@@ -436,15 +394,14 @@ def test_wait_timeout_raises_with_chunk_and_generation():
         gc.matmul(a, b, config=CFG, wait=gc.WaitSpec(signal, 3, 16, max_spins=20))
 
 
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_failed_wait_does_not_publish(split_k):
+def test_failed_wait_does_not_publish():
     a, b, _ = _operands(64, 32, 32, torch.bfloat16, "row_major", seed=5)
     wait = gc.WaitSpec(torch.zeros(4, dtype=torch.int32), generation=1, chunk_m=16, max_spins=5)
     dests = [torch.empty(16, 32, dtype=torch.bfloat16) for _ in range(4)]
     signals = torch.zeros(4, dtype=torch.int32)
     epi = gc.EpilogueSpec.from_tensors(dests, signals, 1, 16)
     with pytest.raises(TimeoutError):
-        gc.matmul(a, b, config=dataclasses.replace(CFG, split_k=split_k), wait=wait, epilogue=epi)
+        gc.matmul(a, b, config=CFG, wait=wait, epilogue=epi)
     assert signals.tolist() == [0, 0, 0, 0], "garbage chunks must never be signalled ready"
 
 
@@ -466,8 +423,7 @@ def test_failed_wait_does_not_publish(split_k):
      ValueError, "num_chunks=2"),
     (lambda a, b: gc.matmul(a, b, out=torch.empty(16, 9, dtype=a.dtype)), ValueError, r"need \(16, 8\)"),
     (lambda a, b: gc.matmul(a, b, config="fast"), TypeError, "GemmConfig"),
-    (lambda a, b: gc.matmul(a, b, config=gc.GemmConfig(BLOCK_K=16, split_k=2)), ValueError,
-     r"split_k=2 but K=16 has only 1 steps of BLOCK_K=16.*smaller BLOCK_K"),
+    (lambda a, b: gc.matmul(a, b, options="fast"), TypeError, "GemmOptions"),
 ])
 def test_bad_input_names_argument_and_fix(call, exc, match):
     a = torch.randn(16, 16, dtype=torch.bfloat16)
@@ -481,8 +437,8 @@ def test_config_validation_and_smem_pruning():
         gc.GemmConfig(BLOCK_N=96)
     with pytest.raises(ValueError, match="EPI_SUBTILE=4"):
         gc.GemmConfig(EPI_SUBTILE=4)
-    with pytest.raises(ValueError, match="split_k=0"):
-        gc.GemmConfig(split_k=0)
+    with pytest.raises(TypeError, match="split_k"):   # removed: see docs/gemm_core.md
+        gc.GemmConfig(split_k=2)
     cands = gc.candidate_configs(4096, 4096, 4096, torch.bfloat16, smem_limit=150_000)
     assert cands and all(c.smem_bytes(2) <= 150_000 for c in cands)
     assert len(gc.candidate_configs(4096, 4096, 4096)) > len(cands)
@@ -494,26 +450,16 @@ MEASURED = [(m, n, k) for m in (16384, 4096, 2048, 512, 128)
             for n, k in ((3584, 4096), (4096, 1792), (7168, 8192), (8192, 3584), (13312, 16384), (16384, 6656))]
 
 
-def test_default_config_keeps_measured_winners_and_splits_only_tiny_grids():
-    assert all(gc.default_config(m, n, k).split_k == 1 for m, n, k in MEASURED)
-    # M=128, N=1024: 32 tiles of 64x64 for 132 SMs -> 4 slices of K=4096 (8 steps of 128 each)
-    cfg = gc.default_config(128, 1024, 4096)
-    assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.split_k) == (64, 64, 4)
-    assert gc.default_config(128, 1024, 4096, num_sms=16).split_k == 1
-    assert gc.default_config(128, 1024, 256).split_k == 1   # 2 steps of K: nothing to split
-
-
-def test_split_k_candidates_only_where_tiles_leave_sms_idle():
-    def splits(m, n, k, num_sms=132):
-        return [c for c in gc.candidate_configs(m, n, k, num_sms=num_sms) if c.split_k > 1]
-    assert not splits(4096, 4096, 4096) and not splits(2048, 7168, 8192)
-    for m, n, k in [(128, 3584, 4096), (128, 4096, 1792), (512, 3584, 4096), (512, 13312, 16384)]:
-        cands = splits(m, n, k)
-        assert 1 <= len(cands) <= 6, (m, n, k, cands)
-        for c in cands:
-            assert -(-k // c.BLOCK_K) // c.split_k >= 4, c      # every slice has >= 4 K-steps
-            assert c.BLOCK_M * c.BLOCK_N // (c.num_warps * 32 * c.EPI_SUBTILE) <= 64, c
-    assert not splits(512, 3584, 4096, num_sms=32)   # 56 tiles fill 32 SMs
+def test_default_config_keeps_the_measured_winners():
+    # tuned winners of the measured shapes (docs/gemm_core.md): 128x256 at M >= 2048,
+    # 128x128 x 6 stages where 128x256 leaves most SMs idle, deep narrow pipelines for decode
+    assert gc.default_config(16384, 3584, 4096) == gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                                                                 num_warps=8, num_stages=3)
+    assert gc.default_config(512, 3584, 4096) == gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                                                               num_warps=8, num_stages=6)
+    assert gc.default_config(128, 3584, 4096) == gc.GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
+                                                               num_warps=4, num_stages=6)
+    assert all(not c.stream_k for c in (gc.default_config(m, n, k) for m, n, k in MEASURED))
 
 
 def test_stream_k_candidates_only_for_ragged_waves():
@@ -535,15 +481,21 @@ def test_stream_k_candidates_only_for_ragged_waves():
 
 
 def test_config_dict_round_trip_and_old_cache_entries():
-    cfg = gc.GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, split_k=4)
+    cfg = gc.GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, tma_store=False)
     assert gc.GemmConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     sk = gc.GemmConfig(BLOCK_N=128, stream_k=2)
     assert gc.GemmConfig.from_dict(json.loads(json.dumps(sk.to_dict()))) == sk
     old = {k: v for k, v in gc.GemmConfig().to_dict().items()
-           if k not in ("split_k", "stream_k")}  # written before split-K and stream-K existed
+           if k not in ("stream_k", "tma_store")}  # written before stream-K and tma_store existed
     assert gc.GemmConfig.from_dict(old) == gc.GemmConfig()
     with pytest.raises(ValueError, match="unknown fields.*cluster"):
         gc.GemmConfig.from_dict(dict(old, cluster=2))
+    # removed fields: an old entry with the feature off loads, one with it on is refused
+    assert gc.GemmConfig.from_dict(dict(old, warp_specialize=False, split_k=1)) == gc.GemmConfig()
+    with pytest.raises(ValueError, match="warp_specialize=True is no longer supported"):
+        gc.GemmConfig.from_dict(dict(old, warp_specialize=True))
+    with pytest.raises(ValueError, match="split_k=4 is no longer supported"):
+        gc.GemmConfig.from_dict(dict(old, split_k=4))
 
 
 def test_empty_m_and_zero_k():
@@ -554,12 +506,13 @@ def test_empty_m_and_zero_k():
 
 
 def test_import_needs_no_triton_and_no_gpu():
-    # gemm_core adds no triton import to what the package itself imports, and no device probe
+    # tpfuse.gemm adds no triton import to what the package itself imports, and no device probe
     code = ("import sys; import tpfuse; had = 'triton' in sys.modules; "
-            "import tpfuse.gemm_core as g; "
+            "import tpfuse.gemm as g; import tpfuse.gemm.offline; "
             "assert 'tpfuse.kernels.gemm' not in sys.modules, 'kernel module imported eagerly'; "
+            "assert 'tpfuse.kernels.gemm_ws' not in sys.modules, 'Gluon kernel imported eagerly'; "
             "assert had or 'triton' not in sys.modules, 'triton imported eagerly'; "
-            "assert not g._device_info.cache_info().currsize")
+            "assert not g.device.device_info.cache_info().currsize")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
     subprocess.run([sys.executable, "-c", code], check=True, env=env,
@@ -580,26 +533,25 @@ def test_candidates_include_deep_pipelines_once_each():
     assert gc.default_config(512, 3584, 4096) in prefill and gc.default_config(128, 3584, 4096) in decode
 
 
-def test_epilogue_takes_tma_descriptors_only_where_they_fit(monkeypatch):
+def test_epilogue_takes_tma_descriptors_only_where_they_fit():
     # Host rule only (the interpreter has no TMA): one descriptor per chunk when the spec
     # knows its destinations, they are 16-byte aligned, there are at most 8 chunks and every
     # tile lies in one chunk.
     dests = [torch.empty(40, 64, dtype=torch.bfloat16) for _ in range(4)]
     spec = gc.EpilogueSpec.from_tensors(dests, torch.zeros(4, dtype=torch.int32), 1, 40)
     assert spec.align_elems == 8 and len(spec.dests) == 4
-    assert gc._epilogue_tma_dests(spec, True, 4, 8) == 4
-    assert gc._epilogue_tma_dests(spec, True, 4, 16) == 0        # 40-row chunks, 16-row tiles straddle
-    assert gc._epilogue_tma_dests(spec, False, 4, 8) == 0        # plain-pointer launch or tma_store=False
-    assert gc._epilogue_tma_dests(dataclasses.replace(spec, dests=()), True, 4, 8) == 0
-    assert gc._epilogue_tma_dests(dataclasses.replace(spec, align_elems=0), True, 4, 8) == 0
-    assert gc._epilogue_tma_dests(None, True, 4, 8) == 0
+    assert launch.epilogue_tma_dests(spec, True, 4, 8) == 4
+    assert launch.epilogue_tma_dests(spec, True, 4, 16) == 0        # 40-row chunks, 16-row tiles straddle
+    assert launch.epilogue_tma_dests(spec, False, 4, 8) == 0        # plain-pointer launch or tma_store=False
+    assert launch.epilogue_tma_dests(dataclasses.replace(spec, dests=()), True, 4, 8) == 0
+    assert launch.epilogue_tma_dests(dataclasses.replace(spec, align_elems=0), True, 4, 8) == 0
+    assert launch.epilogue_tma_dests(None, True, 4, 8) == 0
     one = gc.EpilogueSpec.from_tensors(dests[:1], torch.zeros(1, dtype=torch.int32), 1, 40)
-    assert gc._epilogue_tma_dests(one, True, 1, 16) == 1         # one chunk: nothing to straddle
+    assert launch.epilogue_tma_dests(one, True, 1, 16) == 1         # one chunk: nothing to straddle
     many = [torch.empty(8, 64, dtype=torch.bfloat16) for _ in range(9)]
     spec9 = gc.EpilogueSpec.from_tensors(many, torch.zeros(9, dtype=torch.int32), 1, 8)
-    assert gc._epilogue_tma_dests(spec9, True, 9, 8) == 0        # > 8: pointer stores
-    monkeypatch.setenv("TPFUSE_EPI_TMA", "0")
-    assert gc._epilogue_tma_dests(spec, True, 4, 8) == 0
+    assert launch.epilogue_tma_dests(spec9, True, 9, 8) == 0        # > 8: pointer stores
+    assert launch.epilogue_tma_dests(spec, True, 4, 8, gc.GemmOptions(epi_tma=False)) == 0
 
 
 def test_epilogue_descriptors_cover_each_chunk_and_check_rows():
@@ -607,38 +559,38 @@ def test_epilogue_descriptors_cover_each_chunk_and_check_rows():
     dests = [torch.empty(40, 64, dtype=torch.bfloat16) for _ in range(3)]
     spec = gc.EpilogueSpec.from_tensors(dests, torch.zeros(3, dtype=torch.int32), 1, 40)
     cfg = gc.GemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, EPI_SUBTILE=2)
-    plan = gc._Plan(100, 64, 32, False, True, cfg, (1, 1, 1), 40, 3, 0, False, (), 4, 1, epi_tma=3)
-    descs = gc._epilogue_descriptors(spec, plan)
+    plan = launch.LaunchPlan(100, 64, 32, cfg, use_tma=True, chunk_m=40, num_chunks=3, epi_tma=3)
+    descs = launch._epilogue_descriptors(spec, plan)
     assert [list(d.shape) for d in descs] == [[40, 64], [40, 64], [20, 64]]   # last chunk: 20 rows
     assert all(list(d.block_shape) == [16, 16] for d in descs)
     assert [d.base.data_ptr() for d in descs] == [d.data_ptr() for d in dests]
-    assert gc._epilogue_descriptors(spec, plan) is descs                        # cached on the spec
+    assert launch._epilogue_descriptors(spec, plan) is descs                        # cached on the spec
     short = gc.EpilogueSpec.from_tensors([torch.empty(40, 64, dtype=torch.bfloat16),
                                           torch.empty(10, 64, dtype=torch.bfloat16)],
                                          torch.zeros(2, dtype=torch.int32), 1, 40)
     plan2 = dataclasses.replace(plan, m=80, num_chunks=2, epi_tma=2)
     with pytest.raises(ValueError, match=r"dests\[1\] is \(10, 64\); chunk 1 needs at least \(40, 64\)"):
-        gc._epilogue_descriptors(short, plan2)
+        launch._epilogue_descriptors(short, plan2)
 
 
 def test_stacked_destinations_take_one_descriptor_for_every_chunk():
     # Chunks of one output tensor (out[c * chunk_m:] slices): one descriptor over all M rows,
     # whatever the number of chunks and their height, since a tile is stored at its own row.
     pytest.importorskip("triton.tools.tensor_descriptor")
-    stacked = gc._triton()[2].EPI_TMA_STACKED.value
+    stacked = abi.EPI_TMA_STACKED
     out = torch.empty(100, 64, dtype=torch.bfloat16)
     dests = [out[c * 40:(c + 1) * 40] for c in range(3)]          # the last chunk has 20 rows
     spec = gc.EpilogueSpec.from_tensors(dests, torch.zeros(3, dtype=torch.int32), 1, 40)
-    assert gc._stacked(spec)
-    assert gc._epilogue_tma_dests(spec, True, 3, 16) == stacked   # 40-row chunks, 16-row tiles
-    assert gc._epilogue_tma_dests(spec, False, 3, 16) == 0
+    assert gc.hooks.stacked_dests(spec)
+    assert launch.epilogue_tma_dests(spec, True, 3, 16) == stacked   # 40-row chunks, 16-row tiles
+    assert launch.epilogue_tma_dests(spec, False, 3, 16) == 0
     wide = torch.empty(9 * 8, 64, dtype=torch.bfloat16)
     spec9 = gc.EpilogueSpec.from_tensors([wide[c * 8:(c + 1) * 8] for c in range(9)],
                                          torch.zeros(9, dtype=torch.int32), 1, 8)
-    assert gc._epilogue_tma_dests(spec9, True, 9, 8) == stacked   # more than 8 chunks
+    assert launch.epilogue_tma_dests(spec9, True, 9, 8) == stacked   # more than 8 chunks
     cfg = gc.GemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, EPI_SUBTILE=2)
-    plan = gc._Plan(100, 64, 32, False, True, cfg, (1, 1, 1), 40, 3, 0, False, (), 4, 1, epi_tma=stacked)
-    (desc,) = gc._epilogue_descriptors(spec, plan)
+    plan = launch.LaunchPlan(100, 64, 32, cfg, use_tma=True, chunk_m=40, num_chunks=3, epi_tma=stacked)
+    (desc,) = launch._epilogue_descriptors(spec, plan)
     assert list(desc.shape) == [100, 64] and list(desc.block_shape) == [16, 16]
     assert desc.base.data_ptr() == out.data_ptr() and list(desc.strides) == [64, 1]
     # not stacked: another order, a gap, other storage, another width
@@ -648,14 +600,14 @@ def test_stacked_destinations_take_one_descriptor_for_every_chunk():
                   [dests[0], dests[1].clone(), dests[2]],
                   [d[:, :32] if c == 1 else d for c, d in enumerate(dests)]):
         spec_o = gc.EpilogueSpec.from_tensors(other, sig, 1, 40)
-        assert not gc._stacked(spec_o)
-        assert gc._epilogue_tma_dests(spec_o, True, 3, 8) == 3    # per-chunk descriptors
+        assert not gc.hooks.stacked_dests(spec_o)
+        assert launch.epilogue_tma_dests(spec_o, True, 3, 8) == 3    # per-chunk descriptors
     # the last chunk's rows must lie in the tensor
     short = torch.empty(90, 64, dtype=torch.bfloat16)
     spec_s = gc.EpilogueSpec.from_tensors([short[0:40], short[40:80], short[80:90]], sig, 1, 40)
-    assert gc._stacked(spec_s)
+    assert gc.hooks.stacked_dests(spec_s)
     with pytest.raises(ValueError, match=r"dests\[2\] is \(10, 64\); chunk 2 needs at least \(20, 64\)"):
-        gc._epilogue_descriptors(spec_s, plan)
+        launch._epilogue_descriptors(spec_s, plan)
 
 
 def test_with_generation_keeps_what_was_derived_from_the_buffers():
@@ -665,15 +617,65 @@ def test_with_generation_keeps_what_was_derived_from_the_buffers():
     out = torch.empty(100, 64, dtype=torch.bfloat16)
     spec = gc.EpilogueSpec.from_tensors([out[c * 40:(c + 1) * 40] for c in range(3)],
                                         torch.zeros(3, dtype=torch.int32), 1, 40)
-    stacked = gc._triton()[2].EPI_TMA_STACKED.value
+    stacked = abi.EPI_TMA_STACKED
     cfg = gc.GemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)
-    plan = gc._Plan(100, 64, 32, False, True, cfg, (1, 1, 1), 40, 3, 0, False, (), 4, 1, epi_tma=stacked)
-    (desc,) = gc._epilogue_descriptors(spec, plan)
-    assert gc._stacked(spec)
+    plan = launch.LaunchPlan(100, 64, 32, cfg, use_tma=True, chunk_m=40, num_chunks=3, epi_tma=stacked)
+    (desc,) = launch._epilogue_descriptors(spec, plan)
+    assert gc.hooks.stacked_dests(spec)
     nxt = spec.with_generation(2)
     assert nxt.generation == 2 and spec.generation == 1 and nxt.dests == spec.dests
     assert nxt.counters is spec.counters and nxt.signal_ptrs is spec.signal_ptrs
-    assert nxt.__dict__["_stacked"] is True and gc._epilogue_descriptors(nxt, plan)[0] is desc
+    assert nxt.__dict__["_stacked"] is True and launch._epilogue_descriptors(nxt, plan)[0] is desc
     assert dataclasses.replace(spec, generation=2).__dict__.get("_tma_descs") is None   # what it saves
     fresh = gc.EpilogueSpec.from_tensors([out[:40]], torch.zeros(1, dtype=torch.int32), 1, 40).with_generation(5)
     assert fresh.generation == 5 and "_tma_descs" not in fresh.__dict__   # nothing derived yet: nothing kept
+
+
+@pytest.mark.parametrize("num_sms", [1, 2])
+@pytest.mark.parametrize("config", [CFG, dataclasses.replace(CFG, num_programs=4, stream_k=1)],
+                         ids=["persistent", "stream_k"])
+def test_num_sms_caps_the_grid_and_every_tile_is_computed(num_sms, config):
+    # 5 x 3 = 15 tiles of 16x16 on 1 or 2 programs: each program loops over many tiles (and,
+    # with stream-K on 2 programs, the last tile is shared out by K-steps)
+    a, b, ref = _operands(67, 40, 40, torch.bfloat16, "weight_t", seed=60)
+    out = torch.full((67, 40), float("nan"), dtype=torch.bfloat16)
+    gc.matmul(a, b, out=out, config=config, num_sms=num_sms)
+    plan = gc.last_plan()
+    assert plan.programs == num_sms and plan.num_tiles == 15 and f"num_sms={num_sms}" in plan.explain()
+    assert plan.sk_tiles == (1 if config.stream_k and num_sms == 2 else 0)
+    _assert_close(out, ref, torch.bfloat16)
+    # a budget above what the config launches changes nothing
+    gc.matmul(a[:16], b, config=config, num_sms=1000)
+    # (3 tiles: as many programs; stream-K shares them out to all its 4)
+    assert gc.last_plan().programs == (4 if config.stream_k else 3)
+    if config.stream_k:
+        return
+    # the epilogue hook with a capped grid: chunks still routed and published
+    modes = _epilogue_over_generations(64, 32, 32, 16, dataclasses.replace(CFG, flatten=True), start_chunk=1,
+                                       seed=61, num_sms=num_sms)
+    assert modes == {abi.EPI_COUNT_IN_LOOP} and gc.last_plan().programs == num_sms
+
+
+@pytest.mark.parametrize("num_sms,exc,match", [(0, ValueError, "num_sms=0"), (-3, ValueError, "num_sms=-3"),
+                                               (2.0, TypeError, "num_sms=2.0"), (True, TypeError, "num_sms=True"),
+                                               ("4", TypeError, "num_sms='4'")])
+def test_num_sms_is_validated(num_sms, exc, match):
+    a = torch.randn(16, 16, dtype=torch.bfloat16)
+    with pytest.raises(exc, match=match):
+        gc.matmul(a, a, num_sms=num_sms)
+
+
+def test_launch_plan_says_which_kernel_ran_and_why():
+    a, b, _ = _operands(37, 53, 29, torch.bfloat16, "weight_t", seed=62)
+    gc.matmul(a, b)
+    plan = gc.last_plan()
+    assert plan.kernel == "gemm_kernel" and plan.config_source.startswith("heuristic")
+    assert plan.config == gc.default_config(37, 29, 53, num_sms=device.INTERPRETER_PROGRAMS)
+    assert "plain-pointer loads" in plan.explain() and "37x29x53: gemm_kernel" in plan.explain()
+    gc.matmul(a, b, config=CFG, options=gc.GemmOptions(gluon=False))
+    assert gc.last_plan().config_source == "argument" and gc.last_plan().options.gluon is False
+    counts = gc.launch_counts()
+    gc.matmul(a, b, config=CFG)
+    assert gc.launch_counts()["interpreter"] == counts["interpreter"] + 1
+    gc.matmul(a[:0], b)
+    assert gc.last_plan().kernel == "none" and gc.launch_counts()["interpreter"] == counts["interpreter"] + 1

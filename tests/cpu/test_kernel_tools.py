@@ -1,24 +1,24 @@
-"""The GPU-free diagnostics of the GEMM kernel: config specs of the probe scripts and the
-offline sm_90 compile (Triton ships ptxas, so no GPU is needed)."""
+"""The GPU-free diagnostics of the GEMM kernels: config specs, the host's choices between the
+kernels and count modes, and the offline sm_90 compile (Triton ships ptxas, so no GPU is needed;
+tpfuse/gemm/offline.py)."""
 import dataclasses
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tpfuse import gemm_core as gc
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from profile_kernels import parse_spec  # noqa: E402
+from tpfuse import gemm as gc
+from tpfuse.gemm import launch
+from tpfuse.gemm.offline import parse_spec
+from tpfuse.kernels import abi
 
 
 def test_parse_spec():
     assert parse_spec("cublas") is None
-    assert parse_spec("128x256x64:split_k=2,flatten=true,EPI_SUBTILE=2") == gc.GemmConfig(
-        BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, split_k=2, flatten=True, EPI_SUBTILE=2)
+    assert parse_spec("128x256x64:stream_k=2,flatten=true,EPI_SUBTILE=2") == gc.GemmConfig(
+        BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, stream_k=2, flatten=True, EPI_SUBTILE=2)
     with pytest.raises(ValueError, match="BLOCK_M=96"):
         parse_spec("96x128x64")
 
@@ -31,11 +31,24 @@ def _ptxas():
     return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
 
 
+# The compiler-output assertions below (instruction counts, loop nesting, shared memory) hold for
+# what this Triton made of the kernels; another version may schedule them differently.
+KNOWN_TRITON = "3.6."
+
+
+def _known_triton():
+    import triton
+    if not triton.__version__.startswith(KNOWN_TRITON):
+        pytest.skip(f"compiler-output checks are pinned to Triton {KNOWN_TRITON}x; this is {triton.__version__}")
+
+
 def _offline_tools():
-    """(compile_kernel, sass_of) of benchmarks/kernel_offline.py; skips under the interpreter."""
+    """(compile_kernel, sass_of) of tpfuse/gemm/offline.py; skips under the interpreter and on
+    other Triton versions."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("compiling needs Triton's compiler, not the interpreter")
-    from kernel_offline import compile_kernel, sass_of
+    _known_triton()
+    from tpfuse.gemm.offline import compile_kernel, sass_of
     return compile_kernel, sass_of
 
 
@@ -66,7 +79,7 @@ def test_offline_epilogue_hook_through_tma_keeps_a_staging_buffer_of_its_own():
     # stacked destinations (chunks of one tensor): one descriptor, so the plain kernel's one
     # store path instead of one per chunk
     stacked = compile_kernel(4096, 4096, 1792, cfg, epilogue=True, tile_order=2,
-                             epi_tma=gc._triton()[2].EPI_TMA_STACKED.value)
+                             epi_tma=abi.EPI_TMA_STACKED)
     sass_st, res_st = sass_of(stacked.asm["cubin"])
     plain_sass, _ = sass_of(plain.asm["cubin"])
     assert stacked.metadata.shared == plain.metadata.shared
@@ -78,14 +91,14 @@ def test_offline_epilogue_hook_through_tma_keeps_a_staging_buffer_of_its_own():
 @pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
 def test_offline_epilogue_counts_tiles_at_gpu_scope_and_publishes_at_system_scope():
     # Per tile: a GPU-scope fence and count; the system-scope fence only where a chunk's
-    # signal is published. TPFUSE_EPI_COUNT=sys (EPI_COUNT=2) fences every tile. The default
+    # signal is published (the returning count, 1, and the counts that return nothing). The default
     # where it can (4; 3 counts after the next main loop instead of inside it) counts with a
     # RED, an atomic that returns nothing, so ptxas has no result register to wait for at the
     # tile loop's next iteration; the poller's handoff (HANDOFF = 1 << 24) is a RED too, so it
     # has no returning atomic at all.
     compile_kernel, sass_of = _offline_tools()
     cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
-    for mode in (1, 2, 3, 4):
+    for mode in (abi.EPI_COUNT_RETURNING, abi.EPI_COUNT_AFTER_LOOP, abi.EPI_COUNT_IN_LOOP):
         kern = compile_kernel(4096, 4096, 1792, cfg, epilogue=True, tile_order=2, epi_tma=8, epi_count=mode)
         sass, _ = sass_of(kern.asm["cubin"])
         atoms = re.findall(r"ATOMG\.E\.ADD\.STRONG\.(\w+)", sass)
@@ -96,7 +109,7 @@ def test_offline_epilogue_counts_tiles_at_gpu_scope_and_publishes_at_system_scop
             assert reds and set(reds) == {"GPU"} and not atoms, (reds, atoms)
             assert "0x1000000" in kern.asm["ptx"].replace("16777216", "0x1000000")
         else:
-            assert atoms and not reds and set(atoms) == ({"SYS"} if mode == 2 else {"GPU"}), atoms
+            assert atoms and not reds and set(atoms) == {"GPU"}, atoms
 
 
 def _enclosing_loops(ttgir: str, op: str) -> int:
@@ -116,7 +129,7 @@ def _enclosing_loops(ttgir: str, op: str) -> int:
 def test_offline_hooked_kernels_flatten_into_one_pipelined_loop():
     # flatten=True: Triton fuses the tile and K loops only when the tile loop holds exactly
     # one loop, and pipelines the fused loop only without a tl.debug_barrier in it. The
-    # hooks and the round/owner orders must keep both (docs/gemm_core.md, "Flattened tile loop").
+    # hooks and the round/owner orders must keep both (docs/gemm_core.md, "Kernels").
     compile_kernel, _ = _offline_tools()
     flat = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, flatten=True)
     plain = compile_kernel(4096, 4096, 1792, flat).asm["ttgir"]
@@ -141,26 +154,27 @@ def test_offline_hooked_kernels_flatten_into_one_pipelined_loop():
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
 
 
-def test_count_mode_environment_is_checked(monkeypatch):
-    monkeypatch.delenv("TPFUSE_EPI_COUNT", raising=False)
-    assert gc._epi_count_mode(True) == 4 and gc._epi_count_mode(False) == 1
-    assert gc._epi_count_mode(True, in_loop=False) == 3   # nested K loops count after it
-    for value, mode in (("auto", 4), ("epilogue", 3), ("gpu", 1), ("sys", 2)):
-        monkeypatch.setenv("TPFUSE_EPI_COUNT", value)
-        assert gc._epi_count_mode(True) == mode
-        assert gc._epi_count_mode(False) == (1 if mode >= 3 else mode)   # 3 and 4 only where eligible
-    monkeypatch.setenv("TPFUSE_EPI_COUNT", "none")
-    with pytest.warns(UserWarning, match="publishes no signals"):
-        assert gc._epi_count_mode() == 0
-    monkeypatch.setenv("TPFUSE_EPI_COUNT", "device")
-    with pytest.raises(ValueError, match="TPFUSE_EPI_COUNT='device'"):
-        gc._epi_count_mode()
+def test_count_mode_follows_the_options():
+    auto = gc.GemmOptions()
+    assert launch.epi_count_mode(auto, True) == 4 and launch.epi_count_mode(auto, False) == 1
+    assert launch.epi_count_mode(auto, True, in_loop=False) == 3   # nested K loops count after it
+    for value, mode in (("auto", 4), ("after_loop", 3), ("returning", 1)):
+        opts = gc.GemmOptions(epi_count=value)
+        assert launch.epi_count_mode(opts, True) == mode
+        assert launch.epi_count_mode(opts, False) == 1   # 3 and 4 only where eligible
+    # the diagnostic modes are gone: a count that publishes nothing cannot be asked for
+    for gone in ("none", "sys", "gpu", "epilogue"):
+        with pytest.raises(ValueError, match=f"GemmOptions.epi_count='{gone}'"):
+            gc.GemmOptions(epi_count=gone)
+    with pytest.raises(TypeError, match="GemmOptions.gluon=1"):
+        gc.GemmOptions(gluon=1)
 
 
 def _offline_ws():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("compiling needs Triton's compiler, not the interpreter")
-    from kernel_offline import compile_ws_kernel, sass_of
+    _known_triton()
+    from tpfuse.gemm.offline import compile_ws_kernel, sass_of
     return compile_ws_kernel, sass_of
 
 
@@ -209,39 +223,39 @@ def test_offline_ws_kernel_takes_row_major_b_and_narrow_tiles():
         assert "HGMMA" in sass and "LOCAL:0" in res and kern.metadata.shared <= 232448, kw
 
 
-def test_ws_choice(monkeypatch):
+def test_ws_choice():
     # the Gluon kernel takes one hook on sm_90 -- the epilogue hook where it stores by TMA, or the
-    # wait hook into a TMA-stored output -- without split-K, for 128-row tiles 128 or 256 wide in
-    # bf16/fp16; TPFUSE_WS=0 turns it off
-    monkeypatch.delenv("TPFUSE_WS", raising=False)
-    cap = {"capability": (9, 0)}
-    monkeypatch.setattr(gc, "_device_info", lambda index: cap)
-    dev = torch.device("cuda", 0)
+    # wait hook into a TMA-stored output -- for 128-row tiles 128 or 256 wide in
+    # bf16/fp16; GemmOptions(gluon=False) turns it off. Every "no" says why.
+    sm90 = (9, 0)
     big = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
     epi, wait = object(), object()
-    assert gc._ws_choice(dev, torch.bfloat16, big, epi, None, 8, True) == ((128, 256, 64), 3)
+
+    def choice(*args, **kw):
+        return launch.ws_choice(sm90, *args, **kw)[0]
+    assert choice(torch.bfloat16, big, epi, None, 8, True) == ((128, 256, 64), 3)
     narrow = dataclasses.replace(big, BLOCK_N=128, BLOCK_K=128)
-    assert gc._ws_choice(dev, torch.float16, narrow, epi, None, 9, True) == ((128, 128, 64), 5)
+    assert choice(torch.float16, narrow, epi, None, 9, True) == ((128, 128, 64), 5)
     # the wait hook alone, into a TMA-stored output: its load warp waits
-    assert gc._ws_choice(dev, torch.bfloat16, big, None, wait, 0, True, out_tma=True) == ((128, 256, 64), 3)
-    assert gc._ws_choice(dev, torch.bfloat16, big, None, wait, 0, True, out_tma=False) == ()
-    assert gc._ws_choice(dev, torch.bfloat16, big, epi, wait, 8, True, out_tma=True) == ()   # both hooks
-    for args in ((torch.bfloat16, big, None, None, 8, True),           # no hook
-                 (torch.bfloat16, big, epi, wait, 8, True),            # wait hook too
-                 (torch.bfloat16, big, epi, None, 0, True),            # pointer stores
-                 (torch.bfloat16, big, epi, None, 8, False),           # no inline PTX
-                 (torch.float32, big, epi, None, 8, True),
-                 (torch.bfloat16, dataclasses.replace(big, split_k=2), epi, None, 8, True),
-                 (torch.bfloat16, dataclasses.replace(big, BLOCK_M=64), epi, None, 8, True)):
-        assert gc._ws_choice(dev, *args) == (), args
+    assert choice(torch.bfloat16, big, None, wait, 0, True, out_tma=True) == ((128, 256, 64), 3)
+    assert choice(torch.bfloat16, big, None, wait, 0, True, out_tma=False) == ()
+    assert choice(torch.bfloat16, big, epi, wait, 8, True, out_tma=True) == ()   # both hooks
+    for args, why in (((torch.bfloat16, big, None, None, 8, True), "no hook"),
+                      ((torch.bfloat16, big, epi, wait, 8, True), "both hooks"),
+                      ((torch.bfloat16, big, epi, None, 0, True), "pointer stores"),
+                      ((torch.bfloat16, big, epi, None, 8, False), "no inline PTX"),
+                      ((torch.float32, big, epi, None, 8, True), "outside the Gluon kernel"),
+                      ((torch.bfloat16, dataclasses.replace(big, BLOCK_M=64), epi, None, 8, True), "outside")):
+        got, reason = launch.ws_choice(sm90, *args)
+        assert got == () and why in reason, (args, reason)
     # no stream-K in the Gluon kernel: narrower tiles where they fill the waves much better
-    assert gc._ws_choice(dev, torch.bfloat16, big, epi, None, 8, True, 4096, 3584, 132) == ((128, 128, 64), 5)
-    assert gc._ws_choice(dev, torch.bfloat16, big, epi, None, 8, True, 4096, 4096, 132) == ((128, 256, 64), 3)
-    monkeypatch.setenv("TPFUSE_WS", "0")
-    assert gc._ws_choice(dev, torch.bfloat16, big, epi, None, 8, True) == ()
-    monkeypatch.delenv("TPFUSE_WS")
-    cap["capability"] = (10, 0)   # the kernel's wgmma is sm_90's
-    assert gc._ws_choice(dev, torch.bfloat16, big, epi, None, 8, True) == ()
+    assert choice(torch.bfloat16, big, epi, None, 8, True, 4096, 3584, 132) == ((128, 128, 64), 5)
+    assert choice(torch.bfloat16, big, epi, None, 8, True, 4096, 4096, 132) == ((128, 256, 64), 3)
+    off = gc.GemmOptions(gluon=False)
+    got, reason = launch.ws_choice(sm90, torch.bfloat16, big, epi, None, 8, True, options=off)
+    assert got == () and "gluon=False" in reason
+    got, reason = launch.ws_choice((10, 0), torch.bfloat16, big, epi, None, 8, True)   # wgmma is sm_90's
+    assert got == () and "sm_90" in reason
 
 
 def test_rerank_leaders_by_the_median_of_interleaved_timings():
@@ -264,3 +278,23 @@ def test_rerank_leaders_by_the_median_of_interleaved_timings():
     with pytest.warns(UserWarning, match="dropping tuning finalist Z"):
         assert gc.rerank_leaders([("Z", 1.0), ("Y", 2.0)], gone, finalists=1, rounds=1) == [("Y", 2.0, [2.0])]
     assert gc.rerank_leaders([("Z", 1.0)], gone) == [("Z", 1.0, [1.0])]
+
+
+def test_a_failed_direct_launch_warns_and_is_counted_as_jit(monkeypatch):
+    # The library's fallback (a change of Triton's launcher) must show: a warning, the JIT path
+    # from then on, and launch_counts() that a GPU test asserting direct launches would fail on.
+    class Broken:
+        def __getitem__(self, grid):
+            raise RuntimeError("launcher changed (test)")
+    monkeypatch.setattr(launch, "_DIRECT_BROKEN", [False])
+    monkeypatch.setitem(launch._COMPILED, "spec-under-test", Broken())
+    compiled = object()
+    before = gc.launch_counts()
+    with pytest.warns(UserWarning, match="direct kernel launch failed .*launcher changed"):
+        launch._launch_cached("spec-under-test", (1, 1, 1), [], torch.device("cpu"), lambda: compiled, True)
+    after = gc.launch_counts()
+    assert after.get("jit", 0) == before.get("jit", 0) + 1 and after.get("direct", 0) == before.get("direct", 0)
+    assert launch._DIRECT_BROKEN[0] and "spec-under-test" not in launch._COMPILED
+    # from now on every launch takes the JIT, even where direct launches are asked for
+    launch._launch_cached("spec-under-test", (1, 1, 1), [], torch.device("cpu"), lambda: compiled, True)
+    assert gc.launch_counts()["jit"] == before.get("jit", 0) + 2 and "spec-under-test" not in launch._COMPILED

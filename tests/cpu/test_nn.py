@@ -29,17 +29,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tpfuse
+from tpfuse import testing
 from tpfuse.nn import ColumnParallelLinear, RowParallelLinear
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
-FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-3}
 HIDDEN, FFN = 13, 28  # odd hidden size (nothing needs it to divide); FFN divides by 1, 2 and 4
 TOKENS_PER_RANK = 5
 GRADS = ("y", "x", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def _problem(world_size: int, lead_rest: tuple[int, ...], seed: int) -> dict[str, torch.Tensor]:
@@ -123,7 +119,7 @@ def mlp_cases(rank, world_size, strategy, cases):
                 want = _shard_of_reference(name, ref[name], rank, world_size, sequence_parallel)
                 row["shapes_ok"] &= tuple(got[name].shape) == tuple(want.shape) and got[name].dtype == dtype
                 row["finite"] &= bool(torch.isfinite(got[name]).all())
-                errors[name] = _rel_err(got[name], want)
+                errors[name] = testing.rel_err(got[name], want)
                 if strat == strategy and name in same_way:
                     row["exact"][name] = torch.equal(got[name], same_way[name])
             if strat == strategy and not sequence_parallel:
@@ -145,7 +141,7 @@ def _assert_mlp_reports(reports):
                 if dtype == torch.float64:
                     assert err < 1e-12, f"{where}: {name} off the fp64 model by {err:.2e}"
                 else:
-                    assert err <= 3 * base + FLOOR[dtype], f"{where}: {name} {err:.2e} vs unfused {base:.2e}"
+                    assert err <= testing.tolerance(dtype, base), f"{where}: {name} {err:.2e} vs unfused {base:.2e}"
                     limit = 1e-5 if dtype == torch.float32 else 3e-2
                     assert base < limit, f"{where}: the unfused baseline itself is off for {name}: {base:.2e}"
 
@@ -254,24 +250,24 @@ def ops_autograd(rank, world_size, strategy):
     c, a_full = tpfuse.ag_gemm(a_shard, b, strategy=strategy, return_gathered=True)
     torch.autograd.backward([c, a_full], [grad_c[rank], grad_full[rank]])
     want_a = sum(grad_c[r] @ bs[r].t() + grad_full[r] for r in range(world_size))[rows]
-    errs["ag_gemm a"] = _rel_err(a_shard.grad, want_a)
-    errs["ag_gemm b"] = _rel_err(b.grad, a.t() @ grad_c[rank])
+    errs["ag_gemm a"] = testing.rel_err(a_shard.grad, want_a)
+    errs["ag_gemm b"] = testing.rel_err(b.grad, a.t() @ grad_c[rank])
 
     # gemm_rs on a weight.t() view: the weight's grad is contiguous [N, K]
     a_mine = (a * (rank + 1)).requires_grad_()
     weight = bs[rank].t().contiguous().requires_grad_()
     c_shard = tpfuse.gemm_rs(a_mine, weight.t(), strategy=strategy)
     c_shard.backward(grad_c[0][rows])
-    errs["gemm_rs a"] = _rel_err(a_mine.grad, grad_c[0] @ bs[rank].t())
-    errs["gemm_rs b"] = _rel_err(weight.grad, (a_mine.detach().t() @ grad_c[0]).t())
+    errs["gemm_rs a"] = testing.rel_err(a_mine.grad, grad_c[0] @ bs[rank].t())
+    errs["gemm_rs b"] = testing.rel_err(weight.grad, (a_mine.detach().t() @ grad_c[0]).t())
     contiguous = weight.grad.is_contiguous()
 
     # gemm_ar: grad_c is the same on every rank (Megatron convention), no communication
     a_mine.grad = None
     b = bs[rank].clone().requires_grad_()
     tpfuse.gemm_ar(a_mine, b, strategy=strategy).backward(grad_c[0])
-    errs["gemm_ar a"] = _rel_err(a_mine.grad, grad_c[0] @ bs[rank].t())
-    errs["gemm_ar b"] = _rel_err(b.grad, a_mine.detach().t() @ grad_c[0])
+    errs["gemm_ar a"] = testing.rel_err(a_mine.grad, grad_c[0] @ bs[rank].t())
+    errs["gemm_ar b"] = testing.rel_err(b.grad, a_mine.detach().t() @ grad_c[0])
     return errs, contiguous
 
 
@@ -308,7 +304,7 @@ def frozen_weights(rank, world_size, save_gathered_input):
         want = (gy_full @ w2 @ w1)
         want = want[rank * rows:(rank + 1) * rows] if sp else want
         biggest = max((math.prod(s) for s in saved), default=0)
-        results[sp] = (_rel_err(x.grad, want), biggest, fc1.weight.grad is None and fc2.weight.grad is None)
+        results[sp] = (testing.rel_err(x.grad, want), biggest, fc1.weight.grad is None and fc2.weight.grad is None)
     return results
 
 
@@ -440,7 +436,7 @@ def compiled_mlp_matches_eager(rank, world_size, backend, variants):
                 y.backward(gy)
             runs.append([y.detach(), x.grad, fc1.weight.grad, fc1.bias.grad, fc2.weight.grad, fc2.bias.grad])
         eager, comp = runs
-        results.append(max(_rel_err(c, e.double()) for c, e in zip(comp, eager)))
+        results.append(max(testing.rel_err(c, e.double()) for c, e in zip(comp, eager)))
     return results
 
 
@@ -482,7 +478,7 @@ def compiled_graph_count(rank, world_size, strategy):
         x_eager = x.detach().clone().requires_grad_()
         y_eager = mlp(x_eager)
         y_eager.sum().backward()
-        err = max(err, _rel_err(y, y_eager.detach()), _rel_err(x.grad, x_eager.grad))
+        err = max(err, testing.rel_err(y, y_eager.detach()), testing.rel_err(x.grad, x_eager.grad))
     return len(graphs), err
 
 
@@ -508,7 +504,7 @@ def mlp_on_subgroups(rank, world_size):
     y.backward(_block(p["gy"], group_rank, 2))
     got = {"y": y.detach(), "x": x.grad, "fc1.weight": fc1.weight.grad, "fc1.bias": fc1.bias.grad,
            "fc2.weight": fc2.weight.grad, "fc2.bias": fc2.bias.grad}
-    return max(_rel_err(got[name], _shard_of_reference(name, ref[name], group_rank, 2, True)) for name in GRADS)
+    return max(testing.rel_err(got[name], _shard_of_reference(name, ref[name], group_rank, 2, True)) for name in GRADS)
 
 
 def test_subgroups(rank_pool):

@@ -1,7 +1,8 @@
 """GEMM core on a CUDA GPU: TMA and plain-pointer paths, tile orders, hooks, bounded waits.
 
 Run in its own pytest process (tests/cpu/test_gemm_core_interp.py switches Triton to the
-interpreter while it runs). Outputs are poisoned with NaN and compared with a float64 reference.
+interpreter while it runs). Outputs are poisoned with NaN and compared with a float64 reference
+within 3x cuBLAS's own error in the same dtype (tpfuse/testing.py).
 """
 import dataclasses
 import os
@@ -13,7 +14,10 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytest.importorskip("triton", reason="triton is not installed")
 
-from tpfuse import gemm_core as gc  # noqa: E402
+from tpfuse import gemm as gc  # noqa: E402
+from tpfuse import testing  # noqa: E402
+from tpfuse.gemm import cache, launch  # noqa: E402
+from tpfuse.kernels import abi  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +27,6 @@ def _compiled_kernels():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1 is set; these tests need compiled kernels")
 
-TOL = {torch.bfloat16: 1.2e-2, torch.float16: 1.5e-3, torch.float32: 2e-3}   # fp32 runs as tf32
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 BIG = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
 SMALL = gc.GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
@@ -41,14 +44,15 @@ def _operands(m, k, n, dtype, b_layout, seed=0):
         b = torch.randn(n, k, generator=g, device="cuda").to(dtype).t()
     else:
         b = torch.randn(k, n, generator=g, device="cuda").to(dtype)
-    return a, b, a.double() @ b.double()
+    return a, b, testing.Reference.of(a, b)
 
 
 def _assert_close(out, ref, dtype):
+    """Frobenius error against the float64 reference within 3x cuBLAS's own in ``dtype`` (tf32
+    for float32, as the core computes it; tpfuse/testing.py); NaN (poison never overwritten)
+    and Inf fail."""
     torch.cuda.synchronize()
-    assert not torch.isnan(out).any(), "an output element was never written"
-    err = ((out.double() - ref).norm() / ref.norm()).item()
-    assert err < TOL[dtype], f"relative error {err} >= {TOL[dtype]}"
+    testing.assert_close(out, ref, dtype=dtype, norm="fro")
 
 
 @pytest.mark.parametrize("shape", [(37, 53, 29), (130, 70, 65), (4091, 1000, 771), (2048, 4096, 3584)],
@@ -94,34 +98,33 @@ def test_tile_orders(order, start, flatten, sub):
 WS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 # the wait hook in gemm_kernel and, on sm_90 with inline PTX, in the Gluon kernel's load warp
 # (tpfuse/kernels/gemm_ws.py; flatten means nothing to it)
-KERNELS = [("gemm_kernel", BIG, "0"), ("gemm_kernel", FLAT, "0")] + ([("gemm_ws", BIG, "1")] if WS_GPU else [])
+KERNELS = [("gemm_kernel", BIG, False), ("gemm_kernel", FLAT, False)] + ([("gemm_ws_kernel", BIG, True)] if WS_GPU else [])
 KERNEL_IDS = [f"{k}-{'flat' if c.flatten else 'nested'}" for k, c, _ in KERNELS]
 
 
 def _took(kernel):
-    """The latest matmul ran ``kernel``."""
-    return bool(gc._LAST_PLAN[0].ws) == (kernel == "gemm_ws")
+    """The latest matmul ran ``kernel`` (its public LaunchPlan says so)."""
+    return gc.last_plan().kernel == kernel
 
 
-@pytest.mark.parametrize("use_asm", ["1", "0"])
-@pytest.mark.parametrize("kernel,config,ws", KERNELS, ids=KERNEL_IDS)
-def test_wait_hook_signals_preset(use_asm, kernel, config, ws, monkeypatch):
-    if kernel == "gemm_ws" and use_asm == "0":
+@pytest.mark.parametrize("use_asm", [True, False], ids=["asm", "atomics"])
+@pytest.mark.parametrize("kernel,config,gluon", KERNELS, ids=KERNEL_IDS)
+def test_wait_hook_signals_preset(use_asm, kernel, config, gluon):
+    if kernel == "gemm_ws_kernel" and not use_asm:
         pytest.skip("the Gluon kernel's wait is inline PTX")
-    monkeypatch.setenv("TPFUSE_SIGNAL_ASM", use_asm)
-    monkeypatch.setenv("TPFUSE_WS", ws)
+    options = gc.GemmOptions(signal_asm=use_asm, gluon=gluon)
     a, b, ref = _operands(8 * 517, 1024, 1536, torch.bfloat16, "weight_t", seed=3)
     signal = torch.tensor([4, 9, 4, 4, 5, 4, 4, 4], dtype=torch.int32, device="cuda")
     out = torch.full((8 * 517, 1536), float("nan"), device="cuda", dtype=torch.bfloat16)
     gc.matmul(a, b, out=out, config=config, tile_order="round", start_chunk=2,
-              wait=gc.WaitSpec(signal, 4, 517, timeout_ns=2_000_000_000))
-    assert _took(kernel)
+              wait=gc.WaitSpec(signal, 4, 517, timeout_ns=2_000_000_000), options=options)
+    assert _took(kernel), gc.last_plan().explain()
     _assert_close(out, ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("kernel,config,ws", KERNELS, ids=KERNEL_IDS)
-def test_wait_hook_released_late_reads_only_released_rows(kernel, config, ws, monkeypatch):
-    monkeypatch.setenv("TPFUSE_WS", ws)
+@pytest.mark.parametrize("kernel,config,gluon", KERNELS, ids=KERNEL_IDS)
+def test_wait_hook_released_late_reads_only_released_rows(kernel, config, gluon):
+    options = gc.GemmOptions(gluon=gluon)
     # The producer writes A chunk by chunk, last chunk first, after a delay, and raises each
     # chunk's signal after its rows: a tile that loaded its rows before its wait returned
     # (e.g. a load hoisted by the pipeliner of the flattened loop) would read the NaN poison.
@@ -143,7 +146,8 @@ def test_wait_hook_released_late_reads_only_released_rows(kernel, config, ws, mo
     def call(gen):   # returns at once: the producer is what releases the GEMM
         with torch.cuda.stream(consumer):
             gc.matmul(a, b, out=out, config=cfg, tile_order="round", start_chunk=2, check=False,
-                      wait=gc.WaitSpec(signal, gen, chunk_m, timeout_ns=5_000_000_000, error=err))
+                      wait=gc.WaitSpec(signal, gen, chunk_m, timeout_ns=5_000_000_000, error=err),
+                      options=options)
 
     def release(gen, delay_cycles):   # on the producer stream: A chunk by chunk, each then signalled
         with torch.cuda.stream(producer):
@@ -173,26 +177,25 @@ def test_wait_hook_released_late_reads_only_released_rows(kernel, config, ws, mo
     _assert_close(out, ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("use_asm", ["1", "0"])
-@pytest.mark.parametrize("kernel,config,ws", KERNELS, ids=KERNEL_IDS)
-def test_wait_timeout_is_bounded(use_asm, kernel, config, ws, monkeypatch):
+@pytest.mark.parametrize("use_asm", [True, False], ids=["asm", "atomics"])
+@pytest.mark.parametrize("kernel,config,gluon", KERNELS, ids=KERNEL_IDS)
+def test_wait_timeout_is_bounded(use_asm, kernel, config, gluon):
     import time
-    if kernel == "gemm_ws" and use_asm == "0":
+    if kernel == "gemm_ws_kernel" and not use_asm:
         pytest.skip("the Gluon kernel's wait is inline PTX")
-    monkeypatch.setenv("TPFUSE_SIGNAL_ASM", use_asm)
-    monkeypatch.setenv("TPFUSE_WS", ws)
+    options = gc.GemmOptions(signal_asm=use_asm, gluon=gluon)
     a, b, _ = _operands(1024, 512, 512, torch.bfloat16, "row_major", seed=4)
     signal = torch.tensor([7, 7, 6, 7], dtype=torch.int32, device="cuda")
     t0 = time.time()
     with pytest.raises(TimeoutError, match=r"rank 3.*chunk=2\] >= generation 7, last value seen 6"):
         gc.matmul(a, b, config=config, wait=gc.WaitSpec(signal, 7, 256, timeout_ns=20_000_000,
-                                                        max_spins=100_000, rank=3))
+                                                        max_spins=100_000, rank=3), options=options)
     assert time.time() - t0 < 30 and _took(kernel)
 
 
 def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, after=lambda: True,
                                expect_tma=None, stacked=False, expect_ws=False, order="owner",
-                               b_layout="weight_t", dtype=torch.bfloat16):
+                               b_layout="weight_t", dtype=torch.bfloat16, options=None):
     """Route every chunk of ``a @ b`` to its own destination over three generations: signals
     published, counters back at zero, each destination exact and untouched past its rows.
     ``expect_tma``: the plan must (True) or must not (False) store through TMA descriptors.
@@ -206,7 +209,8 @@ def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, afte
     else:
         dests = [torch.full((chunk_m + 5, n), float("nan"), device="cuda", dtype=dtype)
                  for _ in range(num_chunks)]
-    n_descs = gc._triton()[2].EPI_TMA_STACKED.value if stacked else num_chunks
+    n_descs = abi.EPI_TMA_STACKED if stacked else num_chunks
+    before = gc.launch_counts()
     signals = torch.zeros(num_chunks, dtype=torch.int32, device="cuda")
     counters = torch.zeros(num_chunks, dtype=torch.int32, device="cuda")
     for generation in (1, 2, 3):
@@ -214,76 +218,73 @@ def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, afte
         for d in dests:
             d.fill_(float("nan"))
         spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m, counters=counters)
-        gc._PLANS.clear()
+        gc.clear_plans()
         gc.matmul(a, b, config=config, tile_order=order, start_chunk=start_chunk, epilogue=spec,
-                  chunk_m=chunk_m)
+                  chunk_m=chunk_m, options=options)
         torch.cuda.synchronize()
-        (plan,) = gc._PLANS.values()
+        plan = gc.last_plan()
         if expect_tma is not None:
-            assert plan.epi_tma == (n_descs if expect_tma else 0), plan.epi_tma
+            assert plan.epi_tma == (n_descs if expect_tma else 0), plan.explain()
         if expect_ws is not None:
-            assert bool(plan.ws) == expect_ws, plan.ws
+            assert (plan.kernel == "gemm_ws_kernel") == expect_ws, plan.explain()
         assert signals.tolist() == [generation] * num_chunks
         assert counters.tolist() == [0] * num_chunks and after()
         for c, d in enumerate(dests):
             _assert_close(d[:chunk_m], ref[c * chunk_m:(c + 1) * chunk_m], dtype)
             assert torch.isnan(whole[m:] if stacked else d[chunk_m:]).all()
-    if expect_ws and os.environ.get("TPFUSE_FAST_LAUNCH", "1") != "0":
-        # generations 2 and 3 launched the compiled Gluon kernel directly (gemm_core._launch_cached)
-        assert any(key[0] == "gemm_ws" for key in gc._COMPILED)
+    if options is None or options.direct_launch:
+        # generations 2 and 3 launched the compiled kernel directly, whichever it was
+        assert gc.launch_counts().get("direct", 0) - before.get("direct", 0) >= 2
 
 
-@pytest.mark.parametrize("chunk_m,tma", [(517, "1"), (512, "1"), (512, "0")])
+@pytest.mark.parametrize("chunk_m,tma", [(517, True), (512, True), (512, False)])
 @pytest.mark.parametrize("sub", [1, 2])
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
-def test_epilogue_routes_and_publishes_several_generations(chunk_m, tma, sub, flatten, monkeypatch):
-    monkeypatch.setenv("TPFUSE_WS", "0")   # gemm_kernel's hook (test_ws_* below: the Gluon kernel's)
-    # 512-row chunks: every tile in one chunk, stored by TMA through its destination's
-    # descriptor unless TPFUSE_EPI_TMA=0. 517: tiles straddle two destinations, pointer stores
-    # (TMA would need a negative row coordinate).
-    monkeypatch.setenv("TPFUSE_EPI_TMA", tma)
+def test_epilogue_routes_and_publishes_several_generations(chunk_m, tma, sub, flatten):
+    # gemm_kernel's hook (test_ws_* below: the Gluon kernel's). 512-row chunks: every tile in
+    # one chunk, stored by TMA through its destination's descriptor unless epi_tma=False. 517:
+    # tiles straddle two destinations, pointer stores (TMA would need a negative row coordinate).
     cfg = dataclasses.replace(BIG, EPI_SUBTILE=sub, flatten=flatten)
     _epilogue_over_generations(8 * chunk_m, 1024, 1536, chunk_m, cfg,
-                               start_chunk=3, seed=0, expect_tma=chunk_m % 128 == 0 and tma == "1")
+                               start_chunk=3, seed=0, expect_tma=chunk_m % 128 == 0 and tma,
+                               options=gc.GemmOptions(gluon=False, epi_tma=tma))
 
 
 @pytest.mark.parametrize("chunk_m,chunks", [(512, 8), (517, 8), (96, 16)])
 @pytest.mark.parametrize("sub", [1, 2])
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
-def test_epilogue_stacked_destinations_take_one_descriptor(chunk_m, chunks, sub, flatten, monkeypatch):
-    monkeypatch.setenv("TPFUSE_WS", "0")
+def test_epilogue_stacked_destinations_take_one_descriptor(chunk_m, chunks, sub, flatten):
     # Chunks of one tensor: one TMA descriptor over all rows, for any chunk height (517: tiles
     # straddle two chunks) and any number of chunks (16), each tile stored at its own row.
     cfg = dataclasses.replace(BIG, EPI_SUBTILE=sub, flatten=flatten)
     _epilogue_over_generations(chunks * chunk_m, 1024, 1536, chunk_m, cfg, start_chunk=3, seed=20,
-                               expect_tma=True, stacked=True)
+                               expect_tma=True, stacked=True, options=gc.GemmOptions(gluon=False))
 
 
-@pytest.mark.parametrize("count", ["auto", "epilogue", "gpu", "sys"])
+@pytest.mark.parametrize("count", ["auto", "after_loop", "returning"])
 @pytest.mark.parametrize("config", [BIG, dataclasses.replace(BIG, num_programs=7), DEEP_PTR,
                                     dataclasses.replace(FLAT, num_programs=7),
                                     dataclasses.replace(BIG, num_programs=7, stream_k=2)],
                          ids=["big", "7_programs", "pointer_stores", "flat_7_programs", "stream_k_7_programs"])
-def test_epilogue_count_modes_publish_every_chunk(count, config, monkeypatch):
-    monkeypatch.setenv("TPFUSE_WS", "0")   # the count modes are gemm_kernel's
+def test_epilogue_count_modes_publish_every_chunk(count, config):
+    # the count modes are gemm_kernel's (gluon=False)
     # auto: counts that return nothing, made inside the next tile's main loop in flattened
-    # tile loops (EPI_COUNT=4), after it otherwise and with =epilogue (3), a poller per chunk;
+    # tile loops (EPI_COUNT=4), after it otherwise and with "after_loop" (3), a poller per chunk;
     # 7 programs run ~14 tiles each, so most chunks are published by their poller inside the
     # tile loop, the rest at the programs' ends after the handoff. With stream_k=2 the last 12 of the 96 tiles are
     # shared out by K-steps and counted by the segment that stores them.
-    monkeypatch.setenv("TPFUSE_EPI_COUNT", count)
     modes = []
 
     def mode():
-        (plan,) = gc._PLANS.values()
-        modes.append(plan.constexprs[-1])
+        modes.append(gc.last_plan().epi_count)
         return True
 
     # tma_store=False configs keep pointer stores in the hook too: a TMA store's staging
     # buffer would not fit beside their deeper pipeline
     _epilogue_over_generations(8 * 256, 512, 1536, 256, config, start_chunk=2, seed=11, after=mode,
-                               expect_tma=config.tma_store)
-    assert set(modes) == {{"auto": 4 if config.flatten else 3, "epilogue": 3, "gpu": 1, "sys": 2}[count]}
+                               expect_tma=config.tma_store,
+                               options=gc.GemmOptions(gluon=False, epi_count=count))
+    assert set(modes) == {{"auto": 4 if config.flatten else 3, "after_loop": 3, "returning": 1}[count]}
 
 
 def test_epilogue_with_more_chunks_than_descriptors_stores_through_pointers():
@@ -320,7 +321,7 @@ def test_ws_epilogue_layouts_dtypes_and_tiles(config, b_layout, dtype):
 
 
 @pytest.mark.skipif(not WS_GPU, reason="the Gluon kernel is sm_90 only")
-def test_ws_is_not_taken_with_both_hooks_or_when_switched_off(monkeypatch):
+def test_ws_is_not_taken_with_both_hooks_or_when_switched_off():
     m, chunk_m = 4 * 256, 256
     a, b, ref = _operands(m, 256, 512, torch.bfloat16, "weight_t")
     signals = torch.zeros(4, dtype=torch.int32, device="cuda")
@@ -328,30 +329,40 @@ def test_ws_is_not_taken_with_both_hooks_or_when_switched_off(monkeypatch):
     dests = [torch.empty(chunk_m + 5, 512, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     spec = gc.EpilogueSpec.from_tensors(dests, signals, 1, chunk_m)
     wait = gc.WaitSpec(torch.ones(4, dtype=torch.int32, device="cuda"), 1, chunk_m)
-    gc._PLANS.clear()
     gc.matmul(a, b, config=BIG, tile_order="owner", epilogue=spec, wait=wait)
-    (plan,) = gc._PLANS.values()
-    assert plan.ws == () and signals.tolist() == [1] * 4
-    monkeypatch.setenv("TPFUSE_WS", "0")
-    gc._PLANS.clear()
-    gc.matmul(a, b, config=BIG, tile_order="owner", epilogue=spec.with_generation(2))
-    (plan,) = gc._PLANS.values()
-    assert plan.ws == () and plan.epi_tma == 4 and signals.tolist() == [2] * 4
+    plan = gc.last_plan()
+    assert plan.kernel == "gemm_kernel" and "both hooks" in plan.explain() and signals.tolist() == [1] * 4
+    gc.matmul(a, b, config=BIG, tile_order="owner", epilogue=spec.with_generation(2),
+              options=gc.GemmOptions(gluon=False))
+    plan = gc.last_plan()
+    assert plan.kernel == "gemm_kernel" and "gluon=False" in plan.explain()
+    assert plan.epi_tma == 4 and signals.tolist() == [2] * 4
     _assert_close(torch.cat([d[:chunk_m] for d in dests]), ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("fast", ["1", "0"])
-def test_repeated_calls_reuse_the_compiled_kernel(fast, monkeypatch):
-    # the second and later calls take the direct launch path (TPFUSE_FAST_LAUNCH=1)
-    monkeypatch.setenv("TPFUSE_FAST_LAUNCH", fast)
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "jit"])
+def test_repeated_calls_reuse_the_compiled_kernel(direct):
+    # One compile per shape; with direct launches on, every later call of the shape calls the
+    # compiled kernel directly. Fails if the direct path stops being taken -- also when the
+    # library's own fallback (a failed direct launch turns them off) kicked in.
+    options = gc.GemmOptions(direct_launch=direct)
     out = torch.full((1000, 640), float("nan"), device="cuda", dtype=torch.bfloat16)
+    before = gc.launch_counts()
     for seed in range(3):
         a, b, ref = _operands(1000, 512, 640, torch.bfloat16, "weight_t", seed=seed)
         out.fill_(float("nan"))
-        gc.matmul(a, b, out=out, config=BIG)
+        gc.matmul(a, b, out=out, config=BIG, options=options)
         _assert_close(out, ref, torch.bfloat16)
         a2, b2, ref2 = a[:999], b, ref[:999]      # another shape in between
-        _assert_close(gc.matmul(a2, b2, config=SMALL), ref2, torch.bfloat16)
+        _assert_close(gc.matmul(a2, b2, config=SMALL, options=options), ref2, torch.bfloat16)
+    after = gc.launch_counts()
+    delta = {key: after.get(key, 0) - before.get(key, 0) for key in ("jit", "direct", "compiled")}
+    assert delta["compiled"] <= 2, delta             # at most one compile per shape (0: compiled earlier)
+    assert delta["jit"] + delta["direct"] == 6, delta
+    if direct:   # the first call of each shape may already find it compiled by an earlier test
+        assert delta["direct"] >= 4, delta
+    else:
+        assert delta["direct"] == 0, delta
 
 
 def test_tune_writes_cache(tmp_path, monkeypatch):
@@ -359,7 +370,7 @@ def test_tune_writes_cache(tmp_path, monkeypatch):
     a, b, _ = _operands(512, 512, 512, torch.bfloat16, "weight_t")
     best, timings = gc.tune(a, b, configs=[SMALL, gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)], rep_ms=5)
     assert len(timings) == 2 and (tmp_path / "gemm_core.json").exists()
-    assert gc._lookup(512, 512, 512, torch.bfloat16, True, a.device) == best
+    assert cache.lookup(512, 512, 512, torch.bfloat16, True, a.device) == best
 
 
 @pytest.mark.skipif(not HOPPER, reason="TMA needs sm_90+")
@@ -379,14 +390,14 @@ def test_misaligned_view_after_an_aligned_call_takes_the_pointer_path():
     _assert_close(out, ref, torch.bfloat16)
 
 
-# ---- split-K -------------------------------------------------------------------------------
+# ---- stream-K ------------------------------------------------------------------------------
 SK_128 = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
 SK_256 = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, EPI_SUBTILE=2)
 
 
 def _tile_counters_are_zero():
     torch.cuda.synchronize()
-    return all(int(c.abs().sum()) == 0 for _, c in gc._SPLIT_K_BUFFERS.values())
+    return all(int(c.abs().sum()) == 0 for _, c in launch._STREAM_K_BUFFERS.values())
 
 
 # (509, 3000, 1000): 16-byte aligned rows -> TMA on Hopper; K = 3000 is 23.4 steps of 128.
@@ -403,53 +414,14 @@ def _calls_in_a_row(m, k, n, dtype, b_layout, cfg, seeds):
     return a, b, out
 
 
-@pytest.mark.parametrize("split_k,base,shape,b_layout,dtype", [
-    (2, SK_128, (509, 3000, 1000), "weight_t", torch.bfloat16),
-    (3, SK_256, (509, 3000, 1000), "row_major", torch.bfloat16),
-    (4, SK_128, (128, 4091, 771), "row_major", torch.bfloat16),
-    (8, SK_256, (509, 3000, 1000), "weight_t", torch.float16),
-    (3, SK_128, (128, 4091, 771), "weight_t", torch.float16),
-], ids=["k2-128-tma-wt", "k3-256-tma-row", "k4-128-ptr-row", "k8-256-tma-wt-fp16", "k3-128-ptr-wt-fp16"])
-def test_split_k_matches_reference(split_k, base, shape, b_layout, dtype):
-    m, k, n = shape
-    cfg = dataclasses.replace(base, split_k=split_k)
-    a, b, out = _calls_in_a_row(m, k, n, dtype, b_layout, cfg, seeds=(5, 6))
-    again = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-    gc.matmul(a, b, out=again, config=cfg)
-    torch.cuda.synchronize()
-    assert torch.equal(again, out), "split-K result changed between identical calls"
-
-
-def test_split_k_is_bitwise_stable_when_slices_race():
-    # 32 tiles x 8 slices = 256 work items on all SMs: slices of a tile finish in a different
-    # order on every run; the sum is in slice order, so every run gives the same bits.
-    a, b, ref = _operands(256, 8192, 2048, torch.bfloat16, "weight_t", seed=7)
-    cfg = dataclasses.replace(SK_128, split_k=8)
-    first = gc.matmul(a, b, config=cfg)
-    _assert_close(first, ref, torch.bfloat16)
-    out = torch.empty_like(first)
-    for _ in range(50):
-        out.fill_(float("nan"))
-        gc.matmul(a, b, out=out, config=cfg)
-        torch.cuda.synchronize()
-        assert torch.equal(out, first)
-    assert _tile_counters_are_zero()
-
-
-def _k_shared_epilogue(config, tma, seed, monkeypatch):
-    """Epilogue hook over generations with tiles whose K is shared out (split-K, stream-K):
-    128-row chunks take TMA stores (unless TPFUSE_EPI_TMA=0), 131-row ones pointer stores."""
-    monkeypatch.setenv("TPFUSE_EPI_TMA", tma)
-    monkeypatch.setenv("TPFUSE_WS", "0")   # stream-K's shared tiles are gemm_kernel's (split-K never takes gemm_ws)
-    chunk_m = 128 if tma == "1" else 131
+def _k_shared_epilogue(config, tma, seed):
+    """Epilogue hook over generations with tiles whose K is shared out (stream-K):
+    128-row chunks take TMA stores (unless epi_tma=False), 131-row ones pointer stores.
+    gluon=False: stream-K's shared tiles are gemm_kernel's."""
+    chunk_m = 128 if tma else 131
     _epilogue_over_generations(4 * chunk_m, 2048, 1536, chunk_m, config, start_chunk=1, seed=seed,
-                               after=_tile_counters_are_zero, expect_tma=tma == "1")
-
-
-@pytest.mark.parametrize("tma", ["1", "0"])
-@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
-def test_split_k_with_epilogue_hook_several_generations(tma, flatten, monkeypatch):
-    _k_shared_epilogue(dataclasses.replace(SK_256, split_k=3, flatten=flatten), tma, 10, monkeypatch)
+                               after=_tile_counters_are_zero, expect_tma=tma,
+                               options=gc.GemmOptions(epi_tma=tma, gluon=False))
 
 
 def _k_shared_wait(config, seed):
@@ -462,11 +434,6 @@ def _k_shared_wait(config, seed):
     _assert_close(out, ref, torch.bfloat16)
 
 
-def test_split_k_with_wait_hook_signals_preset():
-    _k_shared_wait(dataclasses.replace(SK_128, split_k=4), seed=14)
-
-
-# ---- stream-K ------------------------------------------------------------------------------
 # (shape, config): all tiles shared out (under one wave), the last partial wave only (mode 1),
 # it and one full wave (mode 2), the plain-pointer path, a decode-sized tile.
 @pytest.mark.parametrize("mode,base,shape,b_layout,dtype", [
@@ -490,10 +457,10 @@ def test_stream_k_matches_reference(mode, base, shape, b_layout, dtype):
         assert torch.equal(again, out), "stream-K result changed between identical calls"
 
 
-@pytest.mark.parametrize("tma", ["1", "0"])
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
-def test_stream_k_with_epilogue_hook_several_generations(tma, flatten, monkeypatch):
-    _k_shared_epilogue(dataclasses.replace(SK_256, stream_k=1, flatten=flatten), tma, 18, monkeypatch)
+def test_stream_k_with_epilogue_hook_several_generations(tma, flatten):
+    _k_shared_epilogue(dataclasses.replace(SK_256, stream_k=1, flatten=flatten), tma, 18)
 
 
 def test_stream_k_with_wait_hook_signals_preset():

@@ -39,17 +39,6 @@ Hooks (constexpr, compiled away when off):
   its MMAs, so the chunk is published most of a tile earlier (``_count_in_loop``).
   Destinations stacked as one tensor's rows store through one descriptor (EPI_TMA_STACKED).
 
-Split-K (``SPLIT_K`` constexpr > 1; 1 compiles the plain path): the work items are
-(tile, k-slice) pairs, slice-major (item ``w`` = slice ``w // num_tiles`` of tile
-``w % num_tiles``), so the slices of one tile sit ``num_tiles`` items apart and run on different
-programs at the same time. Slice ``s`` accumulates k-tiles ``[s*k_tiles//SPLIT_K,
-(s+1)*k_tiles//SPLIT_K)`` in fp32 and stores that partial to its slot of the workspace
-``ws[tile_id, s]`` (``[num_tiles, SPLIT_K, BLOCK_M, BLOCK_N]`` fp32), then counts itself in
-``tile_counters[tile_id]`` (acq_rel, gpu scope, after a CTA barrier). The slice that counts last
-has acquired every other slice's partial: it sums the slots in slice order 0..SPLIT_K-1 (its
-own from registers), so the result does not depend on which slice came last, stores the tile
-through the usual epilogue (hooks included) and resets the counter to zero for the next call.
-
 Three granularities stay separate: CTA tile (BLOCK_M/N/K), epilogue subtile (EPI_SUBTILE
 column slices of the tile per store), communication chunk (chunk_m rows, num_chunks).
 
@@ -57,11 +46,13 @@ FLATTEN (configs with ``flatten=True``): Triton fuses the tile loop and the K lo
 pipelined loop, so the next tile's loads (and its prologue: coordinates, wait hook) run ahead of
 this tile's epilogue. It does so only when the tile loop holds exactly one loop and no
 ``tl.debug_barrier``: hence the owner order's closed form, the hooks' chunk loops inside an
-``if``, ``cta_barrier`` and ``_carry`` (docs/gemm_core.md, "Flattened tile loop"; CPU test
+``if``, ``cta_barrier`` and ``_carry`` (docs/gemm_core.md, "Kernels"; CPU test
 ``test_offline_hooked_kernels_flatten_into_one_pipelined_loop``).
 """
 import triton
 import triton.language as tl
+
+from . import abi
 
 from .signals import (HANDOFF, bulk_writes_done, count_release_red, count_release_red_if, cta_barrier,
                       cta_barrier_if, handoff_red,
@@ -70,16 +61,16 @@ from .signals import (HANDOFF, bulk_writes_done, count_release_red, count_releas
 
 # EPI_COUNT=3 is taken with at most this many chunks (the end of a program checks them all at
 # once) and fewer tiles than this in all (a chunk's count must stay below its HANDOFF bit)
-MAX_POLLED_CHUNKS = tl.constexpr(64)
+MAX_POLLED_CHUNKS = tl.constexpr(abi.MAX_POLLED_CHUNKS)
 MAX_COUNTED_TILES = HANDOFF
 # EPI_TMA value for destinations stacked as one tensor's rows (chunk c's destination starts at
 # row c * chunk_m of the first one's): one descriptor, epi_d0, over all M rows, so a tile is
 # stored at its own row as the plain output is (one code path instead of one per chunk)
-EPI_TMA_STACKED = tl.constexpr(9)
+EPI_TMA_STACKED = tl.constexpr(abi.EPI_TMA_STACKED)
 # EPI_COUNT=4: the previous tile is counted at this K-step of the next tile's main loop (or its
 # last, if it has fewer): late enough for the previous tile's TMA stores to have drained, and
 # with this K-step's MMAs in flight, so the release's fence waits under them
-COUNT_STEP = tl.constexpr(4)
+COUNT_STEP = tl.constexpr(abi.COUNT_STEP)
 
 
 @triton.jit
@@ -201,21 +192,6 @@ def _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stri
 
 
 @triton.jit
-def _sum_partials(ws_tile, SUB_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SUB_N: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Sum of the SPLIT_K partials of column subtile SUB_IDX, read back in slice order (this
-    slice's own too): the sum is the same whichever slice runs this, and the accumulator's
-    registers are free while it runs."""
-    offs = (tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
-            + (SUB_IDX * SUB_N + tl.arange(0, SUB_N))[None, :])
-    total = tl.load(ws_tile + offs, cache_modifier=".cg")
-    for j in tl.range(1, SPLIT_K, num_stages=1):
-        # .cg reads at L2, where the other slices' stores went: never a stale L1 line
-        total += tl.load(ws_tile + j * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-    return total
-
-
-@triton.jit
 def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
                        BLOCK_M: tl.constexpr, EPI_TMA: tl.constexpr, EPI_COUNT: tl.constexpr,
                        USE_ASM: tl.constexpr):
@@ -225,21 +201,15 @@ def _count_and_publish(c_lo, c_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
     publishing program's system-scope release is cumulative (PTX memory model: causality order
     runs through the GPU-scope release/acquire pairs of the count into the system-scope pair
     of the signal), so a peer that acquires the signal sees every tile of the chunk, wherever
-    its stores went. EPI_COUNT: 1 = that GPU-scope count; 2 = system scope
-    (TPFUSE_EPI_COUNT=sys: every tile pays a MEMBAR.SYS the CTA waits for); 0 = no count and
-    no publication (TPFUSE_EPI_COUNT=none: a timing diagnostic only); 3 (the default where the
-    host allows it) takes _count_and_poll in the tile loops and _end_counts after them instead."""
-    if EPI_COUNT == 0:
-        return
+    its stores went. EPI_COUNT: 1 = that GPU-scope count, read at once (abi.EPI_COUNT_RETURNING);
+    3 and 4 (the default where the host allows them) take _count_and_poll or _count_in_loop in
+    the tile loops and _end_counts after them instead."""
     # (the loop sits inside an ``if``, so that the tile loop can still be flattened)
     if c_hi >= c_lo:
         _tile_stores_done(EPI_TMA, USE_ASM)
         for cc in range(c_lo, c_hi + 1):
             tiles_in_chunk = _tiles_in_chunk(cc, M, chunk_m, num_pid_n, BLOCK_M)
-            if EPI_COUNT == 2:
-                done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="sys")
-            else:
-                done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="gpu")
+            done = tl.atomic_add(counters + cc, 1, sem="acq_rel", scope="gpu")
             if done == tiles_in_chunk - 1:
                 # Last tile of chunk cc: this program has acquired every other tile's release,
                 # so its release publishes the whole chunk.
@@ -520,16 +490,15 @@ def gemm_kernel(
     # destination, or (EPI_TMA_STACKED) epi_d0 covers all M rows; the unused ones are None
     # (separate arguments: Triton 3.6's launcher does not take a tuple of descriptors)
     epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7,
-    # split-K: fp32 partials [num_tiles, SPLIT_K, BLOCK_M, BLOCK_N] and int32 [num_tiles] zeros;
-    # stream-K: fp32 partials [programs, 2, BLOCK_M, BLOCK_N], the same counters, and the number
-    # of tiles (the last ones of the order) that are shared out by K-steps
+    # stream-K: fp32 partials [programs, 2, BLOCK_M, BLOCK_N], int32 [num_tiles] zeros (tile
+    # counters), and the number of tiles (the last ones of the order) shared out by K-steps
     ws, tile_counters, sk_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SUBTILE: tl.constexpr, TILE_ORDER: tl.constexpr, USE_TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, C_DTYPE: tl.constexpr,
     WAIT: tl.constexpr, EPILOGUE: tl.constexpr, USE_ASM: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_FP32: tl.constexpr,
-    DEST_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr, STREAM_K: tl.constexpr,
+    FLATTEN: tl.constexpr, DOT_FP32: tl.constexpr,
+    DEST_ALIGNED: tl.constexpr, STREAM_K: tl.constexpr,
     EPI_TMA: tl.constexpr, TMA_STORE: tl.constexpr, EPI_COUNT: tl.constexpr,
 ):
     start_pid = tl.program_id(0)
@@ -559,22 +528,12 @@ def gemm_kernel(
 
     if STREAM_K:
         num_work = num_tiles - sk_tiles   # whole tiles first; the last sk_tiles after the loop
-    elif SPLIT_K == 1:
-        num_work = num_tiles
     else:
-        num_work = num_tiles * SPLIT_K
-    for work_id in tl.range(start_pid, num_work, num_progs, flatten=FLATTEN,
-                            warp_specialize=WARP_SPECIALIZE):
-        if SPLIT_K == 1:
-            tile_id = work_id
-            k_lo = 0
-            k_hi = k_tiles
-        else:
-            # slice-major: the slices of a tile are num_tiles items apart, on different programs
-            split = work_id // num_tiles
-            tile_id = work_id - split * num_tiles
-            k_lo = (split * k_tiles) // SPLIT_K
-            k_hi = ((split + 1) * k_tiles) // SPLIT_K
+        num_work = num_tiles
+    for work_id in tl.range(start_pid, num_work, num_progs, flatten=FLATTEN):
+        tile_id = work_id
+        k_lo = 0
+        k_hi = k_tiles
         off_m, off_n, c_lo, c_hi, status, verified = _tile_start(
             tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
             wait_timeout, err_ptr, status, verified, BLOCK_M, BLOCK_N, GROUP_M, TILE_ORDER, WAIT,
@@ -583,91 +542,52 @@ def gemm_kernel(
         acc, seen, sig = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk,
                                    stride_bn, pend_lo, cnt_n, poll_q, counters, signal_ptrs, BLOCK_M, BLOCK_N,
                                    BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32,
-                                   EPILOGUE and EPI_COUNT == 4 and SPLIT_K == 1, EPI_TMA, USE_ASM)
+                                   EPILOGUE and EPI_COUNT == 4, EPI_TMA, USE_ASM)
 
-        if SPLIT_K == 1:
-            if EPILOGUE:
-                # Count the previous tile now: its stores have drained during this tile's main
-                # loop, so the release below costs no wait (publication is a tile later).
-                if EPI_COUNT == 4:
-                    # ... or rather, it was counted a few K-steps into this main loop, under its
-                    # MMAs; poll with what was read there
-                    poll_q = _poll_chunk(poll_q, seen, sig, M, chunk_m, num_pid_n, counters, epi_gen, status,
-                                         BLOCK_M, USE_ASM)
-                    poll_q = _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM)
-                elif EPI_COUNT == 3:
-                    # ... with a release that returns nothing, so no warp waits for it. Pending
-                    # tiles of this tile's chunk wait for it and are counted with it, a tile
-                    # later (the chunk cannot be complete before this tile is counted anyway):
-                    # one release, and one fence, per run of a program's tiles in one chunk.
-                    merge = (pend_hi >= pend_lo) & (pend_lo == c_lo) & (pend_poll == 0)
-                    poll_q = _count_and_poll(pend_lo, tl.where(merge, pend_lo - 1, pend_hi), pend_n, pend_poll,
-                                             poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
-                                             status, BLOCK_M, EPI_TMA, USE_ASM)
-                else:
-                    _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                                       epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
-            _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
-                       chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
-                       DEST_ALIGNED, EPI_TMA)
-            if EPILOGUE:   # after the stores (see _carry)
-                pend_lo = _carry(c_lo, USE_ASM)
-                pend_hi = _carry(c_hi, USE_ASM)
-                if EPI_COUNT >= 3:
-                    pend_poll = _carry(_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N),
-                                       USE_ASM)
-                if EPI_COUNT == 4:
-                    # The run of pending tiles grows by this tile if this main loop did not count
-                    # it (cnt_n == 0: merged). It is counted in the next tile's main loop unless
-                    # that tile lies in this chunk too and this is no poll tile -- decided here,
-                    # a tile ahead: a count inside the K-steps can only take values the tile
-                    # loop carries (see _count_in_loop).
-                    run_n = tl.where((pend_n > 0) & (cnt_n == 0), pend_n + 1, 1)
-                    merge_next = (_next_in_segment(work_id, num_progs, num_work, c_lo, M, chunk_m, num_chunks,
-                                                   start_chunk, num_pid_n, BLOCK_M, TILE_ORDER)
-                                  & (_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N) == 0))
-                    pend_n = _carry(run_n, USE_ASM)
-                    cnt_n = _carry(tl.where(merge_next, 0, run_n), USE_ASM)
-                elif EPI_COUNT == 3:
-                    pend_n = _carry(tl.where(merge, pend_n + 1, 1), USE_ASM)
-        else:
-            if EPILOGUE:   # the previous stored tile, as above
+        if EPILOGUE:
+            # Count the previous tile now: its stores have drained during this tile's main
+            # loop, so the release below costs no wait (publication is a tile later).
+            if EPI_COUNT == 4:
+                # ... or rather, it was counted a few K-steps into this main loop, under its
+                # MMAs; poll with what was read there
+                poll_q = _poll_chunk(poll_q, seen, sig, M, chunk_m, num_pid_n, counters, epi_gen, status,
+                                     BLOCK_M, USE_ASM)
+                poll_q = _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM)
+            elif EPI_COUNT == 3:
+                # ... with a release that returns nothing, so no warp waits for it. Pending
+                # tiles of this tile's chunk wait for it and are counted with it, a tile
+                # later (the chunk cannot be complete before this tile is counted anyway):
+                # one release, and one fence, per run of a program's tiles in one chunk.
+                merge = (pend_hi >= pend_lo) & (pend_lo == c_lo) & (pend_poll == 0)
+                poll_q = _count_and_poll(pend_lo, tl.where(merge, pend_lo - 1, pend_hi), pend_n, pend_poll,
+                                         poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
+                                         status, BLOCK_M, EPI_TMA, USE_ASM)
+            else:
                 _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
                                    epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
-            # Partial to this slice's slot; every thread's stores happen before the release.
-            ws_tile = ws + tile_id.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
-            offs_ws = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            tl.store(ws_tile + split * (BLOCK_M * BLOCK_N) + offs_ws, acc)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(tile_counters + tile_id, 1, sem="acq_rel", scope="gpu")
-            is_last = arrived == SPLIT_K - 1
-            if EPILOGUE:
-                pend_lo = _carry(c_lo, USE_ASM)
-                pend_hi = tl.where(is_last, c_hi, c_lo - 1)   # empty unless this item stores
-            if is_last:
-                # Every other slice's release is acquired, so their partials are visible; this
-                # CTA's own were ordered by the barrier. Nobody touches this counter again in
-                # this launch; the next launch finds it at 0.
-                tl.atomic_xchg(tile_counters + tile_id, 0, sem="relaxed", scope="gpu")
-                if WAIT:
-                    # A slice whose wait failed (maybe on another program) fed garbage into
-                    # this tile: do as a failed waiter does and never publish its chunks.
-                    if tl.load(err_ptr, volatile=True) != 0:
-                        status = tl.full((), 2, tl.int32)
-                if EPI_SUBTILE == 1:
-                    total = _sum_partials(ws_tile, 0, BLOCK_M, BLOCK_N, SUB_N, SPLIT_K)
-                    _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                    dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 0,
-                                    C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
-                else:
-                    total = _sum_partials(ws_tile, 0, BLOCK_M, BLOCK_N, SUB_N, SPLIT_K)
-                    _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                    dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 0,
-                                    C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
-                    total = _sum_partials(ws_tile, 1, BLOCK_M, BLOCK_N, SUB_N, SPLIT_K)
-                    _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                    dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 1,
-                                    C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
+        _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
+                   chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
+                   DEST_ALIGNED, EPI_TMA)
+        if EPILOGUE:   # after the stores (see _carry)
+            pend_lo = _carry(c_lo, USE_ASM)
+            pend_hi = _carry(c_hi, USE_ASM)
+            if EPI_COUNT >= 3:
+                pend_poll = _carry(_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N),
+                                   USE_ASM)
+            if EPI_COUNT == 4:
+                # The run of pending tiles grows by this tile if this main loop did not count
+                # it (cnt_n == 0: merged). It is counted in the next tile's main loop unless
+                # that tile lies in this chunk too and this is no poll tile -- decided here,
+                # a tile ahead: a count inside the K-steps can only take values the tile
+                # loop carries (see _count_in_loop).
+                run_n = tl.where((pend_n > 0) & (cnt_n == 0), pend_n + 1, 1)
+                merge_next = (_next_in_segment(work_id, num_progs, num_work, c_lo, M, chunk_m, num_chunks,
+                                               start_chunk, num_pid_n, BLOCK_M, TILE_ORDER)
+                              & (_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N) == 0))
+                pend_n = _carry(run_n, USE_ASM)
+                cnt_n = _carry(tl.where(merge_next, 0, run_n), USE_ASM)
+            elif EPI_COUNT == 3:
+                pend_n = _carry(tl.where(merge, pend_n + 1, 1), USE_ASM)
     if STREAM_K:
         # The last sk_tiles tiles of the order, shared out by K-steps: their total_steps steps
         # are cut into num_progs equal runs [lo, hi), one per program, so every SM gets the

@@ -35,24 +35,21 @@ Wait hook (``WAIT``, the AG consumer side, without the epilogue hook): gemm.py's
 runs in the load warp before a tile's loads, followed by ``fence.proxy.async.global`` (the TMA
 loads are async-proxy reads of rows a peer wrote); the MMA warps wait only for operands. A timed
 out wait is recorded in the error word and the loads go on, so the kernel ends and the host
-raises TimeoutError. No split-K, no stream-K: the host (tpfuse/gemm_core.py, ``_ws_choice``)
+raises TimeoutError. No stream-K: the host (tpfuse/gemm/launch.py, ``ws_choice``)
 takes this kernel for one hook at a time on those paths.
 """
-import functools
-
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .. import gemm_core   # tile order names, programs per device (gemm_core imports this module lazily)
+from . import abi
 # gemm.py's tile orders, called from Gluon as they are (scalar integer arithmetic); the first
 # timeout of a wait claims the error word as in gemm.py
 from .gemm import _tile_coords
 from .signals import record_timeout
 
-EPI_TMA_STACKED = gl.constexpr(9)   # as gemm.EPI_TMA_STACKED
+EPI_TMA_STACKED = gl.constexpr(abi.EPI_TMA_STACKED)
 
 # The store warp's count of one stored tile in one chunk: lane 0 counts, every lane gets the
 # count it made (shfl). Before it: this warp's TMA writes done and ordered before the release.
@@ -79,18 +76,6 @@ _WAIT_ASM = gl.constexpr(
 # After the wait hook's acquire (generic proxy), before the TMA loads (async proxy) of the rows
 # it released: peers' writes to them are then ordered before the loads.
 _PROXY_FENCE_ASM = gl.constexpr("fence.proxy.async.global;\n\tmov.u32 $0, 0;")
-# Timing diagnostics only (launch(diag=...), benchmarks/probe_ws.py; never by gemm_core): the
-# count without the publication (2), as a red that returns nothing (3), without the proxy
-# fence (4); 1 = no count at all (stores only)
-_DIAG2_ASM = gl.constexpr(_COUNT_ASM.value.replace("@last fence.acq_rel.sys;\n\t", "")
-                          .replace("@last st.relaxed.sys.global.b32 [$4], $5;\n\t", ""))
-_DIAG3_ASM = gl.constexpr("{\n\t.reg .pred p;\n\t.reg .u32 lane;\n\tcp.async.bulk.wait_group 0;\n\t"
-                          "fence.proxy.async.global;\n\tbar.warp.sync -1;\n\tmov.u32 lane, %laneid;\n\t"
-                          "setp.eq.u32 p, lane, 0;\n\t@p red.release.gpu.global.add.u32 [$1], $2;\n\t"
-                          "mov.u32 $0, 0;\n\t}")
-_DIAG4_ASM = gl.constexpr(_COUNT_ASM.value.replace("fence.proxy.async.global;\n\t", ""))
-
-
 @gluon.jit
 def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr, status, verified):
     """The wait hook of one tile in the load warp, as gemm.py's ``_wait_chunks`` (which Gluon
@@ -115,7 +100,7 @@ def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_p
 @gluon.jit
 def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr, DIAG: gl.constexpr, WAIT: gl.constexpr):
+                    EPI_TMA: gl.constexpr, WAIT: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
      wait_signal, wait_gen, wait_timeout, err_ptr) = p
@@ -157,7 +142,7 @@ def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl
 @gluon.jit
 def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr, DIAG: gl.constexpr, WAIT: gl.constexpr):
+                    EPI_TMA: gl.constexpr, WAIT: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
      wait_signal, wait_gen, wait_timeout, err_ptr) = p
@@ -188,19 +173,8 @@ def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: g
                 row_end = gl.minimum((cc + 1) * chunk_m, M)
                 total = ((row_end - 1) // BLOCK_M - (cc * chunk_m) // BLOCK_M + 1) * num_pid_n
                 sig = gl.load(signal_ptrs + cc)
-                if DIAG == 0:
-                    gl.inline_asm_elementwise(_COUNT_ASM, "=r,l,r,r,l,r",
-                                              [counters + cc, 1, total, sig, epi_gen],
-                                              dtype=gl.int32, is_pure=False, pack=1)
-                elif DIAG == 2:
-                    gl.inline_asm_elementwise(_DIAG2_ASM, "=r,l,r,r,l,r", [counters + cc, 1, total, sig, epi_gen],
-                                              dtype=gl.int32, is_pure=False, pack=1)
-                elif DIAG == 3:
-                    gl.inline_asm_elementwise(_DIAG3_ASM, "=r,l,r,r,l,r", [counters + cc, 1, total, sig, epi_gen],
-                                              dtype=gl.int32, is_pure=False, pack=1)
-                elif DIAG == 4:
-                    gl.inline_asm_elementwise(_DIAG4_ASM, "=r,l,r,r,l,r", [counters + cc, 1, total, sig, epi_gen],
-                                              dtype=gl.int32, is_pure=False, pack=1)
+                gl.inline_asm_elementwise(_COUNT_ASM, "=r,l,r,r,l,r", [counters + cc, 1, total, sig, epi_gen],
+                                          dtype=gl.int32, is_pure=False, pack=1)
         tc += 1
     tma.store_wait(0)
 
@@ -208,7 +182,7 @@ def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: g
 @gluon.jit
 def _mma_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr, DIAG: gl.constexpr, WAIT: gl.constexpr, num_warps: gl.constexpr):
+                    EPI_TMA: gl.constexpr, WAIT: gl.constexpr, num_warps: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
      wait_signal, wait_gen, wait_timeout, err_ptr) = p
@@ -253,7 +227,7 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
                    epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                    STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr,
-                   EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, DIAG: gl.constexpr, WAIT: gl.constexpr,
+                   EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, WAIT: gl.constexpr,
                    num_warps: gl.constexpr):
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -279,94 +253,7 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
          wait_signal, wait_gen, wait_timeout, err_ptr)
     gl.warp_specialize([
         (_mma_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA,
-                          DIAG, WAIT, num_warps)),
-        (_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, DIAG, WAIT)),
-        (_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, DIAG, WAIT)),
+                          WAIT, num_warps)),
+        (_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, WAIT)),
+        (_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, WAIT)),
     ], [1, 1], [40, 40])
-
-
-# --------------------------------------------------------------------------------------------
-# host side
-# --------------------------------------------------------------------------------------------
-# Registers: 8 MMA warps and two one-warp workers (one warpgroup): 12 warps x 168 = 64512 of the
-# SM's 65536; the workers drop to 40 (setmaxnreg), so the MMA warps get 232 for their 128
-# accumulator registers (128 x 256 fp32 over 256 threads) and the rest.
-NUM_WARPS = 8
-MAXNREG = 168
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_layout(block: tuple, dtype: str):
-    """The shared layout the kernel stages a ``block`` of ``dtype`` in (per call: cached)."""
-    return gl.NVMMASharedLayout.get_default_for(list(block), {"torch.bfloat16": gl.bfloat16,
-                                                              "torch.float16": gl.float16}[dtype])
-
-
-def make_descriptor(t, shape, strides, block):
-    """A Gluon TMA descriptor of ``t`` (bf16/fp16, unit column stride) with the shared layout
-    the kernel stages ``block`` in (same arguments as triton's TensorDescriptor)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    return TensorDescriptor(t, list(shape), list(strides), list(block), _shared_layout(tuple(block), str(t.dtype)))
-
-
-def launch(a, b, *, out=None, dests=(), stacked=False, chunk_m=None, start_chunk=0, tile_order="grouped",
-           counters=None, signal_ptrs=None, generation=0, block=(128, 256, 64), group_m=8, stages=3,
-           grid=None, epi_descs=None, diag=0, wait_signal=None, wait_gen=0, wait_timeout_ns=0, err=None):
-    """``a [M, K] @ b [K, N]`` (``b`` row-major or ``weight.t()``) into ``out``, or with ``dests``
-    (the epilogue hook) into one destination per chunk of ``chunk_m`` rows (``stacked``: they
-    are consecutive row blocks of one tensor), counting in ``counters`` and publishing
-    ``generation`` to the int32 at each ``signal_ptrs[c]``. bf16/fp16, 16-byte aligned rows,
-    sm_90. ``epi_descs``: the destinations' descriptors when the caller keeps them (one per
-    chunk, or one over the stacked rows). With ``wait_signal`` (the wait hook, into ``out``):
-    the load warp waits before a tile's loads until ``wait_signal[c] >= wait_gen`` for every
-    chunk ``c`` its rows touch, for at most ``wait_timeout_ns``, recording a timeout in ``err``.
-    The caller (tpfuse/gemm_core.py) validates; this only launches."""
-    m, k = a.shape
-    n = b.shape[1]
-    bm, bn, bk = block
-    b_kmajor = b.stride(0) == 1
-    a_desc = make_descriptor(a, (m, k), (a.stride(0), 1), (bm, bk))
-    if b_kmajor:
-        b_desc = make_descriptor(b.t(), (n, k), (b.stride(1), 1), (bn, bk))
-    else:
-        b_desc = make_descriptor(b, (k, n), (b.stride(0), 1), (bk, bn))
-    epilogue = len(dests) > 0
-    chunk_m = chunk_m or m
-    num_chunks = -(-m // chunk_m)
-    if epilogue:
-        if epi_descs is None:
-            if stacked:
-                epi_descs = [make_descriptor(dests[0], (m, n), (dests[0].stride(0), 1), (bm, bn))]
-            else:
-                epi_descs = [make_descriptor(d, (min(chunk_m, m - q * chunk_m), n), (d.stride(0), 1), (bm, bn))
-                             for q, d in enumerate(dests)]
-        epi = list(epi_descs)
-        epi_tma = EPI_TMA_STACKED.value if stacked else len(epi)
-        c_desc = epi[0]
-    else:
-        c_desc = make_descriptor(out, (m, n), (out.stride(0), 1), (bm, bn))
-        epi, epi_tma = [], 0
-    epi = epi + [None] * (8 - len(epi))
-    if grid is None:   # gemm_core passes its plan's
-        grid = min(triton.cdiv(m, bm) * triton.cdiv(n, bn), gemm_core._num_programs(a.device))
-    tile_order_idx = gemm_core.TILE_ORDERS.index(tile_order)
-    wait = wait_signal is not None
-    ints = (chunk_m, num_chunks, start_chunk, wait_gen, wait_timeout_ns, generation)
-    # Everything the JIT specializes on (the descriptors' dtypes, blocks and layouts follow from
-    # the dtype, block, b_kmajor and destinations; the hook ints and pointers are not
-    # specialized but for their width and dtype), so a cached compiled kernel fits this call
-    c0 = dests[0] if epilogue else out
-    spec = ("gemm_ws", a.device, a.dtype, c0.dtype, m, n, k, a.stride(), b.stride(), c0.stride(), bm, bn, bk,
-            group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, sum(d is not None for d in epi), diag,
-            wait, tuple(-2**31 <= x < 2**31 for x in ints),
-            tuple(None if t is None else t.dtype for t in (wait_signal, err, counters, signal_ptrs)))
-    full = [a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
-            wait_timeout_ns, err, counters, signal_ptrs, generation, *epi,
-            bm, bn, bk, group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, diag, wait, NUM_WARPS]
-    gemm_core._launch_cached(spec, (grid, 1, 1), full, a.device, lambda: gemm_ws_kernel[(grid, )](
-        a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen, wait_timeout_ns,
-        err, counters, signal_ptrs, generation, *epi,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages, TILE_ORDER=tile_order_idx,
-        B_KMAJOR=b_kmajor, EPILOGUE=epilogue, EPI_TMA=epi_tma, DIAG=diag, WAIT=wait,
-        num_warps=NUM_WARPS, maxnreg=MAXNREG))
-    return out

@@ -26,9 +26,12 @@ times out (first writer wins through a CAS on word 0)::
 import triton
 import triton.language as tl
 
-ERROR_WORDS = 8
-ERR_OK = 0
-ERR_WAIT_TIMEOUT = 1
+from . import abi
+
+# the error word's layout and the handoff bit are shared with the host side (abi.py)
+ERROR_WORDS = abi.ERROR_WORDS
+ERR_OK = abi.ERR_OK
+ERR_WAIT_TIMEOUT = abi.ERR_WAIT_TIMEOUT
 
 
 @triton.jit
@@ -130,7 +133,7 @@ def cta_barrier(USE_ASM: tl.constexpr):
 
 # EPI_COUNT=3 (tpfuse/kernels/gemm.py): a chunk's counter holds its count of stored tiles, plus
 # HANDOFF once the chunk's poller has stopped polling it (at most once per launch).
-HANDOFF = tl.constexpr(1 << 24)
+HANDOFF = tl.constexpr(abi.HANDOFF)
 
 # Inline PTX of the EPI_COUNT=3 primitives below. "me": the CTA's last thread (not warp 0, which
 # issues the TMA loads and stores), or where the asm works per element, a valid element.

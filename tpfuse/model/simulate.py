@@ -30,6 +30,11 @@ from tpfuse.model.hardware import HardwareProfile
 __all__ = [
     "OPS",
     "STRATEGIES",
+    "Schedule",
+    "COLLECTIVE_THEN_GEMM",
+    "P2P_RING",
+    "COPY_ENGINE_PIPELINE",
+    "PERSISTENT_KERNEL",
     "Task",
     "RankStats",
     "SimResult",
@@ -39,7 +44,51 @@ __all__ = [
 ]
 
 OPS = ("ag_gemm", "gemm_rs", "gemm_ar")
-STRATEGIES = ("unfused", "ring", "copy_engine", "fused")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The simulator's model of a strategy: which builder replays it and with what.
+
+    ``kind``: "collective" (the collective, then one GEMM; or GEMM then collective), "ring"
+    (W torch.distributed P2P steps, compute on the chunk in hand while the next travels), or
+    "pipeline" (peer chunks over symmetric memory with per-chunk signals). For "pipeline":
+    ``comm_path`` "ce" (copy engine: no SMs) or "sm" (the persistent kernel's communication
+    SMs); ``separate_kernels`` True when each chunk is its own GEMM launch and reductions are a
+    separate kernel (False: one persistent kernel, reductions in it). A strategy module names
+    its schedule as ``MODEL`` (``tpfuse/strategies/__init__.py``)."""
+    kind: str
+    comm_path: str = "p2p"
+    separate_kernels: bool = True
+
+    def __post_init__(self):
+        if self.kind not in ("collective", "ring", "pipeline"):
+            raise ValueError(f"Schedule.kind={self.kind!r}: use 'collective', 'ring' or 'pipeline'")
+        if self.kind == "pipeline" and self.comm_path not in ("ce", "sm"):
+            raise ValueError(f"Schedule.comm_path={self.comm_path!r}: a pipeline moves chunks by 'ce' or 'sm'")
+
+
+COLLECTIVE_THEN_GEMM = Schedule("collective")
+P2P_RING = Schedule("ring")
+COPY_ENGINE_PIPELINE = Schedule("pipeline", comm_path="ce", separate_kernels=True)
+PERSISTENT_KERNEL = Schedule("pipeline", comm_path="sm", separate_kernels=False)
+
+
+def __getattr__(name):
+    # STRATEGIES: the registry's names (tpfuse/strategies/__init__.py), in its order. Looked up
+    # when asked for, not at import: the strategy modules import this one for their schedules.
+    if name == "STRATEGIES":
+        from tpfuse import strategies
+        return strategies.STRATEGY_NAMES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def schedule_of(strategy: str) -> Schedule:
+    """The schedule the strategy named ``strategy`` declares (its module's ``MODEL``)."""
+    from tpfuse import strategies
+    if strategy not in strategies.STRATEGY_NAMES:
+        raise ValueError(f"strategy: unknown strategy {strategy!r}; use one of {strategies.STRATEGY_NAMES}")
+    return strategies.model(strategy)
 
 
 @dataclass
@@ -155,16 +204,14 @@ def _split(total: int, parts: int) -> list[int]:
     return [q + (1 if i < r else 0) for i in range(parts)]
 
 
-def _check(op, strategy, world_size, num_chunks):
+def _check(op, sched, world_size, num_chunks):
     if op not in OPS:
         raise ValueError(f"op: unknown op {op!r}; use one of {OPS}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy: unknown strategy {strategy!r}; use one of {STRATEGIES}")
     if world_size < 1:
         raise ValueError(f"world_size: {world_size} must be >= 1")
     if num_chunks < 1:
         raise ValueError(f"num_chunks: {num_chunks} must be >= 1")
-    if op != "gemm_ar" and strategy in ("copy_engine", "fused") and num_chunks % world_size:
+    if op != "gemm_ar" and sched.kind == "pipeline" and num_chunks % world_size:
         raise ValueError(f"num_chunks: {num_chunks} is not a multiple of world_size {world_size}; "
                          f"{op} chunks each rank's shard, use a multiple such as {world_size}")
 
@@ -182,11 +229,12 @@ def simulate(op: str, strategy: str, *, m: int, n: int, k: int, world_size: int,
     (None: one slot per chunk).
     """
     w = world_size
+    sched = schedule_of(strategy)
     if num_chunks is None:
-        num_chunks = 1 if (w == 1 or strategy == "unfused") else w
-    if strategy == "ring" and w > 1:
+        num_chunks = 1 if (w == 1 or sched.kind == "collective") else w
+    if sched.kind == "ring" and w > 1:
         num_chunks = w
-    _check(op, strategy, w, num_chunks)
+    _check(op, sched, w, num_chunks)
     skew = tuple(skew_ms) if skew_ms is not None else (0.0,) * w
     if len(skew) != w:
         raise ValueError(f"skew_ms: {len(skew)} values for world_size {w}; give one per rank")
@@ -196,10 +244,10 @@ def simulate(op: str, strategy: str, *, m: int, n: int, k: int, world_size: int,
         comm_sms = default_comm_sms(hw)
     g = _Graph(w, skew)
     ctx = _Ctx(op, m, n, k, w, dtype, hw, num_chunks, comm_sms, num_slots)
-    if w == 1 or strategy == "unfused":
+    if w == 1 or sched.kind == "collective":
         _build_unfused(g, ctx)
     else:
-        {"ag_gemm": _build_ag, "gemm_rs": _build_rs, "gemm_ar": _build_ar}[op](g, ctx, strategy)
+        {"ag_gemm": _build_ag, "gemm_rs": _build_rs, "gemm_ar": _build_ar}[op](g, ctx, sched)
     g.run()
     by_rank: list[list[Task]] = [[] for _ in range(w)]
     for t in g.tasks:
@@ -289,10 +337,10 @@ def _build_unfused(g: _Graph, c: _Ctx) -> None:
             g.pairs.append((r, gemms[r], t))
 
 
-def _build_ag(g: _Graph, c: _Ctx, strategy: str) -> None:
+def _build_ag(g: _Graph, c: _Ctx, sched: Schedule) -> None:
     w = c.w
     shard_rows = _split(c.m, w)
-    if strategy == "ring":
+    if sched.kind == "ring":
         # step s: compute on shard (r - s) while shard (r - s - 1) travels from rank r - 1.
         contended = c.hw.sm_count - c.hw.nccl_sms
         host = {r: c.host_steps(g, r, w) for r in range(w)}
@@ -313,10 +361,10 @@ def _build_ag(g: _Graph, c: _Ctx, strategy: str) -> None:
                 if dep is not None:
                     g.pairs.append((r, dep, t))
         return
-    # copy_engine / fused: pull every peer's shard in pieces, nearest peer first; compute the
+    # pipeline (copy engine or persistent kernel): pull every peer's shard in pieces, nearest peer first; compute the
     # local shard first, then each piece as it lands.
     pieces = c.num_chunks // w
-    path = "ce" if strategy == "copy_engine" else "sm"
+    path = sched.comm_path
     for r in range(w):
         order = [(r + d) % w for d in range(w)]
         arrivals = []
@@ -326,7 +374,7 @@ def _build_ag(g: _Graph, c: _Ctx, strategy: str) -> None:
                             label=f"pull {src}.{p}", chunk=src * pieces + p)
                 arrivals.append((tid, rows, src * pieces + p))
         first = True
-        if strategy == "copy_engine":
+        if sched.separate_kernels:
             g.add(r, "gemm", "gemm", c.gemm(shard_rows[r]), label=f"GEMM {r}", chunk=r * pieces)
             for tid, rows, ch in arrivals:
                 t = g.add(r, "gemm", "gemm", c.gemm(rows), deps=(tid,), label=f"GEMM {ch}", chunk=ch)
@@ -379,16 +427,16 @@ def _ring_reduce_scatter(g: _Graph, c: _Ctx) -> dict[int, int]:
     return finals
 
 
-def _build_rs(g: _Graph, c: _Ctx, strategy: str) -> None:
+def _build_rs(g: _Graph, c: _Ctx, sched: Schedule) -> None:
     w = c.w
     shard_rows = _split(c.m, w)
-    if strategy == "ring":
+    if sched.kind == "ring":
         _ring_reduce_scatter(g, c)
         return
-    # copy_engine / fused: produce partials in owner order (r+1, r+2, ..., own last), push each
+    # pipeline: produce partials in owner order (r+1, r+2, ..., own last), push each
     # piece to its owner as soon as it is READY; the owner reduces once every peer's piece is in.
     pieces = c.num_chunks // w
-    path = "ce" if strategy == "copy_engine" else "sm"
+    path = sched.comm_path
     slots = c.num_slots
     pushes: dict[int, list[int]] = {r: [] for r in range(w)}  # owner -> transfer tids
     own_gemm = {}
@@ -400,7 +448,7 @@ def _build_rs(g: _Graph, c: _Ctx, strategy: str) -> None:
             for p, rows in enumerate(_split(shard_rows[dst], pieces)):
                 ch = dst * pieces + p
                 credit = sends[len(sends) - slots] if (slots and dst != r and len(sends) >= slots) else None
-                if strategy == "copy_engine":
+                if sched.separate_kernels:
                     dur = c.gemm(rows)
                 else:
                     dur = c.persistent(rows, first)
@@ -416,14 +464,14 @@ def _build_rs(g: _Graph, c: _Ctx, strategy: str) -> None:
                 g.pairs.append((r, gt, st))
     for r in range(w):
         red = cost.reduce_time_ms((w + 1) * shard_rows[r] * c.n * c.elt, c.hw,
-                                  launch=strategy == "copy_engine")
+                                  launch=sched.separate_kernels)
         g.add(r, "gemm", "reduce", red,
               deps=tuple(pushes[r]) + tuple(own_gemm[r]), label="reduce", chunk=r)
 
 
-def _build_ar(g: _Graph, c: _Ctx, strategy: str) -> None:
+def _build_ar(g: _Graph, c: _Ctx, sched: Schedule) -> None:
     w = c.w
-    if strategy == "ring":
+    if sched.kind == "ring":
         # ring reduce-scatter (as gemm_rs, downcast into the output) then a ring all-gather of
         # the reduced shards in the op's dtype, step by step (exposed).
         finals = _ring_reduce_scatter(g, c)
@@ -437,21 +485,21 @@ def _build_ar(g: _Graph, c: _Ctx, strategy: str) -> None:
                 recv[(r, s)] = g.add(r, "comm", "comm", c.xfer(shard_rows[src] * c.n * c.elt, "p2p"),
                                      deps=(prev, finals[r], host[r][s - 1]), label=f"ag {src}", chunk=src)
         return
-    # copy_engine / fused: cut M into chunks; all-reduce chunk i (best of one-shot pull-and-reduce
+    # pipeline: cut M into chunks; all-reduce chunk i (best of one-shot pull-and-reduce
     # and two-shot RS+AG, reduction on the comm side) while chunk i+1 is computed.
-    path = "ce" if strategy == "copy_engine" else "sm"
+    path = sched.comm_path
     rows_list = _split(c.m, c.num_chunks)
     gemms: dict[tuple[int, int], int] = {}
     for r in range(w):
         first = True
         for i, rows in enumerate(rows_list):
-            dur = c.gemm(rows) if strategy == "copy_engine" else c.persistent(rows, first)
+            dur = c.gemm(rows) if sched.separate_kernels else c.persistent(rows, first)
             first = False
             gemms[(r, i)] = g.add(r, "gemm", "gemm", dur, label=f"GEMM {i}", chunk=i)
     for r in range(w):
         for i, rows in enumerate(rows_list):
             nbytes = rows * c.n * c.elt
-            launch = strategy == "copy_engine"  # a separate reduction kernel; fused reduces in-kernel
+            launch = sched.separate_kernels  # a separate reduction kernel, or reduced in the persistent kernel
             one_shot = (c.xfer((w - 1) * nbytes, path)
                         + cost.reduce_time_ms((w + 1) * nbytes, c.hw, launch=launch))
             two_shot = (2 * c.xfer((w - 1) * nbytes / w, path)

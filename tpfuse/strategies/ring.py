@@ -26,9 +26,20 @@ import torch
 import torch.distributed as dist
 
 from tpfuse._dist import GroupContext, breadcrumb, new_output
+from tpfuse.model import simulate
 from tpfuse.strategies.unfused import accumulation_dtype
 
-__all__ = ["ag_gemm", "gemm_rs", "gemm_ar"]
+__all__ = ["NAME", "MODEL", "DESCRIPTION", "ORDER", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar"]
+
+NAME = "ring"
+MODEL = simulate.P2P_RING
+DESCRIPTION = "torch.distributed P2P ring steps overlapped with per-shard GEMMs"
+ORDER = 10
+
+
+def why_unavailable(ctx: GroupContext, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Runs on every backend (point-to-point ops), every device and dtype the ops take."""
+    return None
 
 
 @functools.lru_cache(maxsize=None)

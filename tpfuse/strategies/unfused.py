@@ -11,8 +11,20 @@ import torch
 import torch.distributed as dist
 
 from tpfuse._dist import GroupContext, all_gather_rows, breadcrumb, new_output, reduce_scatter_rows
+from tpfuse.model import simulate
 
-__all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "accumulation_dtype"]
+__all__ = ["NAME", "MODEL", "DESCRIPTION", "ORDER", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar",
+           "accumulation_dtype"]
+
+NAME = "unfused"
+MODEL = simulate.COLLECTIVE_THEN_GEMM
+DESCRIPTION = "the collective, then one GEMM (nothing overlapped)"
+ORDER = 0
+
+
+def why_unavailable(ctx: GroupContext, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Runs on every backend and device, every dtype the ops take."""
+    return None
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,0 +1,264 @@
+"""GEMM configurations and the heuristics that pick them: pure functions, no device, no Triton.
+
+:class:`GemmConfig` is one kernel configuration (tile, pipeline depth, epilogue subtiles,
+stream-K); :func:`default_config` is the heuristic used when the tuning cache has no entry;
+:func:`candidate_configs` is the tuning space of one shape. :class:`GemmOptions` holds the
+switches of the launch paths (inline PTX signals, TMA epilogue stores, the epilogue count,
+the Gluon kernel, the direct launch): callers pass them explicitly; nothing is read from the
+environment.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["GemmConfig", "GemmOptions", "default_config", "candidate_configs", "stream_k_tiles",
+           "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Shared memory per block on sm_90 with the opt-in limit (CUDA guide, H100/H200: 227 KiB).
+_SM90_SMEM_BYTES = 232448
+# Streaming multiprocessors of the NVIDIA H200 SXM (the GPU the heuristics were measured on);
+# the pure heuristics take it as an argument, matmul() passes the real device's count.
+_H200_NUM_SMS = 132
+
+
+# --------------------------------------------------------------------------------------------
+# configs
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GemmConfig:
+    """One kernel configuration. Tile = BLOCK_M x BLOCK_N x BLOCK_K; the epilogue stores the
+    tile in ``EPI_SUBTILE`` column slices (1 or 2); ``num_programs`` caps the persistent grid
+    (None: one program per SM; ``matmul(num_sms=...)`` caps it further). ``stream_k`` 1 or 2 shares the tiles of the
+    last, partly filled wave (2: that wave and one full wave more) out to every program by
+    BLOCK_K steps, so no SM idles at the end (docs/gemm_core.md, "Kernels"); 0 = off.
+    ``tma_store`` False keeps TMA loads but stores the output through pointers: no staging
+    buffer, so its shared memory can hold one more pipeline stage (hooks and plain-pointer
+    launches are not affected)."""
+    BLOCK_M: int = 128
+    BLOCK_N: int = 256
+    BLOCK_K: int = 64
+    GROUP_M: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    EPI_SUBTILE: int = 1
+    flatten: bool = False
+    num_programs: Optional[int] = None
+    stream_k: int = 0
+    tma_store: bool = True
+
+    def __post_init__(self):
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{name}={v}: must be a power of two >= 16")
+        if self.EPI_SUBTILE not in (1, 2):
+            raise ValueError(f"GemmConfig.EPI_SUBTILE={self.EPI_SUBTILE}: must be 1 or 2")
+        if self.GROUP_M < 1:
+            raise ValueError(f"GemmConfig.GROUP_M={self.GROUP_M}: must be >= 1")
+        if self.num_programs is not None and self.num_programs < 1:
+            raise ValueError(f"GemmConfig.num_programs={self.num_programs}: must be >= 1 or None")
+        if self.stream_k not in (0, 1, 2):
+            raise ValueError(f"GemmConfig.stream_k={self.stream_k!r}: must be 0 (off), 1 (the last partial "
+                             "wave) or 2 (the last partial wave and one full wave)")
+
+    def smem_bytes(self, elem_size: int) -> int:
+        """Shared memory estimate: pipelined A and B stages plus one TMA-store subtile (none
+        with ``tma_store=False``: the pointer store's layout conversion reuses the stages)."""
+        stages = (self.BLOCK_M + self.BLOCK_N) * self.BLOCK_K * elem_size * self.num_stages
+        return stages + (self.BLOCK_M * (self.BLOCK_N // self.EPI_SUBTILE) * elem_size if self.tma_store else 0)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GemmConfig":
+        """Inverse of :meth:`to_dict`; fields missing from ``d`` (entries written before they
+        existed, e.g. ``stream_k``) take their defaults; removed fields: see ``_REMOVED_FIELDS``."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for name, off in _REMOVED_FIELDS.items():   # entries written when the field existed
+            if name in d:
+                if d[name] != off:
+                    raise ValueError(f"GemmConfig.from_dict: {name}={d[name]!r} is no longer supported "
+                                     f"(removed; docs/gemm_core.md, 'Tried and not kept')")
+                d = {key: v for key, v in d.items() if key != name}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"GemmConfig.from_dict: unknown fields {sorted(unknown)}")
+        return cls(**d)
+
+
+# Fields GemmConfig had once, with the value that meant "off": an entry of an older tuning
+# cache with the field off still loads; one with it on is refused (the feature is gone).
+_REMOVED_FIELDS = {"warp_specialize": False, "split_k": 1}
+
+
+def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
+                   num_sms: int = _H200_NUM_SMS) -> GemmConfig:
+    """Heuristic config for one GEMM shape (pure; used when the tuning cache has no entry).
+
+    From the tuning winners on one NVIDIA H200, bf16, per-rank Llama-3 shapes at TP 8
+    (the deep-stages tuning log of 2026-11-30, in git history up to a1b897c): 128x256x64
+    tiles, 8 warps, 3 stages for M >= 2048; 128x128x64 with 6 stages when 128x256 tiles leave
+    most SMs idle (M=512, N=3584: 56 tiles for 132 SMs; one tile per SM and cold inputs want
+    many loads in flight); decode (M <= 128) streams B through deep pipelines, with narrow tiles
+    when B is small (8B: 64x64x128 x 6 stages) and wider ones as B grows (70B: 128x64x64 x 8,
+    405B: 128x128x64 x 5). ``num_sms`` is not used by the tile choice today (kept so the
+    heuristic can depend on the grid, as stream-K's candidates do).
+    """
+    return _default_tiles(m, n, k, dtype)
+
+
+def _grid(m: int, n: int, k: int, cfg: GemmConfig) -> tuple[int, int]:
+    """(output tiles, BLOCK_K steps) of ``cfg`` on an ``m x n x k`` GEMM."""
+    return -(-m // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N), -(-k // cfg.BLOCK_K)
+
+
+def _default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
+    if dtype == torch.float32:   # tf32; not tuned
+        return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3)
+    if m <= 128:
+        if n * k >= 100_000_000:
+            return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=5)
+        if n * k >= 25_000_000:
+            return GemmConfig(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=8)
+        return GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=6)
+    big_tiles = -(-m // 128) * -(-n // 256)
+    if big_tiles < 100:   # H200 has 132 SMs; 8B M=512 (56, 64 tiles) lost with 128x256, 70B (112, 128) won
+        return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=6)
+    return GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
+                      smem_limit: int = _SM90_SMEM_BYTES,
+                      num_sms: int = _H200_NUM_SMS) -> list[GemmConfig]:
+    """Small tuning space for one shape, pruned by shared memory; stream-K variants only for
+    shapes whose tiles end in a partly filled wave (:func:`_stream_k_candidates`)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    out = []
+    if m <= 256:   # decode: bound by reading B; narrow tiles put more programs in flight,
+        # deep pipelines more bytes (2026-11-30, M=128 N=3584 K=4096, L2 flushed: 64x64x128
+        # with 6 stages 18.1 us against 21.9 us for 64x64x256 with 3)
+        for bm, bn, bk, w, s in [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 4, 3),
+                                 (128, 64, 128, 4, 4), (64, 64, 256, 4, 3), (128, 128, 64, 8, 4),
+                                 (64, 64, 128, 4, 6), (64, 64, 64, 4, 12), (128, 64, 64, 4, 8),
+                                 (128, 128, 64, 8, 6)]:
+            out.append(GemmConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s))
+        # one stage more in the TMA-store staging buffer's place (pointer stores)
+        for bm, bn, bk, w, s in [(64, 64, 128, 4, 7), (128, 64, 64, 4, 9)]:
+            out.append(GemmConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s,
+                                  tma_store=False))
+    # 128x128 with 5-6 stages: one tile per SM and cold inputs want many loads in flight
+    # (2026-11-30, M=512 N=3584 K=4096, L2 flushed: 4 stages 33.6 us, 6 stages 28.5 us)
+    for bn, s, sub, flat in [(256, 3, 1, False), (256, 3, 2, False), (256, 4, 1, False),
+                             (256, 4, 2, False), (256, 3, 1, True), (256, 3, 2, True),
+                             (128, 3, 1, False), (128, 4, 1, False), (128, 4, 2, False),
+                             (128, 4, 1, True), (128, 5, 1, False), (128, 6, 1, False),
+                             (128, 6, 2, False), (128, 6, 1, True)]:
+        out.append(GemmConfig(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, num_warps=8, num_stages=s,
+                              EPI_SUBTILE=sub, flatten=flat))
+    out.append(GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3))
+    out.append(GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=4, num_warps=8, num_stages=3,
+                          flatten=True))
+    if m <= 1024:
+        out.append(GemmConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=4, num_stages=4))
+        out.append(GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5))
+        # 7 stages of 128x128x64 fit only without the TMA store's staging buffer: with one
+        # tile per SM, loads in flight set the pace (see the 5-6 stage note above)
+        out.append(GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=7,
+                              tma_store=False))
+    out.append(GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3))
+    out.append(GemmConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3))
+    out += _stream_k_candidates(m, n, k, num_sms)
+    # dict.fromkeys: once each (the decode and prefill lists share tiles), in first-seen order
+    return [c for c in dict.fromkeys(out) if c.smem_bytes(elem) <= smem_limit]
+
+
+# Tiles that stream-K candidates are made of: the prefill winners (128x256 with the epilogue
+# in two subtiles, so the reduction holds half a tile of partials at a time; 128x128 with
+# BLOCK_K 128 and 64) and, for decode-sized M, the narrow tiles that stream B.
+# All keep <= 128 fp32 accumulator registers per thread, so adding partials does not spill.
+_STREAM_K_BASES = (
+    GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, EPI_SUBTILE=2),
+    GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+)
+_STREAM_K_DECODE_BASES = (
+    GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
+    GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+)
+
+
+def _stream_k_candidates(m: int, n: int, k: int, num_sms: int) -> list[GemmConfig]:
+    """Stream-K variants for shapes whose tiles end in a partly filled wave, within the first
+    four waves (later, the tail is a small part of the time). Mode 1 for each base; mode 2 too
+    when the last wave is under half full (mode 1 would give each program only a few
+    steps). Skipped where a program would get fewer than 8 BLOCK_K steps."""
+    out = []
+    for base in _STREAM_K_BASES + (_STREAM_K_DECODE_BASES if m <= 256 else ()):
+        tiles, k_steps = _grid(m, n, k, base)
+        if tiles % num_sms == 0 or tiles >= 4 * num_sms:
+            continue
+        modes = [1] + ([2] if num_sms < tiles and tiles % num_sms < num_sms // 2 else [])
+        for mode in modes:
+            if stream_k_tiles(tiles, num_sms, mode) * k_steps >= 8 * num_sms:
+                out.append(dataclasses.replace(base, stream_k=mode))
+                if mode == 1:   # the segment loop flattened into its K loop (one pipelined loop)
+                    out.append(dataclasses.replace(base, stream_k=mode, flatten=True))
+    return out
+
+
+
+
+def stream_k_tiles(tiles: int, programs: int, mode: int) -> int:
+    """How many tiles (the last of the order) a ``stream_k=mode`` config shares out by K-steps
+    over ``programs`` programs: none when the tiles fill whole waves; all of them when they
+    are fewer than the programs; else the last partial wave (mode 1) or it and one full wave
+    before it (mode 2: more steps per program, so fewer and longer segments)."""
+    if mode == 0 or tiles == 0 or tiles % programs == 0:
+        return 0
+    if tiles < programs:
+        return tiles
+    return tiles % programs + (programs if mode == 2 else 0)
+
+
+
+@dataclass(frozen=True)
+class GemmOptions:
+    """Switches of the launch paths, for benchmarks and tests that compare them; the defaults
+    are the product. Part of every plan's key, so two options objects never share a plan.
+
+    ============== ========= =====================================================================
+    field          default   off / other values
+    ============== ========= =====================================================================
+    signal_asm     True      False: the hooks' signal primitives without inline PTX (the
+                             interpreter's atomics-only variant, also on CUDA; spin-count bound)
+    epi_tma        True      False: the epilogue hook stores through pointers, never by TMA
+    epi_count      "auto"    how the epilogue hook counts stored tiles: "auto" (4 in flattened
+                             tile loops, else 3, where every tile lies in one chunk; else 1),
+                             "after_loop" (3 where 4 would be taken), "returning" (always 1)
+    gluon          True      False: never the warp-specialized Gluon kernel (gemm_ws) for hooks
+    direct_launch  True      False: every launch through Triton's JIT (no cached direct launch)
+    ============== ========= =====================================================================
+    """
+    signal_asm: bool = True
+    epi_tma: bool = True
+    epi_count: str = "auto"
+    gluon: bool = True
+    direct_launch: bool = True
+
+    def __post_init__(self):
+        for name in ("signal_asm", "epi_tma", "gluon", "direct_launch"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"GemmOptions.{name}={getattr(self, name)!r}: must be a bool")
+        if self.epi_count not in EPI_COUNT_CHOICES:
+            raise ValueError(f"GemmOptions.epi_count={self.epi_count!r}: choose one of {EPI_COUNT_CHOICES}")
+
+
+EPI_COUNT_CHOICES = ("auto", "after_loop", "returning")
+DEFAULT_OPTIONS = GemmOptions()

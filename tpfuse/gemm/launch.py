@@ -1,0 +1,676 @@
+"""Plans and launches of the GEMM core: :func:`matmul` validates a call once per signature,
+keeps what it decided in a :class:`LaunchPlan` (which kernel, which grid, which epilogue
+stores and counts, and why), and launches ``gemm_kernel`` (``tpfuse/kernels/gemm.py``) or,
+for one hook on sm_90, the warp-specialized Gluon kernel (``tpfuse/kernels/gemm_ws.py``).
+
+The first launch of a kernel specialization goes through Triton's JIT (which compiles and
+caches); later ones call the compiled kernel directly, skipping the JIT's argument binding --
+tens of microseconds of host time per call that decode-sized GEMMs cannot hide.
+:func:`launch_counts` says which path each launch took.
+
+Nothing here touches a GPU or imports Triton at import time.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..kernels import abi
+from . import cache
+from .config import DEFAULT_OPTIONS, SUPPORTED_DTYPES, GemmConfig, GemmOptions, default_config, stream_k_tiles
+from .device import device_index, device_info, interpreting, num_sms, triton_modules, warn_once
+from .hooks import ERROR_WORDS, MAX_GENERATION, EpilogueSpec, WaitSpec, check_error_word, new_error_word, stacked_dests
+
+__all__ = ["matmul", "LaunchPlan", "last_plan", "launch_counts", "clear_plans", "TILE_ORDERS"]
+
+TILE_ORDERS = abi.TILE_ORDERS
+
+
+# --------------------------------------------------------------------------------------------
+# the plan
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What one call signature launches, and why (:meth:`explain`). ``kernel``: "gemm_kernel",
+    "gemm_ws_kernel" (the Gluon kernel) or "none" (empty M, N or K: nothing to launch).
+    ``config``: the GemmConfig asked for or chosen (``config_source`` says which: "argument",
+    "tuning cache" or "heuristic"); the Gluon kernel takes its tile and GROUP_M and its own
+    ``ws_block`` / ``ws_stages``. ``grid[0]``: persistent programs. ``epi_tma``: the epilogue
+    hook's TMA descriptors (0: pointer stores; ``abi.EPI_TMA_STACKED``: one over stacked
+    destinations). ``epi_count``: gemm_kernel's epilogue count (``abi.EPI_COUNT_*``; 0 without
+    the hook). ``sk_tiles``: tiles shared out by K-steps (stream-K)."""
+    m: int
+    n: int
+    k: int
+    config: GemmConfig
+    kernel: str = "gemm_kernel"
+    config_source: str = "argument"
+    options: GemmOptions = DEFAULT_OPTIONS
+    b_kmajor: bool = False
+    use_tma: bool = False
+    grid: tuple = (1, 1, 1)
+    tile_order: str = "grouped"
+    chunk_m: int = 1
+    num_chunks: int = 1
+    start_chunk: int = 0
+    use_asm: bool = False
+    num_tiles: int = 0
+    sk_tiles: int = 0
+    epi_tma: int = 0
+    epi_count: int = 0
+    ws_block: tuple = ()
+    ws_stages: int = 0
+    reasons: tuple = ()
+    constexprs: tuple = dataclasses.field(default=(), repr=False)   # gemm_kernel's, in signature order
+
+    @property
+    def programs(self) -> int:
+        return self.grid[0]
+
+    def explain(self) -> str:
+        """A few lines: the kernel, tile, grid, stores and counts, and the reasons behind them."""
+        cfg = self.config
+        tile = (f"{self.ws_block[0]}x{self.ws_block[1]}x{self.ws_block[2]}, {self.ws_stages} stages"
+                if self.ws_block else
+                f"{cfg.BLOCK_M}x{cfg.BLOCK_N}x{cfg.BLOCK_K}, {cfg.num_stages} stages, {cfg.num_warps} warps")
+        lines = [f"{self.m}x{self.n}x{self.k}: {self.kernel} ({tile}; config from {self.config_source}), "
+                 f"{self.programs} programs over {self.num_tiles} tiles, tile order {self.tile_order!r}, "
+                 f"{self.num_chunks} chunk(s) of {self.chunk_m} rows",
+                 f"  loads: {'TMA' if self.use_tma else 'pointers'}; b {'k-major' if self.b_kmajor else 'n-major'}"
+                 + (f"; stream-K over the last {self.sk_tiles} tiles" if self.sk_tiles else "")]
+        if self.epi_count or self.epi_tma:
+            stores = ("pointer stores" if not self.epi_tma else "one TMA descriptor over stacked destinations"
+                      if self.epi_tma == abi.EPI_TMA_STACKED else f"{self.epi_tma} TMA descriptors")
+            lines.append(f"  epilogue hook: {stores}; count mode {self.epi_count}")
+        lines += [f"  - {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+
+_PLANS: dict = {}            # call signature -> LaunchPlan
+_LAST_PLAN: list = [None]    # the plan of the latest call (last_plan())
+_MAX_PLANS = 4096            # a bound, not a tuned number: plans are small, shapes in a model are few
+_STREAM_K_BUFFERS: dict = {}  # (device, raw stream) -> (fp32 workspace, int32 tile counters)
+_COMPILED: dict = {}         # kernel specialization -> Triton CompiledKernel (direct launch)
+_LAUNCHES = collections.Counter()   # launch_counts()
+_DIRECT_BROKEN: list = [False]      # a direct launch failed once: the JIT from then on (warned)
+
+
+def last_plan() -> Optional[LaunchPlan]:
+    """The :class:`LaunchPlan` of the latest :func:`matmul` call in this process (None before any)."""
+    return _LAST_PLAN[0]
+
+
+def launch_counts() -> dict:
+    """Launches so far by path: ``"jit"`` (through Triton's JIT: the first of a specialization,
+    or every one with ``GemmOptions(direct_launch=False)``), ``"direct"`` (the cached compiled
+    kernel called directly), ``"interpreter"`` (TRITON_INTERPRET=1), and ``"compiled"`` (distinct
+    compiled kernels the JIT launches returned). A copy; compare two calls' counts."""
+    return dict(_LAUNCHES)
+
+
+def clear_plans() -> None:
+    """Forget every plan (the next call of each signature decides again, e.g. after tuning)."""
+    _PLANS.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------------
+def _check_operands(a, b, out):
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"matmul: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"matmul: {name} must be 2-D, got shape {tuple(t.shape)}; flatten leading dims first")
+    if a.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"matmul: a.dtype={a.dtype} is not supported; use bfloat16, float16 or float32 (tf32)")
+    if b.dtype != a.dtype:
+        raise TypeError(f"matmul: b.dtype={b.dtype} differs from a.dtype={a.dtype}; cast one of them")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul: a is {tuple(a.shape)} and b is {tuple(b.shape)}; need a [M, K] and b [K, N]")
+    if a.device != b.device:
+        raise ValueError(f"matmul: a is on {a.device} and b on {b.device}; move them to one device")
+    if a.device.type != "cuda" and not interpreting():
+        raise ValueError(f"matmul: tensors are on {a.device}; the Triton core needs CUDA "
+                         "(or TRITON_INTERPRET=1 for CPU debugging)")
+    if a.stride(1) != 1 and a.shape[1] > 1:
+        raise ValueError(f"matmul: a has strides {a.stride()}; need unit column stride (call a.contiguous())")
+    if b.stride(1) == 1 or b.shape[1] == 1:
+        b_kmajor = False
+    elif b.stride(0) == 1 or b.shape[0] == 1:
+        b_kmajor = True
+    else:
+        raise ValueError(f"matmul: b has strides {b.stride()}; need row-major [K, N] or column-major "
+                         "(weight.t() of a contiguous [N, K] weight); call b.contiguous()")
+    m, n = a.shape[0], b.shape[1]
+    if out is not None:
+        if out.shape != (m, n) or out.dtype != a.dtype or out.device != a.device:
+            raise ValueError(f"matmul: out is {tuple(out.shape)} {out.dtype} on {out.device}; "
+                             f"need ({m}, {n}) {a.dtype} on {a.device}")
+        if out.stride(1) != 1 and n > 1:
+            raise ValueError(f"matmul: out has strides {out.stride()}; need unit column stride")
+    return b_kmajor
+
+
+def _check_chunks(m, chunk_m, name):
+    if not isinstance(chunk_m, int) or chunk_m < 1:
+        raise ValueError(f"matmul: {name}={chunk_m!r}; need a positive int (rows per communication chunk)")
+    return -(-m // chunk_m)
+
+
+def _check_generation(gen, name):
+    if not isinstance(gen, int) or not 1 <= gen <= MAX_GENERATION:
+        raise ValueError(f"matmul: {name}={gen!r}; need an int in [1, 2**31 - 1] (signals are int32)")
+
+
+def _check_num_sms(num_sms):
+    if num_sms is None:
+        return
+    if not isinstance(num_sms, int) or isinstance(num_sms, bool):
+        raise TypeError(f"matmul: num_sms={num_sms!r} ({type(num_sms).__name__}); pass a positive int "
+                        "(the SM budget that caps the persistent grid) or None for the whole GPU")
+    if num_sms < 1:
+        raise ValueError(f"matmul: num_sms={num_sms}; need a positive int (SMs the persistent grid may "
+                         "use) or None for the whole GPU")
+
+
+def _tma_ok(device, a, b, out, b_kmajor) -> tuple[bool, str]:
+    if device.type != "cuda" or interpreting():
+        return False, "not on CUDA"
+    if device_info(device_index(device))["capability"][0] < 9:
+        return False, "TMA needs compute capability >= 9.0"
+    e = a.element_size()
+    strides = [a.stride(0), b.stride(1) if b_kmajor else b.stride(0)]
+    if out is not None:
+        strides.append(out.stride(0))
+    tensors = [a, b] + ([out] if out is not None else [])
+    if any((s * e) % 16 for s in strides) or any(t.data_ptr() % 16 for t in tensors):
+        return False, (f"TMA needs 16-byte aligned base pointers and row strides; got strides "
+                       f"{strides} of {e}-byte elements")
+    return True, ""
+
+
+# --------------------------------------------------------------------------------------------
+# decisions (pure given their arguments)
+# --------------------------------------------------------------------------------------------
+def _wave_fill(tiles: int, programs: int) -> float:
+    """Share of the programs' tile slots that hold a tile, over whole waves."""
+    return tiles / (-(-tiles // programs) * programs)
+
+
+def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0, programs=0,
+              out_tma=False, options: GemmOptions = DEFAULT_OPTIONS) -> tuple[tuple, str]:
+    """``((block, stages), why)`` of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py)
+    for a launch with one hook, or ``((), why not)`` for gemm_kernel. Taken on sm_90
+    (``capability`` major 9) for bf16/fp16, for configs of 128-row tiles 128 or 256 wide, with either the epilogue hook where it stores by TMA (``epi_tma``: every destination
+    16-byte aligned, per-chunk descriptors or stacked destinations) -- its store warp counts and
+    publishes off the MMA warps, which in gemm_kernel wait ~0.9 us per tile for it -- or the wait
+    hook into a TMA-stored ``out`` (``out_tma``) -- its load warp waits, not the MMA warps. Not
+    with both hooks at once. The Gluon kernel takes the config's tile and GROUP_M, K-steps of 64
+    and as many stages as fit beside its staging buffer; it has no stream-K, so where 128-wide
+    tiles fill the waves of ``programs`` better by more than 5 points than 256-wide ones (8B fc1
+    at M = 4096: 0.97 against 0.85), it takes those. ``options.gluon=False`` keeps gemm_kernel."""
+    if epilogue is None and wait is None:
+        return (), "no hook: gemm_kernel"
+    if epilogue is not None and wait is not None:
+        return (), "both hooks at once: gemm_kernel (the Gluon kernel takes one)"
+    if epilogue is not None and not epi_tma:
+        return (), "epilogue hook through pointer stores: gemm_kernel (the Gluon kernel stores by TMA)"
+    if wait is not None and not out_tma:
+        return (), "wait hook into an output not stored by TMA: gemm_kernel"
+    if not options.gluon:
+        return (), "GemmOptions(gluon=False): gemm_kernel"
+    if not use_asm:
+        return (), "no inline PTX (signal_asm off or not on CUDA): gemm_kernel"
+    if dtype not in (torch.bfloat16, torch.float16) or cfg.BLOCK_M != 128 or cfg.BLOCK_N not in (128, 256):
+        return (), "config outside the Gluon kernel's (bf16/fp16, 128x128 or 128x256 tiles): gemm_kernel"
+    if capability[0] != 9:
+        return (), f"compute capability {capability}: the Gluon kernel's wgmma is sm_90's; gemm_kernel"
+    bn = cfg.BLOCK_N
+    if bn == 256 and m and n and programs:
+        fill = {w: _wave_fill(-(-m // 128) * -(-n // w), programs) for w in (128, 256)}
+        if fill[128] > fill[256] + 0.05:
+            bn = 128
+    why = ("one hook on sm_90: the warp-specialized Gluon kernel (its "
+           + ("store warp counts and publishes" if epilogue is not None else "load warp waits")
+           + ", not the MMA warps)" + (" with 128-wide tiles, which fill the waves better" if bn != cfg.BLOCK_N else ""))
+    return ((128, bn, 64), 3 if bn == 256 else 5), why
+
+
+def epi_count_mode(options: GemmOptions = DEFAULT_OPTIONS, eligible_async: bool = True,
+                   in_loop: bool = True) -> int:
+    """How gemm_kernel's epilogue hook counts stored tiles (kernel constexpr EPI_COUNT).
+
+    ``abi.EPI_COUNT_AFTER_LOOP`` (3): a release at GPU scope that returns nothing (no warp
+    waits for it), made after the next tile's main loop, one poller per chunk publishing it,
+    handoff at the poller's end; where every tile lies in one chunk, on CUDA (inline PTX) or in
+    the interpreter, with at most 64 chunks
+    (``eligible_async``). ``EPI_COUNT_IN_LOOP`` (4): the same with the count made a few K-steps
+    into the next tile's main loop instead, so a chunk is published most of a tile earlier, in
+    flattened tile loops (``in_loop``: in a nested K loop ptxas then serializes the wgmma
+    instructions). ``EPI_COUNT_RETURNING`` (1): acq_rel at GPU scope, read at once, the chunk's
+    last count publishing it. ``options.epi_count``: "auto" takes 4, else 3, else 1;
+    "after_loop" 3 where 4 would be taken; "returning" always 1."""
+    if options.epi_count == "returning" or not eligible_async:
+        return abi.EPI_COUNT_RETURNING
+    if options.epi_count == "after_loop" or not in_loop:
+        return abi.EPI_COUNT_AFTER_LOOP
+    return abi.EPI_COUNT_IN_LOOP
+
+
+def epilogue_tma_dests(epilogue, tma_store, num_chunks, block_m, options: GemmOptions = DEFAULT_OPTIONS) -> int:
+    """How many TMA descriptors the epilogue hook stores through (0: pointer stores), or
+    ``abi.EPI_TMA_STACKED``: one descriptor over destinations that are consecutive row blocks of
+    one tensor (:func:`tpfuse.gemm.hooks.stacked_dests`), any number of chunks of any height.
+    ``tma_store``: a TMA-path launch whose config stores by TMA (``tma_store=False`` configs
+    gave the staging buffer's shared memory to the pipeline). Separate destinations need every
+    tile inside one chunk (chunk_m a multiple of BLOCK_M): a tile's rows in a later chunk would
+    need a negative TMA row coordinate, which stores do not take."""
+    if (epilogue is None or not tma_store or len(epilogue.dests) < num_chunks or num_chunks < 1
+            or epilogue.align_elems == 0 or not options.epi_tma):
+        return 0
+    if stacked_dests(epilogue):
+        return abi.EPI_TMA_STACKED
+    if num_chunks > abi.MAX_TMA_DESTS or (num_chunks > 1 and epilogue.chunk_m % block_m):
+        return 0
+    return num_chunks
+
+
+def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilogue, use_tma, num_sms_cap,
+               options) -> LaunchPlan:
+    b_kmajor = _check_operands(a, b, out)
+    if tile_order not in TILE_ORDERS:
+        raise ValueError(f"matmul: tile_order={tile_order!r}; choose one of {TILE_ORDERS}")
+    if not isinstance(options, GemmOptions):
+        raise TypeError(f"matmul: options must be a GemmOptions or None, got {type(options).__name__}")
+    _check_num_sms(num_sms_cap)
+    m, k = a.shape
+    n = b.shape[1]
+    device = a.device
+    chunk_sources = [("chunk_m", chunk_m), ("wait.chunk_m", wait.chunk_m if wait else None),
+                     ("epilogue.chunk_m", epilogue.chunk_m if epilogue else None)]
+    given = [(nm, v) for nm, v in chunk_sources if v is not None]
+    if len({v for _, v in given}) > 1:
+        raise ValueError(f"matmul: chunk sizes disagree: {given}; the tile order and both hooks share one chunk_m")
+    chunk_m = given[0][1] if given else None
+    if tile_order != "grouped" and chunk_m is None:
+        raise ValueError(f"matmul: tile_order={tile_order!r} needs chunk_m (rows per chunk)")
+    num_chunks = _check_chunks(m, chunk_m, given[0][0]) if chunk_m is not None else 1
+    if not isinstance(start_chunk, int) or not 0 <= start_chunk < max(num_chunks, 1):
+        raise ValueError(f"matmul: start_chunk={start_chunk!r}; need 0 <= start_chunk < num_chunks={num_chunks}")
+    source = "argument"
+    cfg = config
+    if cfg is None and m and n and k:
+        cfg, source = cache.lookup(m, n, k, a.dtype, b_kmajor, device), "tuning cache"
+    if cfg is None:
+        cfg, source = default_config(m, n, k, a.dtype, num_sms=num_sms(device)), "heuristic (default_config)"
+    if not isinstance(cfg, GemmConfig):
+        raise TypeError(f"matmul: config must be a GemmConfig, got {type(cfg).__name__}")
+    common = dict(config=cfg, config_source=source, options=options, b_kmajor=b_kmajor, tile_order=tile_order,
+                  chunk_m=chunk_m or 1, num_chunks=num_chunks, start_chunk=start_chunk)
+    if m == 0 or n == 0 or k == 0:   # nothing to launch; matmul() handles these
+        return LaunchPlan(m, n, k, kernel="none", grid=(0,), reasons=("empty M, N or K: no launch",), **common)
+
+    reasons = []
+    triton, tl, km = triton_modules()
+    c_out = None if epilogue is not None else out
+    if use_tma is None:
+        use_tma, why = _tma_ok(device, a, b, c_out, b_kmajor)
+        if not use_tma:
+            reasons.append(f"plain-pointer loads: {why}")
+            if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+                warn_once(f"tpfuse.gemm: plain-pointer path instead of TMA ({why})")
+    elif use_tma:
+        ok, why = _tma_ok(device, a, b, c_out, b_kmajor)
+        if not ok:
+            raise ValueError(f"matmul: use_tma=True but {why}; pass use_tma=None to fall back")
+    else:
+        reasons.append("plain-pointer loads: use_tma=False")
+    num_tiles = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
+    programs = cfg.num_programs or num_sms(device)
+    if num_sms_cap is not None and num_sms_cap < programs:
+        programs = num_sms_cap
+        reasons.append(f"num_sms={num_sms_cap} caps the persistent grid")
+    sk_tiles = stream_k_tiles(num_tiles, programs, cfg.stream_k)
+    # stream-K shares its steps out to every program; otherwise no more programs than work items
+    grid = (programs if sk_tiles else min(num_tiles, programs), 1, 1)
+    use_asm = device.type == "cuda" and not interpreting() and options.signal_asm
+    c_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[a.dtype]
+    epi_tma = epilogue_tma_dests(epilogue, use_tma and cfg.tma_store, num_chunks, cfg.BLOCK_M, options)
+    epi_count = 0
+    if epilogue is not None:
+        epi_count = epi_count_mode(options, (use_asm or interpreting())
+                                   and num_chunks <= abi.MAX_POLLED_CHUNKS
+                                   and num_tiles < abi.HANDOFF
+                                   and (num_chunks == 1 or chunk_m % cfg.BLOCK_M == 0), cfg.flatten)
+    constexprs = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.GROUP_M, cfg.EPI_SUBTILE,
+                  TILE_ORDERS.index(tile_order), bool(use_tma), b_kmajor, c_dtype,
+                  wait is not None, epilogue is not None, use_asm, cfg.flatten,
+                  interpreting(), epilogue.align_elems if epilogue is not None else 0,
+                  sk_tiles > 0, epi_tma, cfg.tma_store, epi_count if epilogue is not None else 1)
+    capability = device_info(device_index(device))["capability"] if device.type == "cuda" else (0, 0)
+    ws, why_ws = ws_choice(capability, a.dtype, cfg, epilogue, wait, epi_tma, use_asm, m, n, programs,
+                           out_tma=bool(use_tma) and cfg.tma_store and epilogue is None, options=options)
+    if epilogue is not None or wait is not None:
+        reasons.append(why_ws)
+    if ws:   # one program per SM or fewer, no more than tiles of the Gluon kernel's own tile
+        grid = (min(triton.cdiv(m, ws[0][0]) * triton.cdiv(n, ws[0][1]), programs), 1, 1)
+        sk_tiles = 0
+    return LaunchPlan(m, n, k, kernel="gemm_ws_kernel" if ws else "gemm_kernel", use_tma=bool(use_tma), grid=grid,
+                      use_asm=use_asm, num_tiles=num_tiles, sk_tiles=sk_tiles, epi_tma=epi_tma,
+                      epi_count=epi_count if not ws else 0, ws_block=ws[0] if ws else (),
+                      ws_stages=ws[1] if ws else 0, reasons=tuple(reasons), constexprs=constexprs, **common)
+
+
+# --------------------------------------------------------------------------------------------
+# launch helpers
+# --------------------------------------------------------------------------------------------
+def _epilogue_descriptor_args(epilogue, plan) -> tuple:
+    """gemm_kernel's MAX_TMA_DESTS descriptor arguments: the destinations' descriptors, then None."""
+    descs = _epilogue_descriptors(epilogue, plan) if plan.epi_tma else ()
+    return descs + (None,) * (abi.MAX_TMA_DESTS - len(descs))
+
+
+def _epilogue_descriptors(epilogue: EpilogueSpec, plan: LaunchPlan) -> tuple:
+    """One TMA descriptor per chunk over that chunk's rows of its destination (or, stacked
+    destinations, one over all M rows from the first), kept on the spec (so they live as long
+    as it does) per launch geometry."""
+    cfg = plan.config
+    ws = plan.kernel == "gemm_ws_kernel"
+    # the Gluon kernel stores whole tiles through descriptors that carry their layout
+    block = plan.ws_block[:2] if ws else (cfg.BLOCK_M, cfg.BLOCK_N // cfg.EPI_SUBTILE)
+    cache_ = epilogue.__dict__.setdefault("_tma_descs", {})   # frozen dataclass: not a field
+    key = (plan.m, plan.n, plan.chunk_m, plan.epi_tma, block, ws)
+    descs = cache_.get(key)
+    if descs is None:
+        if ws:
+            make = _gluon_descriptor
+        else:
+            from triton.tools.tensor_descriptor import TensorDescriptor as make
+        stacked = plan.epi_tma == abi.EPI_TMA_STACKED
+        descs = []
+        for q, d in enumerate(epilogue.dests[:plan.num_chunks if stacked else plan.epi_tma]):
+            rows = min(plan.chunk_m, plan.m - q * plan.chunk_m)
+            if d.shape[0] < rows or d.shape[1] < plan.n:
+                raise ValueError(f"matmul: epilogue.dests[{q}] is {tuple(d.shape)}; chunk {q} needs at least "
+                                 f"({rows}, {plan.n})")
+            if not stacked:
+                descs.append(make(d, [rows, plan.n], [d.stride(0), 1], list(block)))
+        if stacked:   # every chunk's rows checked above, so all M rows lie in the storage
+            d0 = epilogue.dests[0]
+            descs.append(make(d0, [plan.m, plan.n], [d0.stride(0), 1], list(block)))
+        descs = cache_[key] = tuple(descs)
+    return descs
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple, dtype: str):
+    """The shared layout the Gluon kernel stages a ``block`` of ``dtype`` in (per call: cached)."""
+    from triton.experimental.gluon import language as gl
+    return gl.NVMMASharedLayout.get_default_for(list(block), {"torch.bfloat16": gl.bfloat16,
+                                                              "torch.float16": gl.float16}[dtype])
+
+
+def _gluon_descriptor(t, shape, strides, block):
+    """A Gluon TMA descriptor of ``t`` (bf16/fp16, unit column stride) with the shared layout
+    the Gluon kernel stages ``block`` in (same arguments as triton's TensorDescriptor)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    return TensorDescriptor(t, list(shape), list(strides), list(block), _shared_layout(tuple(block), str(t.dtype)))
+
+
+def _stream_k_buffers(plan: LaunchPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 workspace ``[programs, 2, BLOCK_M, BLOCK_N]`` and int32 ``[num_tiles]`` tile
+    counters for a stream-K launch on the current stream, cached and grown as needed.
+
+    One pair per (device, stream): launches on one stream run one after the other and can
+    share it; launches on two streams may overlap, so they must not. The counters are
+    allocated zeroed and every completed launch leaves them at zero (the segment that completes
+    a tile resets its counter), so no memset runs between calls. Under CUDA graph capture a
+    new pair is allocated from the graph's pool on the capture stream, its zeroing captured."""
+    cfg = plan.config
+    ws_numel = plan.grid[0] * 2 * cfg.BLOCK_M * cfg.BLOCK_N
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
+    ws, counters = _STREAM_K_BUFFERS.get(key, (None, None))
+    if ws is None or ws.numel() < ws_numel:
+        ws = torch.empty(ws_numel, dtype=torch.float32, device=device)
+    if counters is None or counters.numel() < plan.num_tiles:
+        counters = torch.zeros(plan.num_tiles, dtype=torch.int32, device=device)
+    _STREAM_K_BUFFERS[key] = (ws, counters)
+    return ws, counters
+
+
+def _launch_cached(spec, grid, full: list, device, jit_launch, direct: bool) -> None:
+    """Launch a kernel on CUDA: the first call of specialization ``spec`` through Triton's JIT
+    (``jit_launch()``, which compiles, caches and returns the ``CompiledKernel``); later ones
+    call that compiled kernel directly with ``full`` (every parameter, constexprs included, in
+    signature order). ``spec`` must capture everything the JIT specializes on. ``direct``
+    False (``GemmOptions(direct_launch=False)``) always takes the JIT. A direct launch that
+    fails (a change of Triton's internals) warns once and turns direct launches off for the
+    process; :func:`launch_counts` shows it."""
+    direct = direct and not _DIRECT_BROKEN[0]
+    compiled = _COMPILED.get(spec) if direct else None
+    if compiled is not None:
+        try:
+            compiled[grid](*full, stream=torch._C._cuda_getCurrentRawStream(device.index))
+            _LAUNCHES["direct"] += 1
+            return
+        except Exception as e:  # a Triton internals change: say so once, then use the JIT path
+            warn_once(f"tpfuse.gemm: direct kernel launch failed ({type(e).__name__}: {e}); using Triton's "
+                      "JIT launch from now on (slower on the host); GemmOptions(direct_launch=False) silences this")
+            _DIRECT_BROKEN[0] = True
+            _COMPILED.clear()
+            direct = False
+    compiled = jit_launch()
+    _LAUNCHES["jit"] += 1
+    if id(compiled) not in _SEEN_COMPILED:
+        _SEEN_COMPILED[id(compiled)] = compiled   # kept: Triton caches it anyway
+        _LAUNCHES["compiled"] += 1
+    if direct:
+        _COMPILED[spec] = compiled
+
+
+_SEEN_COMPILED: dict = {}   # id -> CompiledKernel returned by a JIT launch
+
+
+def _launch_gemm_kernel(plan: LaunchPlan, plan_key, args: list, device) -> None:
+    """Launch gemm_kernel. Its specialization depends only on the plan and on the 16-byte
+    alignment of the plain-pointer operands (hook arguments are not specialized)."""
+    _, _, km = triton_modules()
+    full = args + list(plan.constexprs)
+    cfg = plan.config
+    if interpreting() or device.type != "cuda":
+        km.gemm_kernel[plan.grid](*full, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _LAUNCHES["interpreter"] += 1
+        return
+    spec = (plan_key, tuple(x.data_ptr() % 16 == 0 for x in args[:3] if isinstance(x, torch.Tensor)),
+            tuple(-2**31 <= x < 2**31 for x in args[12:] if isinstance(x, int)))
+    _launch_cached(spec, plan.grid, full, device,
+                   lambda: km.gemm_kernel[plan.grid](*full, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+                   plan.options.direct_launch)
+
+
+def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, counters=None, signal_ptrs=None,
+               generation=0, epi_descs=None, wait_signal=None, wait_gen=0, wait_timeout_ns=0,
+               err=None) -> None:
+    """The Gluon kernel on ``a [M, K] @ b [K, N]`` (``b`` row-major or ``weight.t()``) into
+    ``out``, or with ``dests`` (the epilogue hook) into one destination per chunk (``stacked``:
+    consecutive row blocks of one tensor, ``epi_descs`` their descriptors), counting in
+    ``counters`` and publishing ``generation`` to the int32 at each ``signal_ptrs[c]``. With
+    ``wait_signal`` (the wait hook, into ``out``): the load warp waits before a tile's loads
+    until ``wait_signal[c] >= wait_gen`` for every chunk ``c`` its rows touch, for at most
+    ``wait_timeout_ns``, recording a timeout in ``err``. :func:`matmul` validated everything."""
+    from ..kernels.gemm_ws import gemm_ws_kernel
+    m, k = a.shape
+    n = b.shape[1]
+    bm, bn, bk = plan.ws_block
+    group_m, stages, grid = plan.config.GROUP_M, plan.ws_stages, plan.grid[0]
+    chunk_m, num_chunks, start_chunk = plan.chunk_m, plan.num_chunks, plan.start_chunk
+    b_kmajor = plan.b_kmajor
+    a_desc = _gluon_descriptor(a, (m, k), (a.stride(0), 1), (bm, bk))
+    if b_kmajor:
+        b_desc = _gluon_descriptor(b.t(), (n, k), (b.stride(1), 1), (bn, bk))
+    else:
+        b_desc = _gluon_descriptor(b, (k, n), (b.stride(0), 1), (bk, bn))
+    epilogue = len(dests) > 0
+    if epilogue:
+        epi = list(epi_descs)
+        epi_tma = abi.EPI_TMA_STACKED if stacked else len(epi)
+        c_desc = epi[0]
+    else:
+        c_desc = _gluon_descriptor(out, (m, n), (out.stride(0), 1), (bm, bn))
+        epi, epi_tma = [], 0
+    epi = epi + [None] * (abi.MAX_TMA_DESTS - len(epi))
+    tile_order_idx = TILE_ORDERS.index(plan.tile_order)
+    wait = wait_signal is not None
+    ints = (chunk_m, num_chunks, start_chunk, wait_gen, wait_timeout_ns, generation)
+    # Everything the JIT specializes on (the descriptors' dtypes, blocks and layouts follow from
+    # the dtype, block, b_kmajor and destinations; the hook ints and pointers are not
+    # specialized but for their width and dtype), so a cached compiled kernel fits this call
+    c0 = dests[0] if epilogue else out
+    spec = ("gemm_ws", a.device, a.dtype, c0.dtype, m, n, k, a.stride(), b.stride(), c0.stride(), bm, bn, bk,
+            group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, sum(d is not None for d in epi),
+            wait, tuple(-2**31 <= x < 2**31 for x in ints),
+            tuple(None if t is None else t.dtype for t in (wait_signal, err, counters, signal_ptrs)))
+    full = [a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
+            wait_timeout_ns, err, counters, signal_ptrs, generation, *epi,
+            bm, bn, bk, group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, wait, abi.WS_NUM_WARPS]
+    _launch_cached(spec, (grid, 1, 1), full, a.device, lambda: gemm_ws_kernel[(grid, )](
+        a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen, wait_timeout_ns,
+        err, counters, signal_ptrs, generation, *epi,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages, TILE_ORDER=tile_order_idx,
+        B_KMAJOR=b_kmajor, EPILOGUE=epilogue, EPI_TMA=epi_tma, WAIT=wait,
+        num_warps=abi.WS_NUM_WARPS, maxnreg=abi.WS_MAXNREG), plan.options.direct_launch)
+
+
+# --------------------------------------------------------------------------------------------
+# matmul
+# --------------------------------------------------------------------------------------------
+def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+           config: Optional[GemmConfig] = None, tile_order: str = "grouped",
+           chunk_m: Optional[int] = None, start_chunk: int = 0,
+           wait: Optional[WaitSpec] = None, epilogue: Optional[EpilogueSpec] = None,
+           check: bool = True, use_tma: Optional[bool] = None, num_sms: Optional[int] = None,
+           options: Optional[GemmOptions] = None) -> Optional[torch.Tensor]:
+    """``a [M, K] @ b [K, N]`` with the persistent Triton core.
+
+    Returns ``out`` (allocated when None) or, with ``epilogue``, None (tiles went to the
+    chunk destinations). ``chunk_m`` defaults to the hook spec's; tile orders ``"round"`` and
+    ``"owner"`` need one. ``start_chunk`` is the first chunk in those orders. With ``wait`` and
+    ``check=True`` the call synchronizes and raises TimeoutError from the error word; with
+    ``check=False`` call :func:`check_error_word` yourself. ``use_tma`` None = where possible.
+    ``num_sms``: an SM budget; the persistent grid is at most ``min(num_sms, what the config
+    launches)`` programs (None: the whole GPU), so co-running kernels keep SMs free.
+    ``options``: :class:`GemmOptions` (None: the defaults, the product).
+
+    Everything decided by shapes, strides, dtypes, config and options is validated once and
+    cached (a :class:`LaunchPlan`, :func:`last_plan`); per call only the hook specs' buffers and
+    generations are checked.
+    """
+    options = DEFAULT_OPTIONS if options is None else options
+    try:
+        # Base-pointer alignment is part of the key: a view with the same shape and strides but
+        # an odd offset cannot take a plan made for TMA (16-byte aligned bases).
+        key = (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0,
+               b.shape, b.stride(), b.dtype, b.device, b.data_ptr() % 16 == 0,
+               None if out is None else (out.shape, out.stride(), out.dtype, out.device,
+                                         out.data_ptr() % 16 == 0),
+               config, tile_order, chunk_m, start_chunk, wait is not None and wait.chunk_m,
+               epilogue is not None and (epilogue.chunk_m, epilogue.align_elems, len(epilogue.dests),
+                                         stacked_dests(epilogue)),
+               use_tma, num_sms, options, interpreting())
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):   # not tensors / unhashable: full validation says why
+        key, plan = None, None
+    if plan is None:
+        plan = _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilogue, use_tma, num_sms,
+                          options)
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    _LAST_PLAN[0] = plan
+    m, n, k = plan.m, plan.n, plan.k
+    device = a.device
+    if out is None and epilogue is None:
+        out = torch.empty(m, n, dtype=a.dtype, device=device)
+    if m == 0 or n == 0:
+        return out if epilogue is None else None
+    if k == 0 and epilogue is None and wait is None:
+        return out.zero_()
+    if k == 0:
+        raise ValueError("matmul: K=0 with hooks; nothing to compute, publish the chunks on the host instead")
+
+    num_chunks = plan.num_chunks
+    if wait is not None:
+        _check_generation(wait.generation, "wait.generation")
+        s = wait.signal
+        if s.dtype != torch.int32 or s.device != device or s.numel() < num_chunks:
+            raise ValueError(f"matmul: wait.signal is {s.dtype} with {s.numel()} elements on {s.device}; "
+                             f"need int32 with >= num_chunks={num_chunks} elements on {device}")
+        if wait.error is not None and (wait.error.dtype != torch.int32 or wait.error.numel() < ERROR_WORDS):
+            raise ValueError(f"matmul: wait.error must be int32 with {ERROR_WORDS} words; use new_error_word()")
+    if epilogue is not None:
+        _check_generation(epilogue.generation, "epilogue.generation")
+        if epilogue.base.dtype != a.dtype or epilogue.base.device != device:
+            raise ValueError(f"matmul: epilogue.base is {epilogue.base.dtype} on {epilogue.base.device}; "
+                             f"need {a.dtype} on {device} (the destinations' dtype)")
+        for nm, t, dt in (("dest_offsets", epilogue.dest_offsets, torch.int64),
+                          ("signal_ptrs", epilogue.signal_ptrs, torch.int64),
+                          ("counters", epilogue.counters, torch.int32)):
+            if t.dtype != dt or t.numel() < num_chunks or t.device != device:
+                raise ValueError(f"matmul: epilogue.{nm} is {t.dtype} with {t.numel()} elements on {t.device}; "
+                                 f"need {dt} with >= num_chunks={num_chunks} elements on {device}")
+
+    cfg = plan.config
+    err = None
+    if wait is not None:
+        err = wait.error if wait.error is not None else new_error_word(device)
+    if plan.kernel == "gemm_ws_kernel":
+        if epilogue is not None:
+            _launch_ws(plan, a, b, dests=epilogue.dests, stacked=plan.epi_tma == abi.EPI_TMA_STACKED,
+                       counters=epilogue.counters, signal_ptrs=epilogue.signal_ptrs,
+                       generation=epilogue.generation, epi_descs=_epilogue_descriptors(epilogue, plan))
+            return None
+        _launch_ws(plan, a, b, out=out, wait_signal=wait.signal, wait_gen=wait.generation,
+                   wait_timeout_ns=wait.timeout_ns, err=err)
+        if check:
+            check_error_word(err, rank=wait.rank, timeout_ns=wait.timeout_ns)
+        return out
+    bm, bn, bk = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
+    if plan.use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
+        if plan.b_kmajor:
+            b_arg = TensorDescriptor(b, [n, k], [b.stride(1), 1], [bn, bk])
+        else:
+            b_arg = TensorDescriptor(b, [k, n], [b.stride(0), 1], [bk, bn])
+        c_arg = (TensorDescriptor(out, [m, n], [out.stride(0), 1], [bm, bn // cfg.EPI_SUBTILE])
+                 if epilogue is None and cfg.tma_store else out)
+    else:
+        a_arg, b_arg, c_arg = a, b, out
+    if epilogue is not None:
+        c_arg = epilogue.base   # typed origin of the destinations' offsets
+
+    args = [
+        a_arg, b_arg, c_arg, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0,
+        plan.chunk_m, num_chunks, plan.start_chunk,
+        wait.signal if wait else None, wait.generation if wait else 0,
+        (wait.timeout_ns if plan.use_asm else wait.max_spins) if wait else 0, err,
+        epilogue.dest_offsets if epilogue else None, epilogue.dest_stride if epilogue else 0,
+        epilogue.signal_ptrs if epilogue else None, epilogue.counters if epilogue else None,
+        epilogue.generation if epilogue else 0,
+        *_epilogue_descriptor_args(epilogue, plan),
+        *(_stream_k_buffers(plan, device) if plan.sk_tiles else (None, None)),
+        plan.sk_tiles,
+    ]
+    _launch_gemm_kernel(plan, key, args, device)
+    if wait is not None and check:
+        check_error_word(err, rank=wait.rank, timeout_ns=wait.timeout_ns if plan.use_asm else None)
+    return out if epilogue is None else None

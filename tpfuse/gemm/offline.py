@@ -1,0 +1,201 @@
+"""Compile the GEMM kernels for sm_90 without a GPU and report what the compiler made of them.
+
+    python3 -m tpfuse.gemm.offline [--m 512 --n 3584 --k 4096] [--config 128x128x64:num_stages=6]
+                                   [--epilogue] [--tile-order owner] [--dump DIR]
+
+Triton ships ptxas, so the TTGIR, PTX and cubin of any config come out on a CPU-only machine.
+Prints registers, spill stack, shared memory, and counts of a few instructions (wgmma, TMA
+loads/stores, barriers); ``--dump DIR`` writes the TTGIR, PTX and SASS. The compile sees what a
+launch would specialize on (16-byte alignment of pointers and of ints that are multiples of 16);
+the hook arguments are not specialized, as in :mod:`tpfuse.gemm.launch`. Costs no device time.
+The CPU tests (tests/cpu/test_kernel_tools.py) check the compiled code with it.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..kernels import abi
+from .config import GemmConfig
+
+__all__ = ["parse_spec", "compile_kernel", "compile_ws_kernel", "sass_of"]
+
+
+def parse_spec(spec: str) -> GemmConfig | None:
+    """``"128x256x64:num_stages=4,flatten=true"`` -> GemmConfig (``"cublas"`` -> None)."""
+    if spec == "cublas":
+        return None
+    tile, _, rest = spec.partition(":")
+    bm, bn, bk = (int(x) for x in tile.split("x"))
+    kw = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    for item in filter(None, rest.split(",")):
+        key, _, val = item.partition("=")
+        kw[key] = val.lower() == "true" if val.lower() in ("true", "false") else int(val)
+    return GemmConfig(**kw)
+
+NOT_SPECIALIZED = {"chunk_m", "num_chunks", "start_chunk", "wait_gen", "wait_timeout", "stride_dm",
+                   "epi_gen", "wait_signal", "err_ptr", "dest_offs", "signal_ptrs", "counters",
+                   "tile_counters"}
+
+
+def _signature(names, args: dict, cons: dict, aligned) -> tuple[dict, dict, dict]:
+    """(signature, attrs, constexprs) for an ASTSource: ``cons`` names are constexprs, a None
+    argument becomes one too; ``aligned(name, value)`` says which arguments a launch would
+    specialize as 16-byte aligned (divisible by 16)."""
+    from triton.runtime.jit import mangle_type
+    sig, attrs, cons = {}, {}, dict(cons)
+    for i, name in enumerate(names):
+        if name in cons:
+            sig[name] = "constexpr"
+            continue
+        v = args[name]
+        if v is None:
+            sig[name] = "constexpr"
+            cons[name] = None
+            continue
+        sig[name] = "i32" if isinstance(v, int) else mangle_type(v)
+        if aligned(name, v):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs, {(names.index(key),): val for key, val in cons.items()}
+
+
+def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_order: int = 0,
+                   wait: bool = False, sk_tiles: int = 0, epi_tma: int = 0, epi_count: int = 1):
+    """triton.compile of gemm_kernel for bf16 ``a[m, k] @ weight[n, k].t()`` (TMA path);
+    ``epi_tma`` > 0: the epilogue hook stores through that many TMA descriptors (chunks of
+    ``m // epi_tma`` rows), or ``EPI_TMA_STACKED`` (9) through one over all of ``c``."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    # the module as sys.modules has it now (a test run may have re-imported it after using
+    # the interpreter), not a stale attribute of the package
+    km = importlib.import_module("tpfuse.kernels.gemm")
+    stacked = epi_tma == km.EPI_TMA_STACKED.value
+
+    bm, bn, bk = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
+    a = torch.empty(m, k, dtype=torch.bfloat16)
+    w = torch.empty(n, k, dtype=torch.bfloat16)
+    c = torch.empty(m, n, dtype=torch.bfloat16)
+    i32, i64, f32 = (torch.empty(4, dtype=t) for t in (torch.int32, torch.int64, torch.float32))
+    args = dict(a=TensorDescriptor.from_tensor(a, [bm, bk]), b=TensorDescriptor.from_tensor(w, [bn, bk]),
+                c=c if epilogue or not cfg.tma_store else TensorDescriptor.from_tensor(c, [bm, bn // cfg.EPI_SUBTILE]),
+                M=m, N=n, K=k, stride_am=k, stride_ak=1, stride_bk=1, stride_bn=k, stride_cm=n, stride_cn=1,
+                chunk_m=m, num_chunks=1, start_chunk=0, wait_signal=i32, wait_gen=0, wait_timeout=0,
+                err_ptr=i32, dest_offs=i64, stride_dm=0, signal_ptrs=i64, counters=i32, epi_gen=0,
+                **{f"epi_d{q}": TensorDescriptor.from_tensor(c if stacked else c[:max(m // epi_tma, 1)],
+                                                            [bm, bn // cfg.EPI_SUBTILE])
+                   if q < (1 if stacked else epi_tma) else None for q in range(8)},
+                ws=f32, tile_counters=i32, sk_tiles=sk_tiles)
+    cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.GROUP_M, EPI_SUBTILE=cfg.EPI_SUBTILE,
+                TILE_ORDER=tile_order, USE_TMA=True, B_KMAJOR=True, C_DTYPE=tl.bfloat16, WAIT=wait,
+                EPILOGUE=epilogue, USE_ASM=True, FLATTEN=cfg.flatten,
+                DOT_FP32=False, DEST_ALIGNED=8 if epilogue else 0,
+                STREAM_K=bool(cfg.stream_k), EPI_TMA=epi_tma,
+                TMA_STORE=cfg.tma_store, EPI_COUNT=epi_count)
+    sig, attrs, constexprs = _signature(
+        km.gemm_kernel.arg_names, args, cons,
+        lambda name, v: name not in NOT_SPECIALIZED and (isinstance(v, torch.Tensor) or (isinstance(v, int) and v and v % 16 == 0)))
+    src = ASTSource(fn=km.gemm_kernel, signature=sig, attrs=attrs, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int = 3, epi_tma: int = -1,
+                      tile_order: int = 2, b_kmajor: bool = True, wait: bool = False):
+    """triton.compile of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py) for bf16
+    ``a[m, k] @ b`` (``weight[n, k].t()`` or row-major ``[k, n]``) on sm_90, launched as
+    tpfuse.gemm.launch launches it; ``epi_tma``: -1 no hook (plain output), else the epilogue hook through
+    that many per-chunk descriptors (chunks of ``m // epi_tma`` rows) or, 9, one over stacked
+    destinations; ``wait``: the wait hook (without the epilogue hook)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .launch import _gluon_descriptor as make_descriptor
+    W = importlib.import_module("tpfuse.kernels.gemm_ws")
+    bm, bn, bk = block
+    a = torch.empty(m, k, dtype=torch.bfloat16)
+    c = torch.empty(m, n, dtype=torch.bfloat16)
+    if b_kmajor:
+        b_desc = make_descriptor(torch.empty(n, k, dtype=torch.bfloat16), (n, k), (k, 1), (bn, bk))
+    else:
+        b_desc = make_descriptor(torch.empty(k, n, dtype=torch.bfloat16), (k, n), (n, 1), (bk, bn))
+    c_desc = make_descriptor(c, (m, n), (n, 1), (bm, bn))
+    hook = epi_tma >= 0
+    descs = 1 if epi_tma == W.EPI_TMA_STACKED.value else max(epi_tma, 0)
+    chunks = max(descs, 1)
+    args = dict(a_desc=make_descriptor(a, (m, k), (k, 1), (bm, bk)), b_desc=b_desc, c_desc=c_desc, M=m, N=n, K=k,
+                chunk_m=m // chunks, num_chunks=chunks, start_chunk=0,
+                wait_signal=torch.empty(4, dtype=torch.int32) if wait else None, wait_gen=1, wait_timeout=10**9,
+                err_ptr=torch.empty(8, dtype=torch.int32) if wait else None,
+                counters=torch.empty(4, dtype=torch.int32) if hook else None,
+                signal_ptrs=torch.empty(4, dtype=torch.int64) if hook else None, epi_gen=1,
+                **{f"epi_d{q}": c_desc if q < descs else None for q in range(8)})
+    cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, TILE_ORDER=tile_order,
+                B_KMAJOR=b_kmajor, EPILOGUE=hook, EPI_TMA=max(epi_tma, 0), WAIT=wait,
+                num_warps=abi.WS_NUM_WARPS)
+    sig, attrs, constexprs = _signature(W.gemm_ws_kernel.arg_names, args, cons,
+                                        lambda name, v: name in ("M", "N", "K") and v % 16 == 0)
+    src = GluonASTSource(fn=W.gemm_ws_kernel, signature=sig, attrs=attrs, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=abi.WS_NUM_WARPS, maxnreg=abi.WS_MAXNREG))
+
+
+def sass_of(cubin: bytes) -> tuple[str, str]:
+    """(SASS, resource usage) of a cubin, with the cuobjdump that Triton ships."""
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        Path(path).write_bytes(cubin)
+        sass = subprocess.run([str(tool), "--dump-sass", path], capture_output=True, text=True).stdout
+        res = subprocess.run([str(tool), "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    return sass, " ".join(line.strip() for line in res.splitlines() if "REG" in line)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", type=int, default=512)
+    ap.add_argument("--n", type=int, default=3584)
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--config", nargs="+", default=["128x128x64:num_stages=6"],
+                    help="specs as parse_spec reads them: 128x256x64:num_stages=4,flatten=true")
+    ap.add_argument("--epilogue", action="store_true", help="epilogue hook on (pointer stores to destinations)")
+    ap.add_argument("--epilogue-tma", type=int, default=0, metavar="CHUNKS",
+                    help="with --epilogue: store through CHUNKS TMA descriptors (one per chunk; "
+                         "9: one over stacked destinations)")
+    ap.add_argument("--wait", action="store_true", help="wait hook on")
+    ap.add_argument("--tile-order", default="grouped", choices=["grouped", "round", "owner"])
+    ap.add_argument("--dump", type=Path, help="write TTGIR, PTX and SASS per config here")
+    args = ap.parse_args(argv)
+    order = ["grouped", "round", "owner"].index(args.tile_order)
+    for spec in args.config:
+        cfg = parse_spec(spec)
+        kern = compile_kernel(args.m, args.n, args.k, cfg, epilogue=args.epilogue, tile_order=order,
+                              wait=args.wait, sk_tiles=1 if cfg.stream_k else 0,
+                              epi_tma=args.epilogue_tma if args.epilogue else 0)
+        sass, res = sass_of(kern.asm["cubin"])
+        counts = {op: len(re.findall(pat, sass)) for op, pat in
+                  (("HGMMA", r"HGMMA\."), ("UTMALDG", r"UTMALDG"), ("UTMASTG", r"UTMASTG"),
+                   ("STG", r"\bSTG\."), ("BAR.SYNC", r"BAR\.SYNC"), ("MEMBAR", r"MEMBAR"))}
+        print(f"{spec:44s} {res}  smem={kern.metadata.shared}  " + " ".join(f"{k}={v}" for k, v in counts.items()))
+        if args.dump:
+            args.dump.mkdir(parents=True, exist_ok=True)
+            tag = re.sub(r"[^A-Za-z0-9]+", "_", spec)
+            for ext, text in (("ttgir", kern.asm["ttgir"]), ("ptx", kern.asm["ptx"]), ("sass", sass)):
+                (args.dump / f"{tag}.{ext}").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

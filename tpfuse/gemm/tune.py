@@ -1,0 +1,100 @@
+"""Tuning: time every candidate config of one shape and keep the fastest in the cache
+(:mod:`tpfuse.gemm.cache`), which later plans of that shape read.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Optional, Sequence
+
+import torch
+
+from . import cache, launch
+from .config import GemmConfig, candidate_configs
+from .device import interpreting, num_sms, triton_modules, warn_once
+
+__all__ = ["tune", "rerank_leaders"]
+
+
+def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmConfig]] = None,
+         rep_ms: int = 20, save: bool = True, graphs: Optional[bool] = None,
+         ) -> tuple[GemmConfig, list[tuple[GemmConfig, float]]]:
+    """Time every candidate config on ``a @ b`` (median, ``triton.testing.do_bench``), store the
+    fastest in the JSON cache and return ``(best, [(config, ms), ...])``, fastest first (the
+    leaders re-timed, :func:`rerank_leaders`; their ms the median of their timings). A config
+    that fails to compile or launch (out of shared memory or registers, a Triton limitation) is
+    skipped with a warning; only an error that leaves the CUDA context unusable (an illegal
+    address) ends the search, since nothing can run on that device afterwards.
+
+    ``graphs`` (default: on CUDA) times CUDA-graph replays of one call: eager timings of a small
+    GEMM measure the host's launch cost, and would pick a config by launch noise."""
+    triton, _, _ = triton_modules()
+    m, k = a.shape
+    n = b.shape[1]
+    configs = (list(configs) if configs is not None
+               else candidate_configs(m, n, k, a.dtype, num_sms=num_sms(a.device)))
+    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    if graphs is None:
+        graphs = a.device.type == "cuda" and not interpreting()
+
+    def timed(cfg: GemmConfig) -> float:
+        def call():
+            launch.matmul(a, b, out=out, config=cfg)
+        if not graphs:
+            return triton.testing.do_bench(call, warmup=5, rep=rep_ms, return_mode="median")
+        side = torch.cuda.Stream(a.device)
+        side.wait_stream(torch.cuda.current_stream(a.device))
+        with torch.cuda.stream(side):   # compile and warm up outside the capture
+            call()
+            call()
+        torch.cuda.current_stream(a.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        try:
+            return triton.testing.do_bench(graph.replay, warmup=5, rep=rep_ms, return_mode="median")
+        finally:
+            del graph
+
+    timings = []
+    for cfg in configs:
+        try:
+            ms = timed(cfg)
+        except Exception as e:  # compile or launch failure (e.g. out of shared memory): skip, say why
+            warn_once(f"tpfuse.gemm.tune: skipping config {cfg}: {type(e).__name__}: {e}"[:600])
+            continue
+        timings.append((cfg, ms))
+    if not timings:
+        raise RuntimeError(f"tpfuse.gemm.tune: no config ran for shape {m}x{n}x{k}")
+    timings = [(cfg, ms) for cfg, ms, _ in rerank_leaders(timings, timed)]
+    best = timings[0][0]
+    if save and a.device.type == "cuda":
+        cache.store(m, n, k, a.dtype, b.stride(0) == 1 and b.stride(1) != 1, a.device, best,
+                    min(t[1] for t in timings))
+        launch.clear_plans()   # plans made before hold the configs chosen before
+    return best, timings
+
+
+def rerank_leaders(timings: Sequence[tuple], timed, finalists: int = 6, rounds: int = 4) -> list[tuple]:
+    """Rank tuning candidates more robustly than by one timing each: the ``finalists`` fastest
+    of ``timings`` (``[(config, ms)]``) are timed ``rounds`` more times by ``timed(config)``, in
+    interleaved rounds (each in a rotated order) so drift hits all alike, and ranked by the
+    median of their timings. Returns ``[(config, ms, [timings])]``, fastest first: the leaders
+    by that median, then the rest by their one timing. One timing is not enough: under the
+    power cap the SM clock moves between ~1450 and ~1800 MHz from one timing to the next, and a
+    config's single timing on 405B fc1 at M = 512 moved by +-4 % (H200, 2026-12-01,
+    ``benchmarks/probe_drift.py``, since removed: see git history), as much as the configs differ. A leader whose re-timing
+    raises is dropped."""
+    ranked = sorted(timings, key=lambda t: t[1])
+    lead = [[cfg, [ms]] for cfg, ms in ranked[:max(finalists, 0)]] if len(ranked) > 1 else []
+    for r in range(rounds if lead else 0):
+        for entry in lead[r % len(lead):] + lead[:r % len(lead)]:
+            if entry[1] is None:
+                continue
+            try:
+                entry[1].append(timed(entry[0]))
+            except Exception as e:  # noqa: BLE001 - it ran once; say why it no longer does
+                warn_once(f"tpfuse.gemm.tune: dropping tuning finalist {entry[0]}: {type(e).__name__}: {e}"[:600])
+                entry[1] = None
+    out = sorted(((cfg, statistics.median(ts), ts) for cfg, ts in lead if ts is not None), key=lambda t: t[1])
+    return out + [(cfg, ms, [ms]) for cfg, ms in ranked[len(lead):]]
+

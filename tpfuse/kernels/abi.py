@@ -1,0 +1,40 @@
+"""Integer constants that the kernels and their host side (``tpfuse/gemm``) must agree on.
+
+Plain Python, no Triton: the host side imports this without importing a kernel, and every
+kernel module wraps the values it needs in ``tl.constexpr`` (``gemm.py``, ``gemm_ws.py``,
+``signals.py``). Change a value here and both sides change together.
+"""
+
+# Tile orders, by the kernels' TILE_ORDER constexpr (index into this tuple).
+TILE_ORDERS = ("grouped", "round", "owner")
+
+# Error word of the wait hook: int32[ERROR_WORDS], zero = no error, written once by the first
+# program that times out (a CAS on word 0). Word indices:
+ERROR_WORDS = 8
+ERR_OK = 0
+ERR_WAIT_TIMEOUT = 1
+ERR_STATUS, ERR_TILE, ERR_CHUNK, ERR_GENERATION, ERR_SEEN, ERR_PROGRAM = range(6)
+
+# EPI_TMA (the epilogue hook's stores): 0 = pointer stores, 1..MAX_TMA_DESTS = one TMA
+# descriptor per chunk, EPI_TMA_STACKED = one descriptor over destinations stacked as the rows
+# of one tensor (any number of chunks of any height).
+MAX_TMA_DESTS = 8
+EPI_TMA_STACKED = 9
+
+# EPI_COUNT (how the epilogue hook counts stored tiles; docs/gemm_core.md, "Hooks' contract"):
+EPI_COUNT_RETURNING = 1   # acq_rel at GPU scope, read at once; the chunk's last count publishes
+EPI_COUNT_AFTER_LOOP = 3  # a release that returns nothing, after the next tile's main loop; a poller per chunk
+EPI_COUNT_IN_LOOP = 4     # as 3, made COUNT_STEP K-steps into the next tile's main loop (flattened loops)
+COUNT_STEP = 4
+
+# Counts 3 and 4: a chunk's poller hands it off by adding HANDOFF to its counter, so a chunk's
+# tile count must stay below it; the end of a program checks at most MAX_POLLED_CHUNKS chunks.
+HANDOFF = 1 << 24
+MAX_POLLED_CHUNKS = 64
+
+# The Gluon kernel (gemm_ws.py) launches with 8 MMA warps and two one-warp workers (one
+# warpgroup): 12 warps x 168 registers = 64512 of the SM's 65536; the workers drop to 40
+# (setmaxnreg, the kernel's worker_num_regs), so the MMA warps get 232 for their 128
+# accumulator registers (128 x 256 fp32 over 256 threads) and the rest.
+WS_NUM_WARPS = 8
+WS_MAXNREG = 168
