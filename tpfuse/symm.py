@@ -130,6 +130,7 @@ class Workspace:
         self.calls = 0                      # host count of begun calls (messages only)
         self._tables: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}
         self._views: dict[object, torch.Tensor] = {}
+        self.state: dict[object, object] = {}   # what a strategy keeps with its buffers (never evicted)
         self._stream: torch.cuda.Stream | None = None
 
     # -- addressing ---------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-STRATEGIES = ("copy_engine",)
+STRATEGIES = ("copy_engine", "fused")
 TIMEOUT_S = 4.0                      # TPFUSE_TIMEOUT_S of the bed's ranks (the dead-peer case times it)
 ENV = {"TPFUSE_POISON": "1", "TPFUSE_DEBUG": "1", "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1",
        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "TPFUSE_TIMEOUT_S": str(TIMEOUT_S)}
@@ -117,10 +117,12 @@ def _call(op, strategy, prob, rank):
 # ------------------------------------------------------------------------------------------------
 
 def case_shapes(rank, world_size, strategy, shapes, dtypes):
-    """Every op on each shape x dtype; M = W * rows."""
+    """Every op on each shape x dtype; M = W * rows (fused: no fp32, which it refuses)."""
     rows_out = []
     for rows, k, n in shapes:
         for dname in dtypes:
+            if strategy == "fused" and dname == "fp32":
+                continue
             for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
                 m = world_size * rows
                 prob = Problem(zlib.crc32(repr((rows, k, n, dname, op)).encode()), world_size, m, k, n, DTYPES[dname])

@@ -79,3 +79,4 @@ def poison_on_error_kernel(err_ptr, out_ptr, numel, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         nan = tl.full((BLOCK,), float("nan"), tl.float32)
         tl.store(out_ptr + offs, nan.to(out_ptr.dtype.element_ty), mask=offs < numel)
+

@@ -1,0 +1,280 @@
+"""``fused``: one persistent GEMM launch per op, hooked to the communication chunk by chunk.
+
+* ``ag_gemm`` (consumer-side fusion, FLUX style): the copy engine fills the gathered buffer as in
+  ``copy_engine`` (side stream: wait for the peer's READY flag, ``copy_``, then the chunk's
+  *arrival* word = 1 by ``stream_write_value32``, a stream memory operation), while ONE
+  persistent GEMM (``tpfuse.gemm.matmul`` with a wait hook, tile order "round" from this rank's
+  chunk) starts on the local chunk and waits per tile only for the chunks its A rows touch.
+  SMs never move data.
+* ``gemm_rs`` (producer-side fusion): ONE persistent GEMM in owner order ((rank + 1) first)
+  whose epilogue stores every finished tile straight into its owner's inbox slot (peer memory)
+  (peer memory); after the launch this rank raises READY on every owner (the generation from
+  device memory); the owner reduces its W inbox slots in float32 in rank order (the
+  ``copy_engine`` reduce) after its READY flags.
+* ``gemm_ar``: the fused ``gemm_rs`` schedule over near-equal row chunks, then the gather of the
+  reduced chunks as in ``copy_engine``'s two-shot path.
+
+The arrival words (and the epilogue hook's per-chunk words) are this rank's own (one producer, one consumer, in stream order): they
+hold 1 while a call runs and are reset to 0 on the compute stream after the GEMM, before the
+next call's side stream can touch them.  So the hooks' generation is the constant 1, which a
+CUDA graph may replay; cross-rank flags keep the workspace's device-memory generations.
+
+The GEMM's grid obeys an SM budget (:func:`sm_budget`): on one GPU shared by W processes (the
+bed) the same-device copies the kernels wait for run on SMs, so the W persistent grids together
+must leave SMs free.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tpfuse import symm
+from tpfuse._dist import GroupContext, breadcrumb, new_output
+from tpfuse.strategies import copy_engine
+from tpfuse.strategies.ring import _row_bounds
+
+__all__ = ["NAME", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar", "FusedOptions", "set_options", "sm_budget"]
+
+NAME = "fused"
+
+
+@dataclass(frozen=True)
+class FusedOptions:
+    """Knobs of the fused strategy (the CTA tile comes from the GEMM core's tuning).
+
+    ``num_sms``: programs of the persistent GEMM (None: :func:`sm_budget`).
+    """
+
+    num_sms: int | None = None
+
+    def __post_init__(self):
+        if self.num_sms is not None and (isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int)
+                                         or self.num_sms < 1):
+            raise ValueError(f"FusedOptions.num_sms={self.num_sms!r}: must be a positive int or None")
+
+
+_OPTIONS = [FusedOptions()]
+
+
+def set_options(options: FusedOptions) -> None:
+    """Pin the fused strategy's knobs for this process (same on every rank)."""
+    if not isinstance(options, FusedOptions):
+        raise TypeError(f"set_options: expected a FusedOptions, got {type(options).__name__}")
+    _OPTIONS[0] = options
+
+
+def sm_budget(device: torch.device, world_size: int) -> int:
+    """Programs of the fused GEMM: every SM, except when the group's processes share one GPU
+    (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, the one-GPU bed): then 1/(W+1) of the SMs
+    each, so that W spinning grids leave SMs for the same-device copies they wait on (H200, W = 4:
+    24-32 programs each worked, the full grid timed out)."""
+    if _OPTIONS[0].num_sms is not None:
+        return _OPTIONS[0].num_sms
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1" and world_size > 1:
+        return max(1, sms // (world_size + 1))
+    return sms
+
+
+def why_unavailable(ctx: GroupContext, device: torch.device, dtype: torch.dtype) -> str | None:
+    reason = copy_engine.why_unavailable(ctx, device, dtype)
+    if reason is not None:
+        return reason.replace("copy_engine", "fused")
+    if dtype == torch.float32:
+        # the Triton GEMM core multiplies fp32 inputs in TF32 (~1e-3 relative error on the H200
+        # bed against 5e-6 for cuBLAS fp32); not what a float32 caller asked for
+        return ("fused runs bfloat16/float16 only: its Triton GEMM multiplies float32 in TF32; "
+                "float32 runs with 'copy_engine' (cuBLAS, full fp32)")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "fused needs triton (pip install triton)"
+    return None
+
+
+def _local_words(ws: symm.Workspace, name: str, count: int) -> torch.Tensor:
+    """This rank's int32 words ``name`` (zeros, reset after every call), cached on the workspace."""
+    key = ("words", name, count)
+    words = ws.state.get(key)
+    if words is None:
+        words = torch.zeros(count, dtype=torch.int32, device=ws.spec.device)
+        ws.state[key] = words
+    return words
+
+
+def _set_word(words: torch.Tensor, index: int) -> None:
+    """``words[index] = 1`` on the current stream as a stream memory operation (no SM)."""
+    from torch.distributed._symmetric_memory import _SymmetricMemory
+
+    _SymmetricMemory.stream_write_value32(words.view(torch.uint32), index, 1)
+
+
+def _finish(ws: symm.Workspace, op: str, gemm_error: torch.Tensor, *outputs: torch.Tensor) -> None:
+    from tpfuse.gemm import check_error_word
+
+    if torch.cuda.is_current_stream_capturing():
+        ws.poison_on_error(*outputs)
+        for out in outputs:   # the GEMM's own wait timed out
+            _poison_if(gemm_error, out)
+        return
+    breadcrumb(f"fused {op}: checking the waits")
+    try:
+        ws.check(op)
+    finally:
+        try:
+            check_error_word(gemm_error, rank=ws.rank, timeout_ns=int(symm.timeout_s() * 1e9))
+        except TimeoutError as exc:
+            ws.broken = f"tpfuse {op}: workspace broken by an earlier timeout ({exc}); call tpfuse.release_workspaces()"
+            raise
+
+
+def _poison_if(error: torch.Tensor, out: torch.Tensor) -> None:
+    from tpfuse.kernels.flags import poison_on_error_kernel
+
+    if out.numel() and out.is_floating_point():
+        poison_on_error_kernel[(symm.triton_cdiv(out.numel(), 1024),)](error, out, out.numel(), BLOCK=1024)
+
+
+def _gemm_error(ws: symm.Workspace) -> torch.Tensor:
+    err = ws.state.get(("gemm_error",))
+    if err is None:
+        err = torch.zeros(symm.ERROR_WORDS, dtype=torch.int32, device=ws.spec.device)
+        ws.state[("gemm_error",)] = err
+    return err
+
+
+def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[torch.Tensor, torch.Tensor]:
+    from tpfuse.gemm import WaitSpec, matmul
+
+    world_size, rank = ctx.world_size, ctx.rank
+    m_shard, k = a_shard.shape
+    if world_size == 1 or m_shard * k == 0 or b.shape[1] == 0:
+        return copy_engine.ag_gemm(a_shard, b, ctx)
+    a_full = new_output((world_size * m_shard, k), dtype=a_shard.dtype, device=a_shard.device)
+    c = new_output((world_size * m_shard, b.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
+
+    def rows(chunk: int) -> slice:
+        return slice(chunk * m_shard, (chunk + 1) * m_shard)
+
+    ws = symm.get_workspace(ctx, "ag_gemm", a_shard.dtype, a_shard.device, a_full[rows(0)].nbytes)
+    peers = [(rank + i) % world_size for i in range(1, world_size)]
+    arrived = _local_words(ws, "arrived", world_size)
+    error = _gemm_error(ws)
+    main, side = torch.cuda.current_stream(), ws.stream
+    breadcrumb("fused ag_gemm: publishing the local shard")
+    ws.begin(ws.incoming("DONE", peers))
+    ws.data(rank, (m_shard, k)).copy_(a_shard)
+    ws.signal(ws.outgoing("READY", peers))
+    a_full[rows(rank)].copy_(a_shard)
+    _set_word(arrived, rank)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        for p in peers:
+            ws.wait(ws.incoming("READY", [p]), symm.WAIT_READY)
+            a_full[rows(p)].copy_(ws.data(p, (m_shard, k)))
+            _set_word(arrived, p)
+        ws.signal(ws.outgoing("DONE", peers))
+    wait = WaitSpec(signal=arrived, generation=1, chunk_m=m_shard, timeout_ns=int(symm.timeout_s() * 1e9),
+                    max_spins=max(1, int(symm.timeout_s() * 1000)), error=error, rank=rank)
+    matmul(a_full, b, out=c, tile_order="round", start_chunk=rank, wait=wait, check=False,
+           num_sms=sm_budget(a_shard.device, world_size))
+    arrived.zero_()
+    main.wait_stream(side)
+    a_full.record_stream(side)
+    _finish(ws, "ag_gemm", error, c, a_full)
+    return c, a_full
+
+
+def _fused_partials(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, ws: symm.Workspace,
+                    bounds: list[tuple[int, int]], slot_rows: int) -> list[torch.Tensor]:
+    """Phase 1 of gemm_rs/gemm_ar: ONE GEMM in owner order storing each owner's rows straight
+    into that owner's inbox slot for this rank, then READY[rank] to every owner.  Returns this
+    rank's inbox slots in rank order.
+
+    READY is raised once after the GEMM, not per chunk: an owner's reduce needs every rank's
+    chunk, and the last of those lands at the end of some rank's GEMM either way.  (A per-chunk
+    relay kernel was tried: it started its bounded wait before the first call's JIT compile of
+    the GEMM had finished and timed out.)"""
+    from tpfuse.gemm import EpilogueSpec, matmul
+
+    rank, world_size, n = ctx.rank, ctx.world_size, b.shape[1]
+    chunk_m = bounds[0][1] - bounds[0][0]
+
+    def inbox(owner: int, src: int) -> torch.Tensor:
+        lo, hi = bounds[owner]
+        return ws.data(owner, (slot_rows, n), offset=src * slot_rows * n)[: hi - lo]
+
+    key = ("epilogue", a.shape[0], n)
+    spec = ws.state.get(key)
+    if spec is None:
+        # the hook's per-chunk words are this rank's own (published with 1, reset below)
+        sent = _local_words(ws, "sent", world_size)
+        dests = [ws.data(owner, (slot_rows, n), offset=rank * slot_rows * n) for owner in range(world_size)]
+        spec = EpilogueSpec.from_tensors(dests, sent, generation=1, chunk_m=chunk_m)
+        ws.state[key] = spec
+    matmul(a, b, tile_order="owner", start_chunk=(rank + 1) % world_size, epilogue=spec,
+           num_sms=sm_budget(a.device, world_size))
+    _local_words(ws, "sent", world_size).zero_()
+    ws.signal(ws.outgoing("READY", [(rank + i) % world_size for i in range(1, world_size)]))
+    return [inbox(rank, src) for src in range(world_size)]
+
+
+def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
+    m, n, k = a.shape[0], b.shape[1], a.shape[1]
+    world_size = ctx.world_size
+    if world_size == 1 or m * n * k == 0:
+        return copy_engine.gemm_rs(a, b, ctx)
+    shard = m // world_size
+    c_shard = new_output((shard, n), dtype=a.dtype, device=a.device)
+    ws = symm.get_workspace(ctx, "gemm_rs", a.dtype, a.device, world_size * shard * n * a.element_size())
+    peers = [(ctx.rank + i) % world_size for i in range(1, world_size)]
+    breadcrumb("fused gemm_rs: the GEMM stores into the owners' inboxes")
+    ws.begin(ws.incoming("DONE", peers))
+    bounds = [(r * shard, (r + 1) * shard) for r in range(world_size)]
+    sources = _fused_partials(a, b, ctx, ws, bounds, shard)
+    ws.wait(ws.incoming("READY", peers), symm.WAIT_READY)
+    ws.reduce(("rs", shard, n), sources, c_shard)
+    ws.signal(ws.outgoing("DONE", peers))
+    _finish(ws, "gemm_rs", _gemm_error(ws), c_shard)
+    return c_shard
+
+
+def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
+    m, n, k = a.shape[0], b.shape[1], a.shape[1]
+    world_size, rank = ctx.world_size, ctx.rank
+    if world_size == 1 or m * n * k == 0 or m % world_size:
+        # the epilogue hook needs chunks of one height: uneven M takes copy_engine's two-shot path
+        return copy_engine.gemm_ar(a, b, ctx)
+    bounds = _row_bounds(m, world_size)
+    slot_rows = m // world_size
+    gather_at = world_size * slot_rows * n
+    ws = symm.get_workspace(ctx, "gemm_ar", a.dtype, a.device, (world_size + 1) * slot_rows * n * a.element_size())
+    peers = [(rank + i) % world_size for i in range(1, world_size)]
+    c = new_output((m, n), dtype=a.dtype, device=a.device)
+
+    def gathered(owner: int) -> torch.Tensor:
+        return ws.data(owner, (slot_rows, n), offset=gather_at)
+
+    breadcrumb("fused gemm_ar: the GEMM stores into the owners' inboxes")
+    ws.begin(ws.incoming("DONE", peers))
+    sources = _fused_partials(a, b, ctx, ws, bounds, slot_rows)
+    ws.wait(ws.incoming("READY", peers), symm.WAIT_READY)
+    ws.wait(ws.incoming("DONE2", peers), symm.WAIT_CREDIT2, lag=1)
+    mine = gathered(rank)
+    ws.reduce(("ar2", m, n), sources, mine)
+    ws.signal(ws.outgoing("DONE", peers))
+    ws.signal(ws.outgoing("READY2", peers))
+    c[bounds[rank][0]:bounds[rank][1]].copy_(mine)
+    side = ws.stream
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for p in peers:
+            ws.wait(ws.incoming("READY2", [p]), symm.WAIT_READY2)
+            c[bounds[p][0]:bounds[p][1]].copy_(gathered(p))
+        ws.signal(ws.outgoing("DONE2", peers))
+    torch.cuda.current_stream().wait_stream(side)
+    c.record_stream(side)
+    _finish(ws, "gemm_ar", _gemm_error(ws), c)
+    return c
