@@ -315,6 +315,32 @@ def run_all(rank, world_size, strategy, quick, dead_peer=False, cases=None):
     return rows
 
 
+def aggregate(rows: list[dict]) -> list[dict]:
+    """One row per (case, op, strategy, W, dtype, shape) over the ranks: passed on every rank,
+    the worst error, the calls of one rank, the failures and errors of all."""
+    merged: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row.get("case"), row.get("op"), row.get("strategy"), row.get("world_size"), row.get("dtype"),
+               tuple(row.get("shape") or ()))
+        out = merged.get(key)
+        if out is None:
+            out = merged[key] = {k: v for k, v in row.items() if k not in ("rank", "seconds", "message", "tolerance")}
+            out["ranks"] = 0
+            out["passed"] = True
+        out["ranks"] += 1
+        out["passed"] = out["passed"] and bool(row.get("passed"))
+        if row.get("max_rel_err") is not None:
+            out["max_rel_err"] = max(out.get("max_rel_err") or 0.0, row["max_rel_err"])
+        if row.get("tolerance") is not None:
+            out["min_tolerance"] = min(out.get("min_tolerance", float("inf")), row["tolerance"])
+        if row.get("failures"):
+            out["failures"] = out.get("failures", 0) + row["failures"]
+        if row.get("case") == "dead_peer":
+            out.setdefault("outcomes", {})[str(row.get("rank"))] = f"{row.get('outcome')} after {row.get('seconds')} s"
+            out.pop("outcome", None)
+    return list(merged.values())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -366,7 +392,7 @@ def main(argv=None) -> int:
                 command="python tests/gpu/bed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 note="one-GPU multi-process bed (MPS): correctness only; no timings are multi-GPU timings")
     with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": all_rows}, f, indent=1)
+        json.dump({"meta": meta, "rows": aggregate(all_rows)}, f, indent=1)
     failed = sum(not r.get("passed") for r in all_rows)
     print(f"{len(all_rows) - failed} passed, {failed} failed")
     return 1 if failed else 0
