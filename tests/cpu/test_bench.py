@@ -14,15 +14,13 @@ from tpfuse.bench import run as bench_run
 from tpfuse.bench.run import ROW_FIELDS, format_rows, quick_config, run_bench, write_result
 from tpfuse.bench.workloads import Workload
 from tpfuse.cli import main
-from tpfuse.spawn import RankPool
 
 MEASURED = ("ms", "unfused_ms", "asynctp_ms", "gemm_ms", "comm_ms", "host_us", "graph_ms")
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(2) as p:
-        yield p
+@pytest.fixture
+def pool(rank_pool):
+    return rank_pool(2)
 
 
 def check_nulls_have_reasons(row: dict, fields) -> None:

@@ -10,7 +10,6 @@ import torch
 
 from tpfuse.bench import timeline
 from tpfuse.bench.timeline import TimelineEvent
-from tpfuse.spawn import run_ranks
 
 
 def test_recorder_is_off_by_default_and_one_at_a_time():
@@ -77,9 +76,9 @@ def ring_under_recording(rank, world_size):
     return out
 
 
-def test_ring_records_its_steps():
+def test_ring_records_its_steps(rank_pool):
     world_size = 3
-    per_rank = run_ranks(ring_under_recording, world_size, timeout=120)
+    per_rank = rank_pool(world_size).run(ring_under_recording, timeout=120)
     for op in ("ag_gemm", "gemm_rs"):
         for rank, result in enumerate(per_rank):
             events = [TimelineEvent.from_dict(e) for e in result[op]]

@@ -28,13 +28,7 @@ import torch
 
 from tpfuse.bench import common
 
-try:  # the SM copy kernel; importing Triton needs no GPU
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is an optional dependency
-    triton = None
-
-__all__ = ["CommConfig", "run_comm_bench", "format_comm_rows", "COMM_ROW_FIELDS", "SCHEMA", "quick_comm_config"]
+__all__ = ["CommConfig", "run_comm_bench", "sm_copy", "format_comm_rows", "COMM_ROW_FIELDS", "SCHEMA", "quick_comm_config"]
 
 SCHEMA = "tpfuse.bench.comm/1"
 COMM_ROW_FIELDS = ("kind", "label", "src", "dst", "num_sms", "bytes", "latency_us", "gb_per_s", "reasons")
@@ -55,24 +49,25 @@ def quick_comm_config(**overrides) -> CommConfig:
     return replace(CommConfig(sizes=(2**16, 2**20, 2**24), sms=(1, 4, 16), iters=5, warmup=1), **overrides)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _sm_copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-        """Grid-stride copy of ``n`` int32 words: program p copies blocks p, p + grid, ..."""
-        pid = tl.program_id(0)
-        step = tl.num_programs(0) * BLOCK
-        for start in range(pid * BLOCK, n, step):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < n
-            tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
-
-
 _SM_BLOCK = 4096  # int32 words per program per iteration (16 KiB)
 
 
-def _sm_copy(src: torch.Tensor, dst: torch.Tensor, num_sms: int) -> None:
-    _sm_copy_kernel[(num_sms,)](src, dst, src.numel(), BLOCK=_SM_BLOCK, num_warps=8)
+def sm_copy(src: torch.Tensor, dst: torch.Tensor, num_sms: int) -> None:
+    """Copy the int32 words of ``src`` into ``dst`` with a grid of ``num_sms`` programs."""
+    from tpfuse.kernels.sm_copy import sm_copy_kernel  # decorated on first use (TRITON_INTERPRET is read then)
+
+    if src.shape != dst.shape or src.dtype != torch.int32 or dst.dtype != torch.int32:
+        raise ValueError(f"sm_copy: src and dst must be int32 vectors of one shape, got {src.dtype} {tuple(src.shape)} "
+                         f"and {dst.dtype} {tuple(dst.shape)}")
+    sm_copy_kernel[(num_sms,)](src, dst, src.numel(), BLOCK=_SM_BLOCK, num_warps=8)
+
+
+def _triton_missing() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
 
 
 def _time_cuda(copy, device: torch.device, iters: int, warmup: int) -> float:
@@ -166,12 +161,12 @@ def _gpu_rows(cfg: CommConfig, progress=None) -> list[dict]:
             rows.append(_row(kind, label, str(src_dev), str(dst_dev), None, words * 4, ms))
             for n in sm_counts:
                 label = f"SM copy, {n} SM(s)" + (" (local)" if local else " (push over the GPU link)")
-                if triton is None:
+                if _triton_missing():
                     rows.append(_row("sm_copy", label, str(src_dev), str(dst_dev), n, words * 4, None,
-                                     "triton is not installed"))
+                                     _triton_missing()))
                     continue
                 try:
-                    ms = _time_cuda(lambda n=n: _sm_copy(src, dst, n), src_dev, cfg.iters, cfg.warmup)
+                    ms = _time_cuda(lambda n=n: sm_copy(src, dst, n), src_dev, cfg.iters, cfg.warmup)
                     reason = None if torch.equal(dst.to(src_dev), src) else "the SM copy wrote wrong data"
                 except Exception as exc:  # noqa: BLE001 - e.g. no peer access for the kernel
                     ms, reason = None, common.short_reason(exc)
