@@ -251,6 +251,16 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _command_line() -> str:
+    """The command as typed: ``python -m tpfuse ...`` / ``tpfuse ...`` / ``script.py ...``."""
+    prog = sys.argv[0] if sys.argv else ""
+    if prog.endswith(os.path.join("tpfuse", "__main__.py")):
+        head = ["python", "-m", "tpfuse"]
+    else:
+        head = [os.path.basename(prog) or "python"]
+    return shlex.join([*head, *sys.argv[1:]])
+
+
 def bench_meta(setup: RankSetup, **extra: Any) -> dict:
     """What machine and software a result came from, and what kind of number it is."""
     import tpfuse
@@ -272,7 +282,7 @@ def bench_meta(setup: RankSetup, **extra: Any) -> dict:
         "cuda": torch.version.cuda,
         "triton": None,
         "tpfuse": tpfuse.__version__,
-        "command": shlex.join([os.path.basename(sys.argv[0]) or "python", *sys.argv[1:]]),
+        "command": _command_line(),
     }
     try:
         import triton

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpfuse.bench import common
+from tpfuse.bench.run import SYMMETRIC_STRATEGIES, _as_ranks
 from tpfuse.bench.workloads import MODELS, PHASES
 
 __all__ = ["LayerConfig", "run_layer_bench", "format_layer_rows", "LAYER_ROW_FIELDS", "quick_layer_config"]
@@ -165,16 +166,18 @@ def layer_job(rank: int, world_size: int, job: _LayerJob) -> dict:
     probe_b = torch.empty((), dtype=dtype, device=device).expand(hidden, 2 * ffn // world_size)
     probe_c = torch.empty((), dtype=dtype, device=device).expand(tokens, ffn // world_size)
     probe_d = torch.empty((), dtype=dtype, device=device).expand(ffn // world_size, hidden)
-    resolved = (f"fc1 {resolve_strategy('ag_gemm', 'auto', probe_a, probe_b, ctx)}, "
-                f"fc2 {resolve_strategy('gemm_rs', 'auto', probe_c, probe_d, ctx)}")
+    auto = (resolve_strategy("ag_gemm", "auto", probe_a, probe_b, ctx),
+            resolve_strategy("gemm_rs", "auto", probe_c, probe_d, ctx))
+    resolved = f"fc1 {auto[0]}, fc2 {auto[1]}"
     blocks: dict[str, nn.Module | None] = {}
     skipped: dict[str, str] = {}
     bed = job.mode == "one-gpu-bed"
     for s in names:
         if s != "auto" and s not in runnable:
             skipped[f"tpfuse:{s}"] = strategies.why_unavailable(s, ctx, device, dtype) or "not runnable here"
-        elif bed and s in ("unfused", "ring"):
-            skipped[f"tpfuse:{s}"] = f"{s} sends CUDA tensors through the process group, and the bed's group is gloo"
+        elif bed and not set(auto if s == "auto" else (s,)) <= set(SYMMETRIC_STRATEGIES):
+            picked = f"auto resolved to {resolved}, which" if s == "auto" else s
+            skipped[f"tpfuse:{s}"] = f"{picked} sends CUDA tensors through the process group, and the bed's group is gloo"
         else:
             blocks[f"tpfuse:{s}"] = TPLlamaMLP(hidden, ffn, s, dtype, device)
     if bed:
@@ -218,8 +221,6 @@ def layer_job(rank: int, world_size: int, job: _LayerJob) -> dict:
 
 def run_layer_bench(cfg: LayerConfig, progress=None, ranks=None) -> dict:
     """Run the block variants on the ranks; returns ``{"meta", "rows"}``."""
-    from tpfuse.bench.run import _as_ranks
-
     setup = common.plan_ranks(cfg.world_size, cfg.device, cfg.bed)
     if ranks is not None:
         setup = replace(setup, world_size=ranks.world_size)
