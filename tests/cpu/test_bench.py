@@ -166,3 +166,18 @@ def test_cli_quick_writes_json_png_and_timeline(tmp_path, capsys):
     trace = json.loads((tmp_path / "tl.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
     assert "auto->" in capsys.readouterr().out
+
+
+def test_speedup_chart_falls_back_to_asynctp_and_refuses_without_a_baseline(tmp_path):
+    from tpfuse.bench import report
+
+    def row(cell, strategy, ms, unfused, asynctp):
+        return {"cell": cell, "strategy": strategy, "ms": ms, "unfused_ms": unfused, "asynctp_ms": asynctp,
+                "gemm_ms": 0.5, "comm_ms": None}
+    meta = {"device": "x", "processes": 2, "mode": "one-gpu-bed"}
+    bed = {"meta": meta, "rows": [row("c1", "copy_engine", 1.0, None, 1.5), row("c2", "copy_engine", 2.0, None, None)]}
+    assert report._baseline(bed["rows"]) == "asynctp_ms"
+    assert report.draw_speedups(bed, tmp_path / "bed.png").read_bytes()[:4] == b"\x89PNG"
+    assert report._baseline([row("c", "s", 1.0, 2.0, 1.5)]) == "unfused_ms"
+    with pytest.raises(ValueError, match="nothing to draw"):
+        report.draw_speedups({"meta": meta, "rows": [row("c", "s", 1.0, None, None)]}, tmp_path / "none.png")

@@ -108,7 +108,10 @@ def _ops(args: argparse.Namespace) -> int:
     if args.png:
         from tpfuse.bench.report import draw_speedups
 
-        print(f"wrote {draw_speedups(result, args.png)}")
+        try:
+            print(f"wrote {draw_speedups(result, args.png)}")
+        except ValueError as exc:
+            print(f"--png: not written: {exc}", file=sys.stderr)
     if args.timeline:
         _write_timeline(result, args.timeline)
     return 0

@@ -24,42 +24,51 @@ def require_matplotlib():
     return plt
 
 
+def _baseline(rows: list[dict]) -> str | None:
+    """The baseline field the chart divides by: ``unfused_ms`` where measured (GPU, CPU), else
+    ``asynctp_ms`` (the one-GPU bed, where the group cannot carry the collective), else None."""
+    for field in ("unfused_ms", "asynctp_ms"):
+        if any(r[field] is not None for r in rows):
+            return field
+    return None
+
+
 def draw_speedups(result: dict, path: str | Path) -> Path:
-    """Bars: ``unfused_ms / ms`` per strategy per cell (and PyTorch async-TP's, where it ran); a
-    black tick per cell at the roofline ``unfused_ms / max(gemm_ms, comm_ms)``, the most any
-    overlap of the two can give.  Cells without an ``unfused_ms`` are drawn against ``gemm``."""
+    """Bars: ``baseline / ms`` per strategy per cell, baseline = ``unfused_ms`` (collective +
+    torch.matmul; PyTorch async-TP gets a hatched bar of its own) or, where that was not measured
+    (the one-GPU bed), ``asynctp_ms``.  A black tick per cell marks the roofline
+    ``baseline / max(gemm_ms, comm_ms)``: the most any overlap of the two can give.  Raises
+    ``ValueError`` when no row has a baseline."""
     plt = require_matplotlib()
     rows = result["rows"]
+    base = _baseline(rows)
+    if base is None:
+        raise ValueError("no row has unfused_ms or asynctp_ms: nothing to draw speedups against")
     cells = list(dict.fromkeys(r["cell"] for r in rows))
-    names = list(dict.fromkeys(r["strategy"] for r in rows))
-    has_asynctp = any(r["asynctp_ms"] is not None for r in rows)
-    series = names + (["asynctp"] if has_asynctp else [])
+    series = list(dict.fromkeys(r["strategy"] for r in rows))
+    if base == "unfused_ms" and any(r["asynctp_ms"] is not None for r in rows):
+        series.append("asynctp")
     width = 0.8 / max(1, len(series))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(cells) * max(1, len(series)) * 0.5), 4.5))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(cells) * max(1, len(series))), 4.5))
     for j, name in enumerate(series):
         xs, ys = [], []
         for i, cell in enumerate(cells):
             mine = [r for r in rows if r["cell"] == cell]
-            if name == "asynctp":
-                r = mine[0]
-                value = r["unfused_ms"] / r["asynctp_ms"] if r["unfused_ms"] and r["asynctp_ms"] else None
-            else:
-                r = next((r for r in mine if r["strategy"] == name), None)
-                value = r["speedup_vs_unfused"] if r else None
-            if value is not None:
+            r = mine[0] if name == "asynctp" else next((r for r in mine if r["strategy"] == name), None)
+            ms = None if r is None else (r["asynctp_ms"] if name == "asynctp" else r["ms"])
+            if r is not None and ms and r[base]:
                 xs.append(i - 0.4 + width * (j + 0.5))
-                ys.append(value)
-        label = name if name != "auto" else "auto"
-        ax.bar(xs, ys, width=width, label=label, hatch="//" if name == "asynctp" else None)
+                ys.append(r[base] / ms)
+        ax.bar(xs, ys, width=width, label=name, hatch="//" if name == "asynctp" else None)
     for i, cell in enumerate(cells):
         r = next(r for r in rows if r["cell"] == cell)
         floor = max(r["gemm_ms"] or 0.0, r["comm_ms"] or 0.0)
-        if r["unfused_ms"] and floor > 0 and r["comm_ms"] is not None:
-            ax.hlines(r["unfused_ms"] / floor, i - 0.45, i + 0.45, colors="black", linewidth=2,
-                      label="roofline: unfused / max(gemm, comm)" if i == 0 else None)
+        if r[base] and floor > 0:
+            label = "roofline: baseline / max(gemm, comm)" if r["comm_ms"] is not None else "baseline / gemm (comm not measured)"
+            ax.hlines(r[base] / floor, i - 0.45, i + 0.45, colors="black", linewidth=2, label=label if i == 0 else None)
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(cells)), cells, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("speedup vs collective + torch.matmul")
+    ax.set_ylabel("speedup vs " + ("collective + torch.matmul" if base == "unfused_ms" else "PyTorch async-TP"))
     meta = result["meta"]
     ax.set_title(f"tpfuse bench: {meta['device']}, {meta['processes']} processes, {meta['mode']}", fontsize=9)
     ax.legend(fontsize=7)
