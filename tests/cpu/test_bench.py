@@ -55,6 +55,8 @@ def test_bench_rows_every_field_in_one_run(pool, tmp_path):
     assert meta["gpu"] is None and meta["num_gpus"] == 0 and meta["hardware_profile"] == "cpu-gloo"
     for key in ("date", "host", "device", "torch", "triton", "command", "strategies_not_run"):
         assert key in meta
+    assert set(meta["strategies_not_runnable"]) >= {"fused"} and "copy_engine" in meta["strategies_not_runnable"]
+    assert "unfused" not in meta["strategies_not_runnable"]
     assert len(format_rows(result)) == len(rows) + 1
     # The first cell's timeline: a call span per strategy on each rank, the ring's GEMM per chunk.
     events = result["timeline"]["events"]
@@ -145,6 +147,7 @@ def test_comm_bench_schema_on_cpu(tmp_path, capsys):
     (["bench", "--png", "speedups.jpg"], "PNG outputs must end in .png"),
     (["bench", "--timeline", "t.png", "--json", "t.json"], "is where --timeline writes its Chrome trace"),
     (["bench", "layer", "--tokens", "0"], "--tokens: 0 must be >= 1"),
+    (["bench", "--strategies", "rign"], "--strategies: unknown strategy 'rign'"),
     (["bench", "comm", "--sizes", "6"], "--sizes: 6 must be >= 1 and a multiple of 4 bytes"),
 ])
 def test_cli_errors_are_one_line_exit_2(argv, message, capsys):
@@ -181,3 +184,17 @@ def test_speedup_chart_falls_back_to_asynctp_and_refuses_without_a_baseline(tmp_
     assert report._baseline([row("c", "s", 1.0, 2.0, 1.5)]) == "unfused_ms"
     with pytest.raises(ValueError, match="nothing to draw"):
         report.draw_speedups({"meta": meta, "rows": [row("c", "s", 1.0, None, None)]}, tmp_path / "none.png")
+
+
+def test_strategy_plan_in_the_bed_runs_only_symmetric_memory_strategies():
+    why = {"fused": "fused is not part of this build"}.get
+    names = ("unfused", "ring", "copy_engine", "fused", "auto")
+    runnable = ("unfused", "ring", "copy_engine")
+    run, skipped = bench_run.strategy_plan(names, runnable, "copy_engine", "one-gpu-bed", why)
+    assert run == ["copy_engine", "auto"]
+    assert skipped["fused"] == "fused is not part of this build"
+    assert "gloo" in skipped["unfused"] and "gloo" in skipped["ring"]
+    run, skipped = bench_run.strategy_plan(names, runnable, "ring", "one-gpu-bed", why)
+    assert run == ["copy_engine"] and skipped["auto"].startswith("auto resolved to ring")
+    run, skipped = bench_run.strategy_plan(names, runnable, "ring", "multi-gpu", why)
+    assert run == ["unfused", "ring", "copy_engine", "auto"] and list(skipped) == ["fused"]

@@ -38,6 +38,14 @@ def _positive(args: argparse.Namespace, *names: str, minimum: int = 1) -> None:
             raise _UsageError(f"--{name.replace('_', '-')}: {value} must be >= {minimum}")
 
 
+def _check_strategies(args: argparse.Namespace) -> None:
+    from tpfuse.strategies import STRATEGY_NAMES
+
+    for name in args.strategies or ():
+        if name != "auto" and name not in STRATEGY_NAMES:
+            raise _UsageError(f"--strategies: unknown strategy {name!r}; choose from auto, {', '.join(STRATEGY_NAMES)}")
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
     pngs = [p for p in (getattr(args, "png", None), getattr(args, "timeline", None)) if p]
     for p in pngs:
@@ -83,6 +91,7 @@ def _ops(args: argparse.Namespace) -> int:
     _positive(args, "world_size", "iters", "scale")
     _positive(args, "warmup", minimum=0)
     _check_outputs(args)
+    _check_strategies(args)
     given = {k: v for k, v in {
         "world_size": args.world_size, "models": tuple(args.models) if args.models else None,
         "phases": tuple(args.phases) if args.phases else None,
@@ -145,6 +154,7 @@ def _layer(args: argparse.Namespace) -> int:
 
     _positive(args, "world_size", "iters", "scale", "tokens")
     _positive(args, "warmup", minimum=0)
+    _check_strategies(args)
     given = {k: v for k, v in {"world_size": args.world_size, "model": args.model, "tokens": args.tokens,
                                 "scale": args.scale, "iters": args.iters, "warmup": args.warmup,
                                 "strategies": tuple(args.strategies) if args.strategies else None}.items()

@@ -165,6 +165,23 @@ def _parts(w: Workload, sets, device, dtype) -> tuple[Callable, Callable, Callab
     return gemm, comm, torch_way
 
 
+def strategy_plan(names, runnable, resolved: str, mode: str, why_unavailable) -> tuple[list[str], dict[str, str]]:
+    """Which of ``names`` to time, and why each other one is not: not runnable here
+    (``why_unavailable(name)``), or -- in the one-GPU bed -- a strategy that sends CUDA tensors
+    through the process group (gloo there), ``auto`` included when it resolves to one."""
+    to_run, skipped = [], {}
+    for s in names:
+        concrete = resolved if s == "auto" else s
+        if s != "auto" and s not in runnable:
+            skipped[s] = why_unavailable(s) or "not runnable here"
+        elif mode == "one-gpu-bed" and concrete not in SYMMETRIC_STRATEGIES:
+            skipped[s] = (f"{'auto resolved to ' if s == 'auto' else ''}{concrete} sends CUDA tensors through "
+                          "the process group, and the one-GPU bed's group is gloo")
+        else:
+            to_run.append(s)
+    return to_run, skipped
+
+
 def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
     """Runs on every rank: per-call ms for every variant of one cell, or the reason it did not run."""
     from tpfuse import strategies
@@ -181,17 +198,9 @@ def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
     names = tuple(job.strategies) if job.strategies is not None else (*runnable, "auto")
     resolved = resolve_strategy(w.op, "auto", sets[0][0], sets[0][1], ctx)
     op = getattr(tpfuse, w.op)
-    variants: dict[str, Callable | None] = {}
-    skipped: dict[str, str] = {}
-    for s in names:
-        concrete = resolved if s == "auto" else s
-        if s != "auto" and s not in runnable:
-            skipped[s] = strategies.why_unavailable(s, ctx, device, dtype) or "not runnable here"
-        elif job.mode == "one-gpu-bed" and concrete not in SYMMETRIC_STRATEGIES:
-            skipped[s] = (f"{'auto resolved to ' if s == 'auto' else ''}{concrete} sends CUDA tensors through "
-                          "the process group, and the one-GPU bed's group is gloo")
-        else:
-            variants[s] = lambda i, s=s: op(*sets[i % n], strategy=s)
+    to_run, skipped = strategy_plan(names, runnable, resolved, job.mode,
+                                    lambda s: strategies.why_unavailable(s, ctx, device, dtype))
+    variants: dict[str, Callable] = {s: (lambda i, s=s: op(*sets[i % n], strategy=s)) for s in to_run}
     gemm, comm, torch_way = _parts(w, sets, device, dtype)
     variants["@gemm"] = gemm
     if job.mode == "one-gpu-bed":
@@ -221,7 +230,9 @@ def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
                                                            else "graph timing off (--no-graph)")
         out[name] = entry
     out.update({name: {"reason": why} for name, why in skipped.items()})
-    return {"variants": out, "strategies": names, "resolved": resolved}
+    unavailable = {s: strategies.why_unavailable(s, ctx, device, dtype) for s in strategies.STRATEGY_NAMES
+                   if s not in runnable}
+    return {"variants": out, "strategies": names, "resolved": resolved, "unavailable": unavailable}
 
 
 def timeline_job(rank: int, world_size: int, job: _CellJob) -> list[dict]:
@@ -345,6 +356,7 @@ def run_bench(config: BenchConfig, progress=None, ranks=None) -> dict:
                                     "rotated past L2; graph_ms replays one captured input set")
     rows: list[dict] = []
     events: list[dict] = []
+    not_runnable: dict[str, str] = {}  # strategies this group/device/dtype cannot run, and why
     opened = contextlib.nullcontext(_as_ranks(ranks)) if ranks is not None else common.open_ranks(setup)
     with opened as pool:
         for i, w in enumerate(cells):
@@ -354,6 +366,7 @@ def run_bench(config: BenchConfig, progress=None, ranks=None) -> dict:
             per_rank = pool.run(cell_job, job, timeout=1800)
             p = tpfuse.plan(w.op, m=w.m, n=w.n, k=w.k, world_size=w.world_size, dtype=dtype, hardware=hw)
             rows += _rows_for_cell(w, per_rank, dict(p.predicted_ms), dtype)
+            not_runnable.update(per_rank[0].get("unavailable", {}))
             if config.timeline and i == 0:
                 ran = tuple(r["strategy"] for r in rows if r["ms"] is not None and r["strategy"] != "auto")
                 events = [ev for rank_events in pool.run(timeline_job, replace(job, strategies=ran), timeout=600)
@@ -365,6 +378,7 @@ def run_bench(config: BenchConfig, progress=None, ranks=None) -> dict:
         if r["ms"] is None:
             skipped.setdefault(r["strategy"], r["reasons"]["ms"])
     meta["strategies_not_run"] = skipped
+    meta["strategies_not_runnable"] = not_runnable
     result = {"meta": meta, "rows": rows}
     if config.timeline:
         result["timeline"] = {"cell": cells[0].name if cells else None, "events": events}
