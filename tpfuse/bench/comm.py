@@ -117,6 +117,15 @@ def _sm_counts(cfg: CommConfig, num_sms: int) -> tuple[int, ...]:
 
 
 def _cpu_rows(cfg: CommConfig) -> list[dict]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one memcpy thread, as the bench's ranks run (a shared box's pool thrashes)
+    try:
+        return _cpu_rows_one_thread(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _cpu_rows_one_thread(cfg: CommConfig) -> list[dict]:
     rows = []
     for nbytes in cfg.sizes:
         src = torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32)
