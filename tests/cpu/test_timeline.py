@@ -31,6 +31,16 @@ def test_recorder_is_off_by_default_and_one_at_a_time():
         rec.add_raw("copy", "bad", 10, 9)
 
 
+def test_device_record_buffers_come_in_with_an_offset():
+    with timeline.recording(rank=1) as rec:
+        rec.add_records("gemm", "tile", torch.tensor([[100, 150, 0, 5], [160, 200, -1, 6]]), offset_ns=1000)
+        rec.add_records("copy", "chunk", [(10, 20)])
+        with pytest.raises(ValueError, match="each record is"):
+            rec.add_records("copy", "bad", [(1, 2, 3, 4, 5)])
+    assert [(e.lane, e.start_ns, e.end_ns, e.chunk, e.tile, e.rank) for e in rec.events()] == [
+        ("copy", 10, 20, None, None, 1), ("gemm", 1100, 1150, 0, 5, 1), ("gemm", 1160, 1200, None, 6, 1)]
+
+
 def test_chrome_trace_is_perfetto_shaped():
     events = [TimelineEvent(0, "gemm", "g0", 1_000, 3_000, chunk=0), TimelineEvent(1, "copy", "c1", 2_000, 2_500, 1, 4),
               TimelineEvent(1, "custom", "x", 4_000, 4_001)]

@@ -27,8 +27,9 @@ CUDA events on the current stream (the work between them is what the stream ran,
 host waited for); :meth:`Recorder.events` synchronizes and places them on the host clock through
 a reference event recorded when recording started (alignment to within a launch, ~us).
 Device-side records (``%globaltimer`` per tile, added to kernels later) come in as raw ns with
-:meth:`Recorder.add_raw`, with ``clock`` naming their time base; ``to_chrome_trace`` and ``draw``
-only assume that the events of one rank share a clock.
+:meth:`Recorder.add_raw` or, a buffer at a time, :meth:`Recorder.add_records` (with an offset
+onto the host clock); ``to_chrome_trace`` and ``draw`` only assume that the events of one rank
+share a clock.  Spans cannot be recorded while a CUDA graph is being captured.
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ class Recorder:
         """A time stamp: host ns for CPU (or None) devices, a CUDA event on the current stream otherwise."""
         if device is None or device.type != "cuda":
             return time.perf_counter_ns()
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("timeline spans cannot be recorded while a CUDA graph is being captured; "
+                               "record eager calls (outside torch.cuda.graph) or stop the recording")
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._cuda_ref:
             self._cuda_reference(index)
@@ -130,6 +134,18 @@ class Recorder:
             raise ValueError(f"add_raw: end_ns {end_ns} is before start_ns {start_ns} ({lane}/{name})")
         self._raw.append(TimelineEvent(self.rank if rank is None else rank, lane, name, int(start_ns), int(end_ns),
                                        chunk, tile))
+
+    def add_records(self, lane: str, name: str, records, *, offset_ns: int = 0, rank: int | None = None) -> None:
+        """Many raw spans at once: ``records`` [N, 2..4] integers (start_ns, end_ns[, chunk[, tile]]),
+        e.g. a kernel's ``%globaltimer`` buffer read back; a negative chunk/tile means none.
+        ``offset_ns`` is added to both times (to move a device clock onto the host's)."""
+        rows = records.tolist() if hasattr(records, "tolist") else [list(r) for r in records]
+        for row in rows:
+            if not 2 <= len(row) <= 4:
+                raise ValueError(f"add_records: each record is (start_ns, end_ns[, chunk[, tile]]), got {row}")
+            chunk = int(row[2]) if len(row) > 2 and row[2] >= 0 else None
+            tile = int(row[3]) if len(row) > 3 and row[3] >= 0 else None
+            self.add_raw(lane, name, int(row[0]) + offset_ns, int(row[1]) + offset_ns, rank=rank, chunk=chunk, tile=tile)
 
     # -- results ------------------------------------------------------------------------------
     def _ns(self, stamp) -> int:
