@@ -69,6 +69,12 @@ def _on_gpu(args: argparse.Namespace) -> bool:
     return args.device != "cpu" and (torch.cuda.is_available() or bool(getattr(args, "bed", 0)))
 
 
+def _mode_line(meta: dict) -> None:
+    print(f"mode {meta['mode']}: {meta['mode_note']}")
+    if meta.get("mps") is False:
+        print("  no MPS daemon found (nvidia-cuda-mps-control -d): the bed's processes time-slice the GPU")
+
+
 def _footnote(reasons: dict[str, str]) -> None:
     for field, why in reasons.items():
         print(f"  {field} null: {why}")
@@ -110,7 +116,7 @@ def _ops(args: argparse.Namespace) -> int:
     _print_table(format_rows(result), f"tpfuse bench: {meta['device']}, {meta['processes']} processes "
                                       f"({meta['backend']}, {meta['mode']}), {meta['dtype']}, median ms of "
                                       f"{config.iters} calls (slowest rank)")
-    print(f"mode {meta['mode']}: {meta['mode_note']}")
+    _mode_line(meta)
     _footnote(null_reasons(result))
     if args.json:
         _write_json(result, args.json)
@@ -172,7 +178,7 @@ def _layer(args: argparse.Namespace) -> int:
                  f"tpfuse bench layer: Llama-3 {cfg.model} MLP T={meta['tokens']} h={meta['hidden']} "
                  f"ffn={meta['ffn']}, fwd+bwd, {meta['device']}, {meta['processes']} processes ({meta['mode']}), "
                  f"{meta['dtype']}")
-    print(f"mode {meta['mode']}: {meta['mode_note']}")
+    _mode_line(meta)
     _footnote({r["variant"]: r["reasons"]["ms"] for r in result["rows"] if "ms" in r["reasons"]})
     if args.json:
         _write_json(result, args.json)

@@ -261,6 +261,13 @@ def _command_line() -> str:
     return shlex.join([*head, *sys.argv[1:]])
 
 
+def mps_running() -> bool:
+    """Whether an MPS control daemon's pipe is there (``$CUDA_MPS_PIPE_DIRECTORY``, default
+    /tmp/nvidia-mps): a hint for the bed, whose processes time-slice the GPU without MPS."""
+    pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipe_dir, "control"))
+
+
 def bench_meta(setup: RankSetup, **extra: Any) -> dict:
     """What machine and software a result came from, and what kind of number it is."""
     import tpfuse
@@ -290,5 +297,7 @@ def bench_meta(setup: RankSetup, **extra: Any) -> dict:
         meta["triton"] = triton.__version__
     except ImportError:
         pass
+    if setup.mode == "one-gpu-bed":
+        meta["mps"] = mps_running()
     meta.update(extra)
     return meta
