@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["MODES", "RankSetup", "open_ranks", "under_torchrun", "timed", "attempt", "graph_timed",
+           "enable_symmetric_memory", "mps_running",
            "slowest_median", "bench_meta", "cpu_name", "short_reason"]
 
 MODES = ("cpu-gloo", "single-gpu", "one-gpu-bed", "multi-gpu")
@@ -158,6 +159,18 @@ def attempt(fn: Callable[[], object]) -> str | None:
     errors: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     return next(((f"rank {r}: {e}") for r, e in enumerate(errors) if e is not None), None)
+
+
+def enable_symmetric_memory(group_name: str) -> None:
+    """Register the group with torch's symmetric memory: what PyTorch async-TP (the
+    ``symm_mem`` ops, inductor's micro-pipeline TP pass) looks up for the group."""
+    import warnings
+
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    with warnings.catch_warnings():  # deprecated in torch >= 2.11, but still what that lookup reads
+        warnings.simplefilter("ignore")
+        symm_mem.enable_symm_mem_for_group(group_name)
 
 
 def _sync(device: torch.device) -> None:

@@ -118,16 +118,10 @@ class TorchLlamaMLP(nn.Module):
 
 
 @contextlib.contextmanager
-def _async_tp_enabled(group_name: str):
-    """Inductor's micro-pipeline TP on, symmetric memory enabled for the group (restored after)."""
-    import warnings
-
+def _micro_pipeline_tp():
+    """Inductor's micro-pipeline TP (async-TP) pass on while compiling and running (restored after)."""
     import torch._inductor.config as inductor_config
-    from torch.distributed import _symmetric_memory as symm_mem
 
-    with warnings.catch_warnings():  # deprecated in torch >= 2.11 but still what inductor's check reads
-        warnings.simplefilter("ignore")
-        symm_mem.enable_symm_mem_for_group(group_name)
     old = inductor_config._micro_pipeline_tp
     inductor_config._micro_pipeline_tp = True
     try:
@@ -185,17 +179,16 @@ def layer_job(rank: int, world_size: int, job: _LayerJob) -> dict:
     else:
         blocks["unfused"] = TorchLlamaMLP(hidden, ffn, world_size, dtype, device)
     blocks["compute_only"] = TorchLlamaMLP(hidden, ffn, world_size, dtype, device, communicate=False)
-    asynctp_ctx = contextlib.nullcontext()
     if device.type != "cuda":
         skipped["asynctp"] = "no CUDA (PyTorch async-TP needs CUDA symmetric memory)"
     elif not cfg.asynctp:
         skipped["asynctp"] = "async-TP variant off (--no-asynctp)"
     else:
-        try:
-            asynctp_ctx = _async_tp_enabled(ctx.group_name)
+        why = common.attempt(lambda: common.enable_symmetric_memory(ctx.group_name))  # agreed: every rank or none
+        if why is None:
             blocks["asynctp"] = torch.compile(TorchLlamaMLP(hidden, ffn, world_size, dtype, device), fullgraph=True)
-        except Exception as exc:  # noqa: BLE001
-            skipped["asynctp"] = common.short_reason(exc)
+        else:
+            skipped["asynctp"] = f"symmetric memory unavailable: {why}"
 
     out: dict[str, dict] = {}
     for name, block in blocks.items():
@@ -207,7 +200,7 @@ def layer_job(rank: int, world_size: int, job: _LayerJob) -> dict:
             xs[i % sets].grad = None
             block(xs[i % sets]).backward(grads[i % sets])
 
-        with asynctp_ctx if name == "asynctp" else contextlib.nullcontext():
+        with _micro_pipeline_tp() if name == "asynctp" else contextlib.nullcontext():
             reason = common.attempt(lambda step=step: step(0))
             if reason is not None:
                 out[name] = {"reason": reason}

@@ -115,16 +115,9 @@ def _asynctp_fn(w: Workload, sets, group_name: str, device: torch.device) -> tup
         return None, "no CUDA (PyTorch async-TP needs CUDA symmetric memory)"
     if w.op == "gemm_ar":
         return None, "PyTorch async-TP has no fused matmul + all-reduce (only all-gather and reduce-scatter)"
-    try:
-        import warnings
-
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        with warnings.catch_warnings():  # deprecated in torch >= 2.11 but still what is_symm_mem_enabled reads
-            warnings.simplefilter("ignore")
-            symm_mem.enable_symm_mem_for_group(group_name)
-    except Exception as exc:  # noqa: BLE001
-        return None, f"symmetric memory unavailable: {common.short_reason(exc)}"
+    why = common.attempt(lambda: common.enable_symmetric_memory(group_name))  # agreed: every rank or none
+    if why is not None:
+        return None, f"symmetric memory unavailable: {why}"
     n = len(sets)
     if w.op == "ag_gemm":
         return (lambda i: torch.ops.symm_mem.fused_all_gather_matmul(sets[i % n][0], [sets[i % n][1]], 0, group_name)), None
