@@ -68,12 +68,18 @@ class TimelineEvent:
         return cls(**{k: d.get(k) for k in ("rank", "lane", "name", "start_ns", "end_ns", "chunk", "tile")})
 
 
-_RECORDER: Recorder | None = None  # the one flag the strategies read
+class _Switch:
+    """The one flag the strategies read: the active recorder of this process, or None."""
+
+    recorder: Recorder | None = None
+
+
+_SWITCH = _Switch()
 
 
 def current() -> Recorder | None:
     """The active recorder of this process, or None (the default: record nothing)."""
-    return _RECORDER
+    return _SWITCH.recorder
 
 
 class Recorder:
@@ -167,15 +173,14 @@ class Recorder:
 @contextlib.contextmanager
 def recording(rank: int | None = None) -> Iterator[Recorder]:
     """Record this process's spans inside the block (one recorder at a time)."""
-    global _RECORDER  # noqa: PLW0603 - the single switch the strategies read
-    if _RECORDER is not None:
+    if _SWITCH.recorder is not None:
         raise RuntimeError("timeline.recording(): a recording is already active in this process")
     rec = Recorder(rank)
-    _RECORDER = rec
+    _SWITCH.recorder = rec
     try:
         yield rec
     finally:
-        _RECORDER = None
+        _SWITCH.recorder = None
 
 
 # --------------------------------------------------------------------------------------------
