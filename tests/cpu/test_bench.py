@@ -198,3 +198,22 @@ def test_strategy_plan_in_the_bed_runs_only_symmetric_memory_strategies():
     assert run == ["copy_engine"] and skipped["auto"].startswith("auto resolved to ring")
     run, skipped = bench_run.strategy_plan(names, runnable, "ring", "multi-gpu", why)
     assert run == ["unfused", "ring", "copy_engine", "auto"] and list(skipped) == ["fused"]
+
+
+def test_bench_under_torchrun_runs_on_its_processes(tmp_path):
+    """The multi-GPU launch path (torchrun starts the ranks, the bench spawns none), on gloo."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "trun.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tpfuse", "bench", "--quick",
+           "--phases", "decode", "--iters", "2", "--strategies", "unfused", "--json", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("wrote ") == 1  # rank 0 speaks
+    result = json.loads(out.read_text())
+    assert result["meta"]["processes"] == 2 and result["meta"]["mode"] == "cpu-gloo"
+    assert [r["strategy"] for r in result["rows"]] == ["unfused", "unfused"]
+    assert all(r["ms"] is not None for r in result["rows"])
