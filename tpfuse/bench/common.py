@@ -6,7 +6,8 @@ NCCL rank per GPU, or (``bed=W``) W gloo ranks sharing ``cuda:0`` (the one-GPU b
 
 Timing (DESIGN §7): a warm-up, then per timed call a barrier, a device synchronize, the call
 between two CUDA events (GPU) or ``perf_counter`` stamps (CPU), and the host time until the call
-returned.  Per call the slowest rank's time; the median over calls.  A variant that raises on any
+returned; the variants of one cell take turns, one call each per round (:func:`timed_rounds`).
+Per call the slowest rank's time; the median over calls.  A variant that raises on any
 rank is not timed: every rank learns the first failing rank's reason (:func:`attempt`), and the
 row says it instead of a number.
 """
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 __all__ = ["MODES", "RankSetup", "open_ranks", "under_torchrun", "timed", "attempt", "graph_timed",
            "enable_symmetric_memory", "mps_running",
-           "slowest_median", "bench_meta", "cpu_name", "short_reason"]
+           "timed_rounds", "slowest_median", "bench_meta", "cpu_name", "short_reason"]
 
 MODES = ("cpu-gloo", "single-gpu", "one-gpu-bed", "multi-gpu")
 MODE_NOTES = {
@@ -184,28 +185,47 @@ def _barrier(device: torch.device) -> None:
     _sync(device)
 
 
-def timed(fn: Callable[[int], object], iters: int, warmup: int, device: torch.device) -> tuple[list[float], list[float]]:
-    """This rank's per-call ms and host ms (until the call returned); ``fn(i)`` runs call i."""
-    for i in range(warmup):
+def _one_call(fn: Callable[[int], object], i: int, device: torch.device) -> tuple[float, float]:
+    """(ms, host ms until return) of ``fn(i)``, after a barrier."""
+    _barrier(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
         fn(i)
-    out, host = [], []
+        host = (time.perf_counter() - t0) * 1e3
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end), host
+    t0 = time.perf_counter()
+    fn(i)
+    ms = (time.perf_counter() - t0) * 1e3
+    return ms, ms
+
+
+def timed_rounds(fns: dict[str, Callable[[int], object]], iters: int, warmup: int,
+                 device: torch.device) -> dict[str, tuple[list[float], list[float]]]:
+    """This rank's per-call ms and host ms (until the call returned) of every ``fns[name](i)``.
+
+    Interleaved: round i calls every variant once, so a slow spell of the machine (a shared
+    CPU, a GPU's power cap) lands on all of them instead of on whichever was timed then; the
+    ratios between variants are what the bench reports.
+    """
+    for fn in fns.values():
+        for i in range(warmup):
+            fn(i)
+    out: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in fns}
     for i in range(iters):
-        _barrier(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            t0 = time.perf_counter()
-            fn(i)
-            host.append((time.perf_counter() - t0) * 1e3)
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn(i)
-            out.append((time.perf_counter() - t0) * 1e3)
-            host.append(out[-1])
-    return out, host
+        for name, fn in fns.items():
+            ms, host = _one_call(fn, i, device)
+            out[name][0].append(ms)
+            out[name][1].append(host)
+    return out
+
+
+def timed(fn: Callable[[int], object], iters: int, warmup: int, device: torch.device) -> tuple[list[float], list[float]]:
+    """:func:`timed_rounds` of one variant."""
+    return timed_rounds({"fn": fn}, iters, warmup, device)["fn"]
 
 
 def graph_timed(fn: Callable[[int], object], iters: int, device: torch.device) -> tuple[list[float] | None, str | None]:

@@ -20,7 +20,8 @@ environment cannot measure is ``null`` and ``row["reasons"][field]`` says why.
 | ``graph_ms`` | the call captured in a CUDA graph, per replay |
 
 Timing: see :mod:`tpfuse.bench.common` (random data rotated past the L2 cache, warm-up,
-barrier before each call, slowest rank, median).  ``tpfuse.strategies.unfused`` is a row of its
+barrier before each call, the variants of a cell interleaved round by round, slowest rank,
+median).  ``tpfuse.strategies.unfused`` is a row of its
 own (it reduces bf16/fp16 in fp32), not the ``unfused_ms`` baseline.
 """
 
@@ -209,19 +210,23 @@ def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
 
     # Keys: strategy names, and "@"-prefixed baselines (never a strategy name).
     out: dict[str, dict] = {}
+    working = {}
     for name, fn in variants.items():
         reason = common.attempt(lambda fn=fn: fn(0))
-        if reason is not None:
+        if reason is None:
+            working[name] = fn
+        else:
             out[name] = {"reason": reason}
+    for name, (times, host) in common.timed_rounds(working, job.iters, job.warmup, device).items():
+        out[name] = {"times": times, "host": host}
+    for name in names:  # graph replay of the tpfuse calls that ran eagerly
+        if name not in working:
             continue
-        times, host = common.timed(fn, job.iters, job.warmup, device)
-        entry = {"times": times, "host": host}
-        if job.graph and name in names:
-            entry["graph"], entry["graph_reason"] = common.graph_timed(fn, job.iters, device)
-        elif name in names:
-            entry["graph"], entry["graph_reason"] = None, ("no CUDA (graphs need a GPU)" if device.type != "cuda"
-                                                           else "graph timing off (--no-graph)")
-        out[name] = entry
+        if job.graph:
+            out[name]["graph"], out[name]["graph_reason"] = common.graph_timed(working[name], job.iters, device)
+        else:
+            out[name]["graph"], out[name]["graph_reason"] = None, ("no CUDA (graphs need a GPU)" if device.type != "cuda"
+                                                                   else "graph timing off (--no-graph)")
     out.update({name: {"reason": why} for name, why in skipped.items()})
     unavailable = {s: strategies.why_unavailable(s, ctx, device, dtype) for s in strategies.STRATEGY_NAMES
                    if s not in runnable}
