@@ -217,3 +217,17 @@ def test_bench_under_torchrun_runs_on_its_processes(tmp_path):
     assert result["meta"]["processes"] == 2 and result["meta"]["mode"] == "cpu-gloo"
     assert [r["strategy"] for r in result["rows"]] == ["unfused", "unfused"]
     assert all(r["ms"] is not None for r in result["rows"])
+
+
+def test_timed_rounds_interleaves_and_never_repeats_an_input_back_to_back():
+    import torch
+
+    from tpfuse.bench.common import timed_rounds
+
+    calls = []
+    fns = {name: (lambda c, name=name: calls.append((name, c))) for name in ("a", "b", "c")}
+    out = timed_rounds(fns, iters=3, warmup=1, device=torch.device("cpu"))
+    assert {k: len(v[0]) for k, v in out.items()} == {"a": 3, "b": 3, "c": 3}
+    timed = calls[3:]  # after one warm-up call each
+    assert [name for name, _ in timed] == ["a", "b", "c"] * 3
+    assert [c for _, c in timed] == list(range(9))  # with n input copies, call c takes copy c % n

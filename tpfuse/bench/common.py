@@ -205,19 +205,22 @@ def _one_call(fn: Callable[[int], object], i: int, device: torch.device) -> tupl
 
 def timed_rounds(fns: dict[str, Callable[[int], object]], iters: int, warmup: int,
                  device: torch.device) -> dict[str, tuple[list[float], list[float]]]:
-    """This rank's per-call ms and host ms (until the call returned) of every ``fns[name](i)``.
+    """This rank's per-call ms and host ms (until the call returned) of every ``fns[name](c)``,
+    ``c`` the call's number (which input copy it takes).
 
     Interleaved: round i calls every variant once, so a slow spell of the machine (a shared
     CPU, a GPU's power cap) lands on all of them instead of on whichever was timed then; the
     ratios between variants are what the bench reports.
     """
+    # ``fn(c)`` with c counting every call of the round robin: consecutive calls -- of different
+    # variants -- take different input copies, so none finds the previous call's inputs in L2.
     for fn in fns.values():
         for i in range(warmup):
             fn(i)
     out: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in fns}
     for i in range(iters):
-        for name, fn in fns.items():
-            ms, host = _one_call(fn, i, device)
+        for j, (name, fn) in enumerate(fns.items()):
+            ms, host = _one_call(fn, i * len(fns) + j, device)
             out[name][0].append(ms)
             out[name][1].append(host)
     return out
