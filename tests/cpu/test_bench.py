@@ -159,7 +159,7 @@ def test_cli_errors_are_one_line_exit_2(argv, message, capsys):
 def test_cli_quick_writes_json_png_and_timeline(tmp_path, capsys):
     paths = {name: tmp_path / f"{name}.{ext}" for name, ext in (("out", "json"), ("speedups", "png"), ("tl", "png"))}
     argv = ["bench", "--quick", "--phases", "decode", "--iters", "2", "--json", str(paths["out"]),
-            "--png", str(paths["speedups"]), "--timeline", str(paths["tl"])]
+            "--png", str(paths["speedups"]), "--timeline", str(paths["tl"]), "--md", str(tmp_path / "t.md")]
     assert main(argv) == 0
     result = json.loads(paths["out"].read_text())
     assert result["meta"]["mode"] == "cpu-gloo" and len(result["rows"]) == 6
@@ -169,6 +169,11 @@ def test_cli_quick_writes_json_png_and_timeline(tmp_path, capsys):
     trace = json.loads((tmp_path / "tl.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
     assert "auto->" in capsys.readouterr().out
+    md = (tmp_path / "t.md").read_text().splitlines()
+    assert md[0].startswith("### tpfuse bench: CPU") and "mode `cpu-gloo`" in md[2] and "torch " in md[2]
+    assert md[4].startswith("| cell | strategy | ms |") and md[5].startswith("|---|")
+    assert sum(line.startswith("| 8b-decode-") for line in md) == 6
+    assert any(line.startswith("- `graph_ms` null: no CUDA") for line in md)
 
 
 def test_speedup_chart_falls_back_to_asynctp_and_refuses_without_a_baseline(tmp_path):

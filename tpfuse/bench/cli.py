@@ -80,6 +80,17 @@ def _footnote(reasons: dict[str, str]) -> None:
         print(f"  {field} null: {why}")
 
 
+def _write_md(path: str | None, title: str, table: list[list[str]], meta: dict, notes: dict[str, str]) -> None:
+    if not path:
+        return
+    from tpfuse.bench.report import to_markdown
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_markdown(title, table, meta, notes))
+    print(f"wrote {out}")
+
+
 def _write_json(result: dict, path: str) -> None:
     from tpfuse.bench.run import write_result
 
@@ -113,11 +124,12 @@ def _ops(args: argparse.Namespace) -> int:
     if not _speaks():
         return 0
     meta = result["meta"]
-    _print_table(format_rows(result), f"tpfuse bench: {meta['device']}, {meta['processes']} processes "
-                                      f"({meta['backend']}, {meta['mode']}), {meta['dtype']}, median ms of "
-                                      f"{config.iters} calls (slowest rank)")
+    title = (f"tpfuse bench: {meta['device']}, {meta['processes']} processes ({meta['backend']}, {meta['mode']}), "
+             f"{meta['dtype']}, median ms of {config.iters} calls (slowest rank)")
+    _print_table(format_rows(result), title)
     _mode_line(meta)
     _footnote(null_reasons(result))
+    _write_md(args.md, title, format_rows(result), meta, null_reasons(result))
     if args.json:
         _write_json(result, args.json)
     if args.png:
@@ -174,12 +186,13 @@ def _layer(args: argparse.Namespace) -> int:
     if not _speaks():
         return 0
     meta = result["meta"]
-    _print_table(format_layer_rows(result),
-                 f"tpfuse bench layer: Llama-3 {cfg.model} MLP T={meta['tokens']} h={meta['hidden']} "
-                 f"ffn={meta['ffn']}, fwd+bwd, {meta['device']}, {meta['processes']} processes ({meta['mode']}), "
-                 f"{meta['dtype']}")
+    title = (f"tpfuse bench layer: Llama-3 {cfg.model} MLP T={meta['tokens']} h={meta['hidden']} ffn={meta['ffn']}, "
+             f"fwd+bwd, {meta['device']}, {meta['processes']} processes ({meta['mode']}), {meta['dtype']}")
+    notes = {r["variant"]: r["reasons"]["ms"] for r in result["rows"] if "ms" in r["reasons"]}
+    _print_table(format_layer_rows(result), title)
     _mode_line(meta)
-    _footnote({r["variant"]: r["reasons"]["ms"] for r in result["rows"] if "ms" in r["reasons"]})
+    _footnote(notes)
+    _write_md(args.md, title, format_layer_rows(result), meta, notes)
     if args.json:
         _write_json(result, args.json)
     return 0
@@ -204,9 +217,11 @@ def _comm(args: argparse.Namespace) -> int:
 
     result = run_comm_bench(cfg, progress=_Progress("bench comm"))
     meta = result["meta"]
-    _print_table(format_comm_rows(result), f"tpfuse bench comm: {meta['device']}, {meta['num_gpus']} GPU(s), "
-                                           f"median of {cfg.iters} copies")
-    _footnote({f"{r['kind']}": r["reasons"]["latency_us"] for r in result["rows"] if r["reasons"]})
+    title = f"tpfuse bench comm: {meta['device']}, {meta['num_gpus']} GPU(s), median of {cfg.iters} copies"
+    notes = {f"{r['kind']}": r["reasons"]["latency_us"] for r in result["rows"] if r["reasons"]}
+    _print_table(format_comm_rows(result), title)
+    _footnote(notes)
+    _write_md(args.md, title, format_comm_rows(result), meta, notes)
     if args.json:
         _write_json(result, args.json)
     return 0
@@ -253,6 +268,8 @@ def _ranks_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategies", nargs="+", default=None,
                    help="tpfuse strategies to time (default: every runnable one, and auto)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON (file, or a directory)")
+    p.add_argument("--md", default=None, metavar="PATH", help="write the table as markdown, with date, hardware, "
+                                                              "mode and command (for BENCHMARKS.md)")
 
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
@@ -291,5 +308,6 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     comm.add_argument("--iters", type=int, default=None)
     comm.add_argument("--warmup", type=int, default=None)
     comm.add_argument("--json", default=None, metavar="PATH")
+    comm.add_argument("--md", default=None, metavar="PATH", help="the table as markdown, with date and hardware")
     comm.set_defaults(func=_run(_comm))
     return bench

@@ -200,6 +200,9 @@ def run_comm_bench(cfg: CommConfig, progress=None) -> dict:
                              "the bytes once", sm_count=(torch.cuda.get_device_properties(0).multi_processor_count
                                                         if cuda else None))
     meta["backend"] = None  # one process, no process group
+    meta["mode_note"] = {"cpu-gloo": "one process, no GPU: host memcpy only (not a GPU number)",
+                         "single-gpu": "one GPU: local (same-device) copies, not NVLink",
+                         "multi-gpu": "GPU 0 to each peer GPU over the GPU links"}[mode]
     rows = _gpu_rows(cfg, progress) if cuda else _cpu_rows(cfg)
     if progress is not None:
         progress(1, 1, "done")

@@ -1,4 +1,5 @@
-"""Pictures of bench results: the speedup bar chart of ``tpfuse bench --png``.
+"""Bench results for people: the speedup bar chart of ``tpfuse bench --png`` and the markdown
+table of ``--md`` (what BENCHMARKS.md quotes: date, hardware, mode and command above the table).
 
 matplotlib is an optional dependency (``pip install 'tpfuse[cli]'``); :func:`require_matplotlib`
 raises one clear error before a long run starts rather than after it.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["require_matplotlib", "draw_speedups"]
+__all__ = ["require_matplotlib", "draw_speedups", "to_markdown"]
 
 
 def require_matplotlib():
@@ -78,3 +79,25 @@ def draw_speedups(result: dict, path: str | Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def to_markdown(title: str, table: list[list[str]], meta: dict, notes: dict[str, str] | None = None) -> str:
+    """``table`` (header + rows, as the CLI prints it) as a markdown section: a title, one line
+    of provenance (date, device, processes, mode, versions, command), the table, then one line
+    per null field with its reason."""
+    versions = f"torch {meta.get('torch')}, triton {meta.get('triton')}, tpfuse {meta.get('tpfuse')}"
+    lines = [f"### {title}", "",
+             f"{meta.get('date')} · {meta.get('device')} · {meta.get('processes', 1)} process(es), "
+             f"{meta.get('backend') or 'no process group'} · mode `{meta.get('mode')}` ({meta.get('mode_note')}) · "
+             f"{versions} · `{meta.get('command')}`", ""]
+
+    def cells(row: list[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"
+
+    lines.append(cells(table[0]))
+    lines.append("|" + "|".join("---" for _ in table[0]) + "|")
+    lines += [cells(row) for row in table[1:]]
+    if notes:
+        lines.append("")
+        lines += [f"- `{field}` null: {why}" for field, why in notes.items()]
+    return "\n".join(lines) + "\n"
