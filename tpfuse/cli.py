@@ -1,4 +1,4 @@
-"""``tpfuse demo | plan | check``: parse arguments, build a config, call the library."""
+"""``tpfuse demo | plan | bench | check``: parse arguments, build a config, call the library."""
 
 from __future__ import annotations
 
@@ -99,24 +99,6 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from tpfuse.bench.run import BenchConfig, format_rows, run_bench, write_result
-
-    for name in ("world_size", "iters", "scale"):
-        if getattr(args, name) < 1:
-            print(f"--{name.replace('_', '-')}: {getattr(args, name)} must be >= 1", file=sys.stderr)
-            return 2
-    config = BenchConfig(world_size=args.world_size, models=tuple(args.models), phases=tuple(args.phases),
-                         iters=args.iters, scale=args.scale, hardware=args.hardware, device=args.device)
-    result = run_bench(config, progress=_Progress("bench"))
-    path = write_result(result, args.out)
-    meta = result["meta"]
-    _print_table(format_rows(result), f"tpfuse bench: {meta['device']}, W={meta['world_size']} "
-                                      f"({meta['backend']}), median ms of {config.iters} calls (slowest rank)")
-    print(f"wrote {path}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpfuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,17 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(plan)
     plan.set_defaults(func=run_plan_cli)
 
-    bench = sub.add_parser("bench", help="time every runnable strategy on the workload matrix (JSON + table)")
-    bench.add_argument("--world-size", type=int, default=8, help="GPUs to use (CPU: ranks to spawn); default 8")
-    bench.add_argument("--models", nargs="+", choices=["8b", "70b", "405b"], default=["8b", "70b"])
-    bench.add_argument("--phases", nargs="+", choices=["training", "prefill", "decode"],
-                       default=["training", "prefill", "decode"])
-    bench.add_argument("--iters", type=int, default=20, help="timed calls per variant (median reported)")
-    bench.add_argument("--scale", type=int, default=1, help="divide M, N and K by this (CPU runs)")
-    bench.add_argument("--hardware", default="h200", help="planner profile for the predicted column")
-    bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    bench.add_argument("--out", default="benchmarks/results", help="JSON file or directory")
-    bench.set_defaults(func=_bench)
+    from tpfuse.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
 
     check = sub.add_parser("check", help="report versions, devices and runnable strategies")
     check.set_defaults(func=_check)

@@ -1,6 +1,11 @@
 """Run a function on W ranks without torchrun: the harness of the tests and the demo.
 
-CPU ranks use gloo; ``backend="nccl"`` puts rank r on GPU r (for the demo on a GPU machine).
+CPU ranks use gloo; ``backend="nccl"`` puts rank r on GPU r (for the demo on a GPU machine);
+``device="cuda:0"`` puts every rank on that one GPU with a gloo group and
+``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` (the one-GPU bed of DESIGN §6: symmetric memory
+works across the W processes; NCCL refuses two ranks on one GPU, and gloo cannot carry CUDA
+tensors there).  Running the processes under MPS (``nvidia-cuda-mps-control -d``) is the
+caller's job.
 
     with RankPool(world_size=4) as pool:
         results = pool.run(fn, arg1, arg2, timeout=60)   # fn(rank, world_size, arg1, arg2) on every rank
@@ -20,6 +25,7 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import re
 import shutil
 import socket
 import tempfile
@@ -28,7 +34,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RankPool", "RankError", "run_ranks", "free_port"]
+__all__ = ["RankPool", "RankError", "run_ranks", "free_port", "shared_device_env"]
+
+# Lets torch's symmetric memory rendezvous ranks that share one GPU (the one-GPU bed).
+OVERLAP_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
 
 
 class RankError(RuntimeError):
@@ -47,8 +56,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _parse_device(device: str | None, backend: str) -> int | None:
+    """The CUDA index every rank shares, from ``device`` ("cuda" or "cuda:N"), or None."""
+    if device is None:
+        return None
+    if not isinstance(device, str):
+        raise TypeError(f"device: expected a string like 'cuda:0' or None, got {type(device).__name__}")
+    match = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if match is None:
+        raise ValueError(f"device: {device!r} is not supported; use 'cuda:N' (every rank on GPU N) or None")
+    if backend != "gloo":
+        raise ValueError(f"device: {device!r} puts every rank on one GPU, which {backend} refuses; "
+                         "use backend='gloo' (symmetric memory carries the data there)")
+    import torch
+
+    index = int(match.group(1) or 0)
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device: {device!r} needs a CUDA device {index}; this machine has "
+                         f"{torch.cuda.device_count()} visible GPU(s)")
+    return index
+
+
+def shared_device_env(index: int | None) -> dict[str, str]:
+    """Environment of the ranks that share GPU ``index`` (empty when they do not share one)."""
+    return {} if index is None else {OVERLAP_ENV: "1"}
+
+
 def _worker(rank: int, world_size: int, port: int, env: dict[str, str], jobs: mp.Queue, results: mp.Queue,
-            pg_timeout_s: float, backend: str) -> None:
+            pg_timeout_s: float, backend: str, device_index: int | None = None) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -57,7 +92,9 @@ def _worker(rank: int, world_size: int, port: int, env: dict[str, str], jobs: mp
 
     torch.set_num_threads(1)
     try:
-        if backend == "nccl":
+        if device_index is not None:
+            torch.cuda.set_device(device_index)
+        elif backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
@@ -78,23 +115,31 @@ def _worker(rank: int, world_size: int, port: int, env: dict[str, str], jobs: mp
 
 
 class RankPool:
-    """W spawned gloo ranks that run jobs until closed.  Use as a context manager."""
+    """W spawned ranks (gloo by default) that run jobs until closed.  Use as a context manager.
+
+    ``device``: None (gloo: CPU; nccl: rank r on GPU r) or ``"cuda:N"``: every rank on GPU N with
+    a gloo group and symmetric memory allowed across the ranks (``shared_device_env``).
+    """
 
     def __init__(self, world_size: int, *, env: dict[str, str] | None = None, start_timeout: float = 120.0,
-                 pg_timeout_s: float = 120.0, backend: str = "gloo"):
+                 pg_timeout_s: float = 120.0, backend: str = "gloo", device: str | None = None):
         if world_size < 1:
             raise ValueError(f"world_size: {world_size} must be >= 1")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend: {backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (one GPU per rank)")
+        device_index = _parse_device(device, backend)
         self.world_size = world_size
+        self.device = None if device_index is None else f"cuda:{device_index}"
         self._crumbs = tempfile.mkdtemp(prefix="tpfuse-ranks-")
         ctx = mp.get_context("spawn")
-        full_env = {"TPFUSE_BREADCRUMBS": self._crumbs, "OMP_NUM_THREADS": "1", **(env or {})}
+        full_env = {"TPFUSE_BREADCRUMBS": self._crumbs, "OMP_NUM_THREADS": "1", **shared_device_env(device_index),
+                    **(env or {})}
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, full_env, self._jobs[r], self._results, pg_timeout_s, backend),
+            ctx.Process(target=_worker, args=(r, world_size, port, full_env, self._jobs[r], self._results, pg_timeout_s, backend,
+                                                  device_index),
                         daemon=True, name=f"tpfuse-rank{r}")
             for r in range(world_size)
         ]
@@ -179,7 +224,8 @@ class RankPool:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-              env: dict[str, str] | None = None, backend: str = "gloo", **kwargs: Any) -> list[Any]:
+              env: dict[str, str] | None = None, backend: str = "gloo", device: str | None = None,
+              **kwargs: Any) -> list[Any]:
     """One job on a fresh pool of ``world_size`` ranks: ``fn(rank, world_size, *args)``."""
-    with RankPool(world_size, env=env, backend=backend) as pool:
+    with RankPool(world_size, env=env, backend=backend, device=device) as pool:
         return pool.run(fn, *args, timeout=timeout, **kwargs)

@@ -25,3 +25,23 @@ def test_hung_rank_is_named_with_its_last_step():
     assert time.monotonic() - t0 < 60
     msg = str(info.value)
     assert "rank 1 last did: 'rank 1 about to wait'" in msg, msg
+
+
+def test_shared_device_option_is_checked_before_spawning():
+    """``device="cuda:N"`` (the one-GPU bed) needs gloo and a visible GPU N; the children get the
+    overlap switch for symmetric memory.  Every misuse is one ValueError/TypeError, no process."""
+    import torch
+
+    from tpfuse.spawn import OVERLAP_ENV, RankPool, shared_device_env
+
+    assert shared_device_env(0) == {OVERLAP_ENV: "1"} and OVERLAP_ENV == "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
+    assert shared_device_env(None) == {}
+    with pytest.raises(ValueError, match="nccl refuses"):
+        RankPool(2, backend="nccl", device="cuda:0")
+    with pytest.raises(ValueError, match="'cuda:N'"):
+        RankPool(2, device="gpu0")
+    with pytest.raises(TypeError, match="device"):
+        RankPool(2, device=0)
+    if torch.cuda.device_count() == 0:
+        with pytest.raises(ValueError, match="needs a CUDA device 0; this machine has 0"):
+            RankPool(2, device="cuda")

@@ -1,24 +1,36 @@
-"""``tpfuse bench``: every runnable strategy on the workload matrix, timed on the ranks.
+"""``tpfuse bench``: every runnable strategy on the workload matrix, with the overlap breakdown.
 
-Per cell (one GPU per rank, NCCL; or gloo ranks on CPU): each strategy's latency, the local GEMM
-alone, the collective alone (NCCL), the planner's prediction for each strategy, and what
-``"auto"`` resolved to.  Timing (DESIGN §7): random data, inputs rotated over copies larger than
-the L2 cache, a warm-up, then ``iters`` timed calls, each started after a barrier; per call the
-slowest rank's time (CUDA events on GPU, ``perf_counter`` on CPU); the median over calls.
+One row per (workload cell, strategy), strategies from :func:`tpfuse.strategies.runnable` for
+the group, device and dtype (plus ``"auto"``), all measured in one run so that ratios compare
+numbers taken side by side.  Every row has every field of :data:`ROW_FIELDS`; a field the
+environment cannot measure is ``null`` and ``row["reasons"][field]`` says why.
 
-Writes ``{"meta": ..., "rows": [...]}`` JSON and prints a table.  Ratios quoted from it should
-come from one run (the rows of one JSON).
+| field | meaning |
+|---|---|
+| ``ms`` | the tpfuse call, eager (median over calls of the slowest rank) |
+| ``unfused_ms`` | what users run today: the collective in the input dtype (NCCL / gloo) + ``torch.matmul`` |
+| ``asynctp_ms`` | ``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter`` |
+| ``gemm_ms`` | the local GEMM alone (``[M, K] @ [K, N]``, full M) |
+| ``comm_ms`` | the collective alone, input dtype |
+| ``exposed_comm_ms`` | ``ms - gemm_ms`` |
+| ``overlap_efficiency`` | ``max(gemm_ms, comm_ms) / ms`` (1 = perfect overlap) |
+| ``speedup_vs_unfused`` / ``speedup_vs_asynctp`` | ``unfused_ms / ms`` / ``asynctp_ms / ms`` |
+| ``predicted_ms`` | :func:`tpfuse.plan` for this strategy (``auto``: the strategy it resolved to) |
+| ``host_us`` | host time per eager call until it returned (on CPU: the whole call) |
+| ``graph_ms`` | the call captured in a CUDA graph, per replay |
+
+Timing: see :mod:`tpfuse.bench.common` (random data rotated past the L2 cache, warm-up,
+barrier before each call, the variants of a cell interleaved round by round, slowest rank,
+median).  ``tpfuse.strategies.unfused`` is a row of its
+own (it reduces bf16/fp16 in fp32), not the ``unfused_ms`` baseline.
 """
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import json
 import math
-import platform
-import statistics
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -26,55 +38,67 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
+from tpfuse.bench import common
 from tpfuse.bench.workloads import Workload, scaled_down, workload_matrix
 
-__all__ = ["BenchConfig", "run_bench", "format_rows"]
+__all__ = ["BenchConfig", "ROW_FIELDS", "run_bench", "format_rows", "write_result", "quick_config"]
 
 L2_BYTES = 60 * 2**20  # H200 (the largest L2 we run on); rotating past it on smaller GPUs is harmless
+# Strategies that move data through symmetric memory, not the process group: the only ones that
+# run in the one-GPU bed (its gloo group cannot carry CUDA tensors).
+SYMMETRIC_STRATEGIES = ("copy_engine", "fused")
+# Every row has these keys, in this order (the table above; null + a reason where not measured).
+ROW_FIELDS = ("cell", "model", "phase", "gemm", "op", "m", "n", "k", "world_size", "dtype", "strategy", "resolved",
+              "ms", "unfused_ms", "asynctp_ms", "gemm_ms", "comm_ms", "exposed_comm_ms", "overlap_efficiency",
+              "speedup_vs_unfused", "speedup_vs_asynctp", "predicted_ms", "host_us", "graph_ms", "reasons")
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    world_size: int = 2
+    """What ``tpfuse bench`` runs.  ``strategies=None``: every runnable one, plus ``"auto"``."""
+
+    world_size: int = 8
     models: tuple[str, ...] = ("8b", "70b")
     phases: tuple[str, ...] = ("training", "prefill", "decode")
-    strategies: tuple[str, ...] = ("unfused", "ring", "auto")
+    strategies: tuple[str, ...] | None = None
     iters: int = 20
     warmup: int = 3
     scale: int = 1  # divide M, N, K by this (CPU runs)
-    hardware: str = "h200"  # planner profile for the predicted columns
-    device: str = "auto"
-    extra: dict = field(default_factory=dict)
+    hardware: str = "auto"  # planner profile for predicted_ms: auto = the detected GPU, or cpu-gloo
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    bed: int = 0  # > 0: that many processes share cuda:0 (the one-GPU bed)
+    dtype: str = "auto"  # "auto" = bf16 on CUDA, fp32 on CPU; or bf16 / fp16 / fp32
+    graph: bool = True  # also time CUDA-graph replay (GPU only)
+    timeline: bool = False  # record the first cell's timeline (see run_bench)
 
 
-def _timed(fn: Callable[[int], object], iters: int, warmup: int, device: torch.device) -> tuple[list[float], list[float]]:
-    """Per-call ms on this rank, and the host ms each call took to return (launch cost);
-    ``fn(i)`` runs call ``i`` (i picks the input copy)."""
-    for i in range(warmup):
-        fn(i)
-    out, host = [], []
-    for i in range(iters):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            t0 = time.perf_counter()
-            fn(i)
-            host.append((time.perf_counter() - t0) * 1e3)
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn(i)
-            out.append((time.perf_counter() - t0) * 1e3)
-            host.append(out[-1])
-    return out, host
+def quick_config(on_gpu: bool = False, **overrides) -> BenchConfig:
+    """``--quick``: 8B prefill + decode on two ranks with few calls; on CPU scaled 1/64 (seconds),
+    on GPU at full size."""
+    base = BenchConfig(world_size=2, models=("8b",), phases=("prefill", "decode"), iters=10,
+                       warmup=2, scale=1 if on_gpu else 64)
+    return replace(base, **overrides)
 
 
-def _copies(w: Workload, rank: int, world_size: int, device, dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    rows = w.m // world_size if w.op == "ag_gemm" else w.m
+@dataclass(frozen=True)
+class _CellJob:
+    """What every rank needs to time one cell (sent to the ranks)."""
+
+    workload: Workload
+    strategies: tuple[str, ...] | None
+    iters: int
+    warmup: int
+    dtype: str
+    mode: str
+    graph: bool
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _copies(w: Workload, rank: int, device: torch.device, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Input sets (random, never zeros): enough copies to exceed 3 x L2 on GPU, one on CPU."""
+    rows = w.m // w.world_size if w.op == "ag_gemm" else w.m
     per_copy = (rows * w.k + w.k * w.n + w.m * w.n) * torch.empty((), dtype=dtype).element_size()
     n = max(2, min(8, math.ceil(3 * L2_BYTES / per_copy))) if device.type == "cuda" else 1
     g = torch.Generator(device=device).manual_seed(1000 * rank + 7)
@@ -86,41 +110,216 @@ def _copies(w: Workload, rank: int, world_size: int, device, dtype) -> list[tupl
     return out
 
 
-def bench_job(rank: int, world_size: int, w: Workload, config: BenchConfig, use_cuda: bool) -> dict:
-    """Runs on every rank: per-call ms lists for every variant of cell ``w``."""
-    from tpfuse._dist import all_gather_rows, group_context, reduce_scatter_rows
+def _asynctp_fn(w: Workload, sets, group_name: str, device: torch.device) -> tuple[Callable | None, str | None]:
+    """PyTorch's async-TP op for this cell, or (None, why it cannot run here)."""
+    if device.type != "cuda":
+        return None, "no CUDA (PyTorch async-TP needs CUDA symmetric memory)"
+    if w.op == "gemm_ar":
+        return None, "PyTorch async-TP has no fused matmul + all-reduce (only all-gather and reduce-scatter)"
+    why = common.attempt(lambda: common.enable_symmetric_memory(group_name))  # agreed: every rank or none
+    if why is not None:
+        return None, f"symmetric memory unavailable: {why}"
+    n = len(sets)
+    if w.op == "ag_gemm":
+        return (lambda i: torch.ops.symm_mem.fused_all_gather_matmul(sets[i % n][0], [sets[i % n][1]], 0, group_name)), None
+    return (lambda i: torch.ops.symm_mem.fused_matmul_reduce_scatter(sets[i % n][0], sets[i % n][1], "sum", 0,
+                                                                      group_name)), None
+
+
+def _parts(w: Workload, sets, device, dtype) -> tuple[Callable, Callable, Callable]:
+    """(gemm alone, collective alone, collective + matmul as users write it), input dtype."""
+    from tpfuse._dist import all_gather_rows, reduce_scatter_rows
+
+    n, world_size = len(sets), w.world_size
+    if w.op == "ag_gemm":
+        full = [torch.randn(w.m, w.k, device=device, dtype=dtype) for _ in sets]
+        gemm = lambda i: torch.matmul(full[i % n], sets[i % n][1])  # noqa: E731
+        comm = lambda i: all_gather_rows(full[i % n], sets[i % n][0], None)  # noqa: E731
+
+        def torch_way(i):
+            all_gather_rows(full[i % n], sets[i % n][0], None)
+            return torch.matmul(full[i % n], sets[i % n][1])
+        return gemm, comm, torch_way
+    outs = [torch.randn(w.m, w.n, device=device, dtype=dtype) for _ in sets]
+    shards = [torch.empty(w.m // world_size, w.n, device=device, dtype=dtype) for _ in sets]
+    gemm = lambda i: torch.matmul(*sets[i % n])  # noqa: E731
+    if w.op == "gemm_rs":
+        comm = lambda i: reduce_scatter_rows(shards[i % n], outs[i % n], None)  # noqa: E731
+
+        def torch_way(i):
+            reduce_scatter_rows(shards[i % n], torch.matmul(*sets[i % n]), None)
+            return shards[i % n]
+    else:
+        comm = lambda i: dist.all_reduce(outs[i % n])  # noqa: E731
+
+        def torch_way(i):
+            partial = torch.matmul(*sets[i % n])
+            dist.all_reduce(partial)
+            return partial
+    return gemm, comm, torch_way
+
+
+def strategy_plan(names, runnable, resolved: str, mode: str, why_unavailable) -> tuple[list[str], dict[str, str]]:
+    """Which of ``names`` to time, and why each other one is not: not runnable here
+    (``why_unavailable(name)``), or -- in the one-GPU bed -- a strategy that sends CUDA tensors
+    through the process group (gloo there), ``auto`` included when it resolves to one."""
+    to_run, skipped = [], {}
+    for s in names:
+        concrete = resolved if s == "auto" else s
+        if s != "auto" and s not in runnable:
+            skipped[s] = why_unavailable(s) or "not runnable here"
+        elif mode == "one-gpu-bed" and concrete not in SYMMETRIC_STRATEGIES:
+            skipped[s] = (f"{'auto resolved to ' if s == 'auto' else ''}{concrete} sends CUDA tensors through "
+                          "the process group, and the one-GPU bed's group is gloo")
+        else:
+            to_run.append(s)
+    return to_run, skipped
+
+
+def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
+    """Runs on every rank: per-call ms for every variant of one cell, or the reason it did not run."""
+    from tpfuse import strategies
+    from tpfuse._dist import group_context
     from tpfuse.ops import resolve_strategy
 
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if use_cuda else torch.float32
-    sets = _copies(w, rank, world_size, device, dtype)
+    w = job.workload
+    device = torch.device("cuda", torch.cuda.current_device()) if job.mode != "cpu-gloo" else torch.device("cpu")
+    dtype = _DTYPES[job.dtype]
+    sets = _copies(w, rank, device, dtype)
     ctx = group_context(None)
-    times: dict[str, list[float]] = {}
-    host: dict[str, list[float]] = {}
+    n = len(sets)
+    runnable = strategies.runnable(ctx, device, dtype)
+    names = tuple(job.strategies) if job.strategies is not None else (*runnable, "auto")
     resolved = resolve_strategy(w.op, "auto", sets[0][0], sets[0][1], ctx)
     op = getattr(tpfuse, w.op)
-    for s in config.strategies:
-        times[s], host[s] = _timed(lambda i, s=s: op(*sets[i % len(sets)], strategy=s), config.iters,
-                                   config.warmup, device)
-    # the parts alone: the local GEMM on full-M rows, and the collective (NCCL/gloo) alone
-    if w.op == "ag_gemm":
-        full = [torch.empty(w.m, w.k, device=device, dtype=dtype) for _ in sets]
-        gemm = lambda i: torch.matmul(full[i % len(sets)], sets[i % len(sets)][1])  # noqa: E731
-        comm = lambda i: all_gather_rows(full[i % len(sets)], sets[i % len(sets)][0], None)  # noqa: E731
+    to_run, skipped = strategy_plan(names, runnable, resolved, job.mode,
+                                    lambda s: strategies.why_unavailable(s, ctx, device, dtype))
+    variants: dict[str, Callable] = {s: (lambda i, s=s: op(*sets[i % n], strategy=s)) for s in to_run}
+    gemm, comm, torch_way = _parts(w, sets, device, dtype)
+    variants["@gemm"] = gemm
+    if job.mode == "one-gpu-bed":
+        why = "one-GPU bed: its gloo group cannot carry CUDA tensors (and NCCL refuses two ranks on one GPU)"
+        skipped["@comm"] = skipped["@unfused"] = why
     else:
-        outs = [torch.randn(w.m, w.n, device=device, dtype=dtype) for _ in sets]
-        shards = [torch.empty(w.m // world_size, w.n, device=device, dtype=dtype) for _ in sets]
-        gemm = lambda i: torch.matmul(*sets[i % len(sets)])  # noqa: E731
-        if w.op == "gemm_rs":
-            comm = lambda i: reduce_scatter_rows(shards[i % len(sets)], outs[i % len(sets)], None)  # noqa: E731
+        variants["@comm"], variants["@unfused"] = comm, torch_way
+    asynctp, why = _asynctp_fn(w, sets, ctx.group_name, device)
+    if asynctp is None:
+        skipped["@asynctp"] = why
+    else:
+        variants["@asynctp"] = asynctp
+
+    # Keys: strategy names, and "@"-prefixed baselines (never a strategy name).
+    out: dict[str, dict] = {}
+    working = {}
+    for name, fn in variants.items():
+        reason = common.attempt(lambda fn=fn: fn(0))
+        if reason is None:
+            working[name] = fn
         else:
-            comm = lambda i: dist.all_reduce(outs[i % len(sets)])  # noqa: E731
-    times["gemm_alone"], host["gemm_alone"] = _timed(gemm, config.iters, config.warmup, device)
-    if world_size > 1:
-        times["comm_alone"], host["comm_alone"] = _timed(comm, config.iters, config.warmup, device)
-    else:
-        times["comm_alone"] = host["comm_alone"] = [0.0] * config.iters
-    return {"times": times, "host": host, "resolved": resolved}
+            out[name] = {"reason": reason}
+    for name, (times, host) in common.timed_rounds(working, job.iters, job.warmup, device).items():
+        out[name] = {"times": times, "host": host}
+    for name in names:  # graph replay of the tpfuse calls that ran eagerly
+        if name not in working:
+            continue
+        if job.graph:
+            out[name]["graph"], out[name]["graph_reason"] = common.graph_timed(working[name], job.iters, device)
+        else:
+            out[name]["graph"], out[name]["graph_reason"] = None, ("no CUDA (graphs need a GPU)" if device.type != "cuda"
+                                                                   else "graph timing off (--no-graph)")
+    out.update({name: {"reason": why} for name, why in skipped.items()})
+    unavailable = {s: strategies.why_unavailable(s, ctx, device, dtype) for s in strategies.STRATEGY_NAMES
+                   if s not in runnable}
+    return {"variants": out, "strategies": names, "resolved": resolved, "unavailable": unavailable}
+
+
+def timeline_job(rank: int, world_size: int, job: _CellJob) -> list[dict]:
+    """Runs on every rank: one recorded call per strategy of the cell (after a warm-up call)."""
+    from tpfuse.bench import timeline
+
+    w = job.workload
+    device = torch.device("cuda", torch.cuda.current_device()) if job.mode != "cpu-gloo" else torch.device("cpu")
+    sets = _copies(w, rank, device, _DTYPES[job.dtype])
+    op = getattr(tpfuse, w.op)
+    events: list[dict] = []
+    for s in job.strategies or ():
+        op(*sets[0], strategy=s)
+        common._barrier(device)
+        with timeline.recording(rank) as rec:
+            with rec.span("call", s, device=device):
+                op(*sets[0], strategy=s)
+        events += [ev.to_dict() for ev in rec.events()]
+    return events
+
+
+# --------------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------------
+
+
+def _median_of(per_rank: list[dict], name: str, key: str = "times") -> tuple[float | None, str | None]:
+    entries = [r["variants"][name] for r in per_rank]
+    if any("reason" in e for e in entries):
+        return None, next(e["reason"] for e in entries if "reason" in e)
+    if key == "graph" and any(e.get("graph") is None for e in entries):
+        return None, next(e["graph_reason"] for e in entries if e.get("graph") is None)
+    return common.slowest_median([e[key] for e in entries]), None
+
+
+def _rows_for_cell(w: Workload, per_rank: list[dict], predicted: dict[str, float], dtype: str) -> list[dict]:
+    base = {"cell": w.name, "model": w.model, "phase": w.phase, "gemm": w.gemm, "op": w.op, "m": w.m, "n": w.n,
+            "k": w.k, "world_size": w.world_size, "dtype": dtype}
+    shared: dict[str, float | None] = {}
+    shared_reasons: dict[str, str] = {}
+    for field, name in (("unfused_ms", "@unfused"), ("asynctp_ms", "@asynctp"), ("gemm_ms", "@gemm"),
+                        ("comm_ms", "@comm")):
+        shared[field], why = _median_of(per_rank, name)
+        if why is not None:
+            shared_reasons[field] = why
+    resolved = per_rank[0]["resolved"]
+    rows = []
+    for s in per_rank[0]["strategies"]:
+        row = {**base, "strategy": s, "resolved": resolved if s == "auto" else s, **shared}
+        reasons = dict(shared_reasons)
+        row["ms"], why = _median_of(per_rank, s)
+        if why is not None:
+            reasons["ms"] = why
+        host_ms, _ = _median_of(per_rank, s, "host")
+        row["host_us"] = None if host_ms is None else host_ms * 1e3
+        row["graph_ms"], why = _median_of(per_rank, s, "graph") if row["ms"] is not None else (None, reasons["ms"])
+        if why is not None:
+            reasons["graph_ms"] = why
+        if row["host_us"] is None:
+            reasons["host_us"] = reasons["ms"]
+        _derive(row, reasons)
+        p = predicted.get(row["resolved"])
+        row["predicted_ms"] = p
+        if p is None:
+            reasons["predicted_ms"] = f"the planner models no strategy {row['resolved']!r}"
+        row["reasons"] = reasons
+        rows.append({k: row[k] for k in ROW_FIELDS})
+    return rows
+
+
+def _derive(row: dict, reasons: dict) -> None:
+    """The ratio fields from the measured ones (null, with the missing input named, if one is)."""
+    ms, gemm, comm = row["ms"], row["gemm_ms"], row["comm_ms"]
+
+    def need(field: str, *inputs: str) -> bool:
+        missing = [f for f in inputs if row[f] is None]
+        if missing:
+            row[field] = None
+            reasons[field] = f"{missing[0]} not measured ({reasons.get(missing[0], 'null')})"
+        return not missing
+
+    if need("exposed_comm_ms", "ms", "gemm_ms"):
+        row["exposed_comm_ms"] = ms - gemm
+    if need("overlap_efficiency", "ms", "gemm_ms", "comm_ms"):
+        row["overlap_efficiency"] = max(gemm, comm) / ms if ms > 0 else None
+    if need("speedup_vs_unfused", "ms", "unfused_ms"):
+        row["speedup_vs_unfused"] = row["unfused_ms"] / ms if ms > 0 else None
+    if need("speedup_vs_asynctp", "ms", "asynctp_ms"):
+        row["speedup_vs_asynctp"] = row["asynctp_ms"] / ms if ms > 0 else None
 
 
 def _cells(config: BenchConfig, world_size: int) -> list[Workload]:
@@ -128,75 +327,102 @@ def _cells(config: BenchConfig, world_size: int) -> list[Workload]:
     return [scaled_down(c, config.scale) if config.scale > 1 else c for c in cells]
 
 
-def run_bench(config: BenchConfig, progress=None) -> dict:
-    """Spawn the ranks, run every cell; returns ``{"meta", "rows"}`` (one row per cell)."""
-    from tpfuse.spawn import RankPool
+def _hardware(config: BenchConfig, setup: common.RankSetup):
+    from tpfuse.model.hardware import detect, get_profile
 
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    world_size = min(config.world_size, torch.cuda.device_count()) if use_cuda else config.world_size
-    cells = _cells(config, world_size)
-    env = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0"}
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if use_cuda else platform.processor() or platform.machine(),
-        "num_gpus": torch.cuda.device_count() if use_cuda else 0, "world_size": world_size,
-        "backend": "nccl" if use_cuda else "gloo", "torch": torch.__version__, "tpfuse": tpfuse.__version__,
-        "config": {k: v for k, v in asdict(config).items() if k != "extra"},
-        "timing": "per call: barrier, then CUDA events (GPU) / perf_counter (CPU) around one call; "
-                  "the slowest rank's time per call; median over iters; random data rotated past L2",
-    }
-    try:
-        import triton
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
-    rows = []
-    with RankPool(world_size, backend="nccl" if use_cuda else "gloo", env=env) as pool:
+    if config.hardware != "auto":
+        return get_profile(config.hardware)
+    return detect(torch.device("cuda", 0)) if setup.device_type == "cuda" else get_profile("cpu-gloo")
+
+
+def run_bench(config: BenchConfig, progress=None, ranks=None) -> dict:
+    """Run every cell on the ranks; returns ``{"meta", "rows"}`` (and ``"timeline"``: the first
+    cell's recorded events, when ``config.timeline``).  ``ranks``: an open set of ranks (e.g. a
+    ``RankPool`` of the right kind) to reuse instead of starting new ones."""
+    setup = common.plan_ranks(config.world_size, config.device, config.bed)
+    if ranks is not None:
+        setup = replace(setup, world_size=ranks.world_size)
+    dtype = config.dtype if config.dtype != "auto" else ("bf16" if setup.device_type == "cuda" else "fp32")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not benchmarked; use bf16, fp16 or fp32")
+    cells = _cells(config, setup.world_size)
+    hw = _hardware(config, setup)
+    meta = common.bench_meta(setup, hardware_profile=hw.name, dtype=dtype,
+                             config={k: v for k, v in asdict(config).items()},
+                             timing="per call: barrier, then CUDA events (GPU) / perf_counter (CPU) around one "
+                                    "call; the slowest rank's time per call; median over iters; random data "
+                                    "rotated past L2; graph_ms replays one captured input set")
+    rows: list[dict] = []
+    events: list[dict] = []
+    not_runnable: dict[str, str] = {}  # strategies this group/device/dtype cannot run, and why
+    opened = contextlib.nullcontext(_as_ranks(ranks)) if ranks is not None else common.open_ranks(setup)
+    with opened as pool:
         for i, w in enumerate(cells):
             if progress is not None:
                 progress(i, len(cells), w.name)
-            per_rank = pool.run(bench_job, w, config, use_cuda, timeout=600)
-            ms = {key: statistics.median(max(r["times"][key][j] for r in per_rank) for j in range(config.iters))
-                  for key in per_rank[0]["times"]}
-            host_ms = {key: statistics.median(max(r["host"][key][j] for r in per_rank) for j in range(config.iters))
-                       for key in per_rank[0]["host"]}
-            p = tpfuse.plan(w.op, m=w.m, n=w.n, k=w.k, world_size=world_size, dtype=w.dtype, hardware=config.hardware)
-            base = ms.get("unfused")
-            row = {"name": w.name, "op": w.op, "m": w.m, "n": w.n, "k": w.k, "world_size": world_size,
-                   "auto_resolved": per_rank[0]["resolved"], "ms": ms, "host_ms": host_ms,
-                   "speedup_vs_unfused": {s: base / ms[s] for s in config.strategies if base and ms[s] > 0},
-                   "predicted_ms": {s: p.predicted_ms[s] for s in config.strategies if s in p.predicted_ms},
-                   "predicted_gemm_ms": p.breakdown["gemm_ms"], "predicted_comm_ms": p.breakdown["comm_ms"],
-                   "planner_choice": p.strategy}
-            best = min((ms[s] for s in config.strategies), default=float("nan"))
-            floor = max(ms["gemm_alone"], ms["comm_alone"])
-            row["overlap_efficiency"] = floor / best if best > 0 else float("nan")
-            rows.append(row)
+            job = _CellJob(w, config.strategies, config.iters, config.warmup, dtype, setup.mode, config.graph)
+            per_rank = pool.run(cell_job, job, timeout=1800)
+            p = tpfuse.plan(w.op, m=w.m, n=w.n, k=w.k, world_size=w.world_size, dtype=dtype, hardware=hw)
+            rows += _rows_for_cell(w, per_rank, dict(p.predicted_ms), dtype)
+            not_runnable.update(per_rank[0].get("unavailable", {}))
+            if config.timeline and i == 0:
+                ran = tuple(r["strategy"] for r in rows if r["ms"] is not None and r["strategy"] != "auto")
+                events = [ev for rank_events in pool.run(timeline_job, replace(job, strategies=ran), timeout=600)
+                          for ev in rank_events]
     if progress is not None:
         progress(len(cells), len(cells), "done")
-    return {"meta": meta, "rows": rows}
+    skipped = {}
+    for r in rows:
+        if r["ms"] is None:
+            skipped.setdefault(r["strategy"], r["reasons"]["ms"])
+    meta["strategies_not_run"] = skipped
+    meta["strategies_not_runnable"] = not_runnable
+    result = {"meta": meta, "rows": rows}
+    if config.timeline:
+        result["timeline"] = {"cell": cells[0].name if cells else None, "events": events}
+    return result
+
+
+def _as_ranks(ranks):
+    from tpfuse.spawn import RankPool
+
+    return common._PoolRanks(ranks) if isinstance(ranks, RankPool) else ranks
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def _fmt(value, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def format_rows(result: dict) -> list[list[str]]:
-    """Header + one line per cell: measured ms per strategy, parts alone, prediction."""
-    strategies = result["meta"]["config"]["strategies"]
-    head = ["cell", "op", *[f"{s} ms" for s in strategies], "GEMM alone", "comm alone", "best/unfused",
-            "overlap eff", "auto ->", "pred unfused/ring", "host ms unfused/ring"]
+    """Header + one line per row (``-`` for null; the reasons are in the JSON)."""
+    head = ["cell", "strategy", "ms", "unfused", "asynctp", "gemm", "comm", "exposed", "overlap", "x unfused",
+            "x asynctp", "predicted", "host us", "graph ms"]
     table = [head]
     for r in result["rows"]:
-        ms = r["ms"]
-        best = min(ms[s] for s in strategies)
-        pred = r["predicted_ms"]
-        table.append([r["name"], r["op"], *[f"{ms[s]:.3f}" for s in strategies], f"{ms['gemm_alone']:.3f}",
-                      f"{ms['comm_alone']:.3f}", f"{ms['unfused'] / best:.2f}x" if "unfused" in ms else "-",
-                      f"{r['overlap_efficiency']:.2f}", r["auto_resolved"],
-                      f"{pred.get('unfused', float('nan')):.3f}/{pred.get('ring', float('nan')):.3f}",
-                      "/".join(f"{r['host_ms'][s]:.3f}" for s in ("unfused", "ring") if s in r.get("host_ms", {}))])
+        name = r["strategy"] if r["strategy"] != "auto" else f"auto->{r['resolved']}"
+        table.append([r["cell"], name, _fmt(r["ms"]), _fmt(r["unfused_ms"]), _fmt(r["asynctp_ms"]), _fmt(r["gemm_ms"]),
+                      _fmt(r["comm_ms"]), _fmt(r["exposed_comm_ms"]), _fmt(r["overlap_efficiency"], ".2f"),
+                      _fmt(r["speedup_vs_unfused"], ".2f"), _fmt(r["speedup_vs_asynctp"], ".2f"),
+                      _fmt(r["predicted_ms"]), _fmt(r["host_us"], ".0f"), _fmt(r["graph_ms"])])
     return table
 
 
+def null_reasons(result: dict) -> dict[str, str]:
+    """One reason per null field over all rows (the first seen), for a footnote under the table."""
+    out: dict[str, str] = {}
+    for r in result["rows"]:
+        for field, why in r["reasons"].items():
+            out.setdefault(field, why)
+    return out
+
+
 def write_result(result: dict, out: str | Path) -> Path:
-    """Write the JSON (to ``out`` if it ends in .json, else ``out/bench_<device>_w<W>.json``)."""
+    """Write the JSON (to ``out`` if it ends in .json, else ``out/bench_<device>_w<W>.json``), whole or not at all."""
     out = Path(out)
     if out.suffix != ".json":
         dev = "".join(ch if ch.isalnum() else "_" for ch in result["meta"]["device"].lower()).strip("_") or "cpu"

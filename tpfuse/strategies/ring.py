@@ -16,6 +16,10 @@ On CUDA the transfers are issued on a side stream: it waits for the compute stre
 exchange (the send data and the receive buffer are ready), the buffers are ``record_stream``-ed
 on it so the caching allocator cannot hand them out while in flight, and the compute stream
 waits for it before touching a received chunk.
+
+Under :func:`tpfuse.bench.timeline.recording` each step records its spans (lanes "gemm",
+"copy" = exchange posted .. finished, "wait" = the compute side waiting for it, "reduce"); off by
+default, one ``timeline.current()`` read per call when off.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse._dist import GroupContext, breadcrumb, new_output
+from tpfuse.bench import timeline
 from tpfuse.model import simulate
 from tpfuse.strategies.unfused import accumulation_dtype
 
@@ -52,11 +57,14 @@ class _Ring:
 
     def __init__(self, ctx: GroupContext, device: torch.device):
         self.ctx = ctx
+        self.device = device
+        self.rec = timeline.current()
+        self._posted = None  # (stamp, what, chunk) of the exchange in flight, when recording
         self.stream = _comm_stream(device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else None
 
     def start(self, send: torch.Tensor | None, recv: torch.Tensor | None, what: str, *,
-              after_compute: bool = True) -> list:
+              after_compute: bool = True, chunk: int | None = None) -> list:
         """Post the exchange.  ``after_compute=False`` lets it start before the compute stream's
         pending work finishes: only correct when the send data was produced on the comm stream
         (a chunk received by an earlier exchange) and the receive buffer is untouched."""
@@ -69,10 +77,14 @@ class _Ring:
             return []
         breadcrumb(f"ring {what}: exchange posted")
         if self.stream is None:
+            if self.rec is not None:
+                self._posted = (self.rec.now(self.device), what, chunk)
             return dist.batch_isend_irecv(ops)
         if after_compute:
             self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
+            if self.rec is not None:
+                self._posted = (self.rec.now(self.device), what, chunk)
             works = dist.batch_isend_irecv(ops)
         for op in ops:
             op.tensor.record_stream(self.stream)
@@ -80,14 +92,23 @@ class _Ring:
 
     def finish(self, works: list, what: str) -> None:
         breadcrumb(f"ring {what}: waiting for exchange")
+        rec, posted = self.rec, self._posted
+        waited = rec.now(self.device) if rec is not None else None
         if self.stream is None:
             for work in works:
                 work.wait()
-            return
-        with torch.cuda.stream(self.stream):
-            for work in works:
-                work.wait()
-        torch.cuda.current_stream().wait_stream(self.stream)
+            copied = rec.now(self.device) if rec is not None else None
+        else:
+            with torch.cuda.stream(self.stream):
+                for work in works:
+                    work.wait()
+                copied = rec.now(self.device) if rec is not None else None
+            torch.cuda.current_stream().wait_stream(self.stream)
+        if rec is not None:
+            rec.add_span("wait", what, waited, rec.now(self.device), chunk=posted[2] if posted else None)
+            if posted is not None:
+                rec.add_span("copy", posted[1], posted[0], copied, chunk=posted[2])
+            self._posted = None
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,8 +132,12 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
         # From step 1 on, the chunk to forward arrived on the comm stream itself: its transfer need
         # not wait for the GEMM of the previous step, so transfers run back to back.
         works = [] if last else ring.start(a_full[rows(chunk)], a_full[rows(prev_chunk)], f"ag_gemm step {step}",
-                                           after_compute=step == 0)
-        torch.matmul(a_full[rows(chunk)], b, out=c[rows(chunk)])
+                                           after_compute=step == 0, chunk=prev_chunk)
+        if ring.rec is None:
+            torch.matmul(a_full[rows(chunk)], b, out=c[rows(chunk)])
+        else:
+            with ring.rec.span("gemm", f"ag_gemm chunk {chunk}", device=ring.device, chunk=chunk):
+                torch.matmul(a_full[rows(chunk)], b, out=c[rows(chunk)])
         if works:
             ring.finish(works, f"ag_gemm step {step}")
         chunk = prev_chunk
@@ -141,17 +166,25 @@ def _reduce_scatter_gemm(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, bo
     for step in range(world_size):
         dest = (rank - 1 - step) % world_size
         lo, hi = bounds[dest]
-        partial = torch.matmul(a[lo:hi], b).to(acc_dtype)
+        if ring.rec is None:
+            partial = torch.matmul(a[lo:hi], b).to(acc_dtype)
+        else:
+            with ring.rec.span("gemm", f"gemm_rs chunk {dest}", device=ring.device, chunk=dest):
+                partial = torch.matmul(a[lo:hi], b).to(acc_dtype)
         if works:
             ring.finish(works, f"gemm_rs step {step}")
         if incoming is not None:
-            partial += incoming
+            if ring.rec is None:
+                partial += incoming
+            else:
+                with ring.rec.span("reduce", f"gemm_rs chunk {dest}", device=ring.device, chunk=dest):
+                    partial += incoming
         if step == world_size - 1:
             return partial
         next_dest = (rank - 2 - step) % world_size
         incoming = new_output((bounds[next_dest][1] - bounds[next_dest][0], n), dtype=acc_dtype, device=a.device)
         in_flight = partial  # keep the send buffer alive until its exchange has finished
-        works = ring.start(in_flight, incoming, f"gemm_rs step {step}")
+        works = ring.start(in_flight, incoming, f"gemm_rs step {step}", chunk=dest)
     raise AssertionError("unreachable")
 
 
@@ -181,7 +214,7 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
     for step in range(world_size - 1):
         prev_chunk = (chunk - 1) % world_size
         (slo, shi), (rlo, rhi) = bounds[chunk], bounds[prev_chunk]
-        works = ring.start(c[slo:shi], c[rlo:rhi], f"gemm_ar gather step {step}")
+        works = ring.start(c[slo:shi], c[rlo:rhi], f"gemm_ar gather step {step}", chunk=prev_chunk)
         if works:
             ring.finish(works, f"gemm_ar gather step {step}")
         chunk = prev_chunk
