@@ -45,12 +45,13 @@ from dataclasses import dataclass
 
 import torch
 
+from tpfuse.kernels.abi import ERROR_WORDS
+
 __all__ = [
     "Workspace", "WorkspaceSpec", "get_workspace", "release_workspaces", "check_workspaces",
     "timeout_s", "FLAG_WORDS", "WAIT_KINDS",
 ]
 
-ERROR_WORDS = 8
 FLAG_BYTES = 4096                  # flag region; data starts 4 KiB in (aligned for TMA / vectors)
 FLAG_WORDS = FLAG_BYTES // 4
 _REGIONS = ("READY", "DONE", "READY2", "DONE2")
