@@ -85,8 +85,8 @@ def _validate(op, m, n, k, world_size, dtype, hardware) -> tuple[str, HardwarePr
     if op not in OPS:
         raise ValueError(f"op: unknown op {op!r}; use one of {', '.join(OPS)}")
     _check_int("m", m, 0)
-    _check_int("n", n, 1)
-    _check_int("k", k, 1)
+    _check_int("n", n, 0)
+    _check_int("k", k, 0)
     _check_int("world_size", world_size, 1)
     return canonical_dtype(dtype), get_profile(hardware)
 
@@ -249,8 +249,19 @@ def _reason(op, strategy, w, predicted, gemm_ms, comm_ms, measured, margin_kept=
             f"{max(gemm_ms, comm_ms):.4f} ms.")
 
 
+# Strategies that run only the op's fast dtypes (DESIGN §1: float64 is for unfused and ring).
+_FAST_DTYPE_ONLY = ("copy_engine", "fused")
+
+
+def _runnable_dtype(candidates: tuple[str, ...], dtype: str) -> tuple[str, ...]:
+    """``candidates`` without the strategies that cannot run ``dtype`` (float64: unfused and ring only)."""
+    if dtype == "fp64":
+        return tuple(s for s in candidates if s not in _FAST_DTYPE_ONLY)
+    return candidates
+
+
 def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str, ...],
-               measured: Mapping[str, float]) -> Plan:
+               measured: Mapping[str, float], *, cuda_graph: bool = False) -> Plan:
     gemm_ms = cost.gemm_time_ms(m, n, k, dtype, hw) if m > 0 else 0.0
     comm_ms = _comm_alone_ms(op, m, n, k, w, dtype, hw)
     predicted, chunks, results, sms = {}, {}, {}, {}
@@ -394,17 +405,29 @@ def record_measurement(op: str, m: int, n: int, k: int, world_size: int, dtype: 
 
 
 @functools.lru_cache(maxsize=8192)
-def _choose_cached(op, m, n, k, w, dtype, hw, candidates, generation, path) -> Plan:
+def _choose_cached(op, m, n, k, w, dtype, hw, candidates, generation, path, cuda_graph=False) -> Plan:
     measured = _CACHE.measured(_cache_key(op, m, n, k, w, dtype, hw.name))
-    return _make_plan(op, m, n, k, w, dtype, hw, candidates, measured)
+    return _make_plan(op, m, n, k, w, dtype, hw, candidates, measured, cuda_graph=cuda_graph)
+
+
+def measured_times(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any,
+                   hardware: str | HardwareProfile) -> dict[str, float]:
+    """strategy -> median measured ms in this process's tuning cache for exactly this shape."""
+    dtype_name, hw = _validate(op, m, n, k, world_size, dtype, hardware)
+    _CACHE.current()
+    return _CACHE.measured(_cache_key(op, m, n, k, world_size, dtype_name, hw.name))
 
 
 def choose(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any,
-           hardware: str | HardwareProfile, candidates: tuple[str, ...]) -> Plan:
+           hardware: str | HardwareProfile, candidates: tuple[str, ...],
+           measured: Mapping[str, float] | None = None, cuda_graph: bool = False) -> Plan:
     """``plan`` restricted to ``candidates`` (what this environment can run; "unfused" is always
-    added), with measured times from the tuning cache overriding the model.  Cached: cheap on
-    every op call; a ``record_measurement`` or a change of ``TPFUSE_CACHE_DIR`` invalidates it."""
-    fast_key = (op, m, n, k, world_size, dtype, hardware, candidates,
+    added), with measured times from the tuning cache overriding the model -- or from
+    ``measured`` when given (the ops pass one rank's times so that every rank decides alike).
+    Cached: cheap on every op call; a ``record_measurement`` or a change of ``TPFUSE_CACHE_DIR``
+    invalidates it."""
+    frozen_measured = None if measured is None else tuple(sorted(measured.items()))
+    fast_key = (op, m, n, k, world_size, dtype, hardware, candidates, frozen_measured, cuda_graph,
                 os.environ.get("TPFUSE_CACHE_DIR"), os.environ.get("HOME"))
     try:
         hit = _FAST.get(fast_key)
@@ -418,8 +441,14 @@ def choose(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any,
     if bad:
         raise ValueError(f"candidates: unknown strategies {bad}; use names from {STRATEGIES}")
     cands = tuple(s for s in STRATEGIES if s in cands or s == "unfused")
+    cands = _runnable_dtype(cands, dtype_name)
     generation, path = _CACHE.current()
-    result = _choose_cached(op, m, n, k, world_size, dtype_name, hw, cands, generation, str(path))
+    if frozen_measured is not None:
+        result = _make_plan(op, m, n, k, world_size, dtype_name, hw, cands, dict(frozen_measured),
+                            cuda_graph=cuda_graph)
+    else:
+        result = _choose_cached(op, m, n, k, world_size, dtype_name, hw, cands, generation, str(path),
+                                cuda_graph)
     if fast_key is not None:
         if len(_FAST) > 8192:
             _FAST.clear()

@@ -20,9 +20,14 @@ import torch
 from tpfuse._checks import STRATEGY_NAMES
 from tpfuse._dist import GroupContext
 
-__all__ = ["STRATEGY_NAMES", "get", "why_unavailable", "runnable"]
+__all__ = ["STRATEGY_NAMES", "get", "why_unavailable", "runnable", "implemented"]
 
 _IMPLEMENTED = ("unfused", "ring")
+
+
+def implemented() -> tuple[str, ...]:
+    """Names of the strategies this build contains (the planner chooses only among these)."""
+    return _IMPLEMENTED
 
 
 def get(name: str) -> ModuleType:
