@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tpfuse._dist import breadcrumb
-from tpfuse.spawn import run_ranks
+from tpfuse.spawn import RankPool, run_ranks
 
 
 def hang_on_rank_one(rank, world_size):
@@ -25,3 +25,23 @@ def test_hung_rank_is_named_with_its_last_step():
     assert time.monotonic() - t0 < 60
     msg = str(info.value)
     assert "rank 1 last did: 'rank 1 about to wait'" in msg, msg
+
+
+def leave_a_breadcrumb(rank, world_size):
+    breadcrumb(f"rank {rank}: a step of the first job")
+    return rank
+
+
+def hang_without_a_breadcrumb(rank, world_size):
+    if rank == 1:
+        time.sleep(600)
+    return rank
+
+
+def test_timeout_does_not_name_a_step_of_an_earlier_job():
+    with RankPool(2) as pool:
+        assert pool.run(leave_a_breadcrumb, timeout=30) == [0, 1]
+        with pytest.raises(TimeoutError) as info:
+            pool.run(hang_without_a_breadcrumb, timeout=5)
+    msg = str(info.value)
+    assert "first job" not in msg and "rank 1 last did: nothing recorded in this job" in msg, msg
