@@ -1,10 +1,12 @@
-"""Input validation for the three ops, and the cross-rank agreement check.
+"""Input validation for the three ops, and the cross-rank agreement round.
 
-Validation is local and pure (shapes, dtypes, devices, names): it runs on every rank before
-any communication, so bad input that every rank shares fails on every rank at once.  Bad input
-on *some* ranks only would leave the others waiting in a collective; the agreement check
-(:func:`agree`) closes that hole by exchanging a fixed-size signature of each rank's call
-first, so that a mismatch or a local error becomes a ``ValueError`` on every rank.
+Validation is local and pure (types, names, shapes, dtypes, devices, layouts): the same checks in
+the same order on every rank, before any communication, so bad input that every rank shares fails
+on every rank at once.  Bad input on *some* ranks only, or ranks calling with different shapes,
+would leave the others waiting in a collective; an agreement round (:func:`exchange`) closes that
+hole: every rank posts its call's signature in the user's words (or its local error) through the
+process group's store, and a mismatch or an error becomes an exception on every rank.  When rounds
+run (every call, or the first call of each new signature) is in docs/ops.md.
 """
 
 from __future__ import annotations

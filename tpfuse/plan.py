@@ -340,6 +340,26 @@ def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str
                 cuda_graph=cuda_graph, modelled_ms=modelled_ms)
 
 
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+
+
+def _runnable_for_group(group: Any, world_size: int, dtype: str, built: tuple[str, ...]) -> tuple[str, ...]:
+    import torch
+
+    from tpfuse import strategies
+    from tpfuse._dist import group_context
+
+    ctx = group_context(group)
+    if ctx.world_size != world_size:
+        raise ValueError(f"world_size: {world_size} but the group has {ctx.world_size} ranks; pass "
+                         f"world_size={ctx.world_size} (or no group)")
+    if dtype not in _TORCH_DTYPES:
+        return ("unfused",)
+    device = torch.device("cuda", torch.cuda.current_device()) if ctx.device_type == "cuda" else torch.device("cpu")
+    runnable = strategies.runnable(ctx, device, getattr(torch, _TORCH_DTYPES[dtype]))
+    return tuple(s for s in built if s in runnable)
+
+
 def implemented_strategies() -> tuple[str, ...]:
     """The strategies this build implements (asked of :mod:`tpfuse.strategies`), in planner order."""
     from tpfuse import strategies
@@ -350,7 +370,7 @@ def implemented_strategies() -> tuple[str, ...]:
 
 def plan(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any = "bf16",
          hardware: str | HardwareProfile = "h200", cuda_graph: bool = False,
-         modelled: bool = False) -> Plan:
+         modelled: bool = False, group: Any = None) -> Plan:
     """Predict the strategies this build implements for one op shape and choose the fastest
     (model only, no tuning cache).
 
@@ -359,12 +379,16 @@ def plan(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any = "bf16
     ``cuda_graph``: the call is replayed from a CUDA graph (no host costs); default eager.
     ``modelled``: also predict the strategies not in this build (``Plan.modelled_ms``; never
     chosen).  Strategies that cannot run ``dtype`` (float64: unfused and ring only) or, above
-    the profile's NVLink domain, need symmetric memory, are left out.
+    the profile's NVLink domain, need symmetric memory, are left out.  ``group``: a real
+    ``torch.distributed`` ProcessGroup of ``world_size`` ranks: also leave out what this
+    environment cannot run for it (``tpfuse.strategies.why_unavailable``, on the group's device).
     """
     dtype_name, hw = _validate(op, m, n, k, world_size, dtype, hardware)
     if not isinstance(cuda_graph, bool):
         raise TypeError(f"cuda_graph: expected a bool, got {type(cuda_graph).__name__} {cuda_graph!r}")
     built = implemented_strategies()
+    if group is not None:
+        built = _runnable_for_group(group, world_size, dtype_name, built)
     others = tuple(s for s in STRATEGIES if s not in built) if modelled else ()
     return _make_plan(op, m, n, k, world_size, dtype_name, hw, built, {}, cuda_graph=cuda_graph,
                       modelled=others)

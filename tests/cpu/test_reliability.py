@@ -295,3 +295,20 @@ def test_gemm_ar_reduce_phase_is_labelled_gemm_ar():
             pool.run(gemm_ar_hangs_in_its_reduce, timeout=8)
     msg = str(info.value)
     assert "rank 0 last did: 'ring gemm_ar" in msg and "gemm_rs" not in msg, msg
+
+
+def plan_with_a_real_group(rank, world_size):
+    p = tpfuse.plan("ag_gemm", m=64, n=48, k=32, world_size=world_size, dtype="fp32", hardware="cpu-gloo",
+                    group=dist.group.WORLD, modelled=True)
+    try:
+        tpfuse.plan("ag_gemm", m=64, n=48, k=32, world_size=world_size + 1, group=dist.group.WORLD)
+    except ValueError as exc:
+        wrong = str(exc)
+    return p.strategy, sorted(p.predicted_ms), sorted(p.modelled_ms), wrong
+
+
+def test_plan_with_a_real_group_offers_what_the_group_can_run(pools):
+    for strategy, predicted, modelled, wrong in pools("on", 2).run(plan_with_a_real_group, timeout=JOB_TIMEOUT):
+        assert strategy in ("unfused", "ring") and predicted == ["ring", "unfused"], predicted
+        assert modelled == ["copy_engine", "fused"]  # gloo: modelled for show, never chosen
+        assert "world_size: 3 but the group has 2 ranks" in wrong
