@@ -23,15 +23,17 @@ JOB_TIMEOUT = 30  # s; the process group's own timeout in these pools is 120 s
 
 
 @pytest.fixture(scope="module")
-def pools():
-    """Pools with the per-call round on ("on") and off ("off"), W = 2 and 4, started lazily."""
-    made: dict[tuple[str, int], RankPool] = {}
+def pools(rank_pool):
+    """``pools(mode, W)``: "on" = the shared test pools (per-call round on), "off" = pools with
+    ``TPFUSE_DEBUG=0`` (rounds only on new signatures, as NCCL users get), started lazily."""
+    made: dict[int, RankPool] = {}
 
     def get(mode: str, world_size: int) -> RankPool:
-        pool = made.get((mode, world_size))
+        if mode == "on":
+            return rank_pool(world_size)
+        pool = made.get(world_size)
         if pool is None or not pool.alive:
-            env = dict(TEST_RANK_ENV, TPFUSE_DEBUG="1" if mode == "on" else "0", TPFUSE_AGREE_TIMEOUT_S="10")
-            pool = made[(mode, world_size)] = RankPool(world_size, env=env)
+            pool = made[world_size] = RankPool(world_size, env=dict(TEST_RANK_ENV, TPFUSE_DEBUG="0"))
         return pool
 
     yield get
