@@ -23,8 +23,7 @@ import torch.distributed as dist
 from tpfuse._dist import GroupContext
 
 __all__ = ["OPS", "STRATEGY_NAMES", "check_call", "agreement_enabled", "agree", "signature",
-           "call_signature", "Signature", "exchange", "payload_of", "check_rows", "agree_timeout_s",
-           "AgreementError"]
+           "call_signature", "Signature", "exchange", "payload_of", "check_rows", "agree_timeout_s"]
 
 OPS = ("ag_gemm", "gemm_rs", "gemm_ar")
 STRATEGY_NAMES = ("unfused", "ring", "copy_engine", "fused")
@@ -186,10 +185,13 @@ def signature(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, extra: i
     return call_signature(op, strategy, a, b, bool(extra))
 
 
-class AgreementError(ValueError):
-    """A round found another rank's error or a mismatch: raised on every rank of that round
-    already, so a caller that collects errors for a later :func:`agree` must not post it again
-    (that rank would then run one round more than the others)."""
+def _agreed(message: str) -> ValueError:
+    """A ``ValueError`` that a round raised on every rank of it (another rank's error, a mismatch):
+    marked so that a caller collecting errors for a later :func:`agree` does not post it again
+    (that rank would then run one round more than the others and hang the next call)."""
+    exc = ValueError(message)
+    exc.tpfuse_agreed = True
+    return exc
 
 
 class _Rounds:
@@ -281,8 +283,8 @@ def check_rows(label: str, rows: list[dict], error: Exception | None) -> None:
         raise error
     if bad:
         details = "; ".join(f"rank {r}: {rows[r]['error']}" for r in bad)
-        raise AgreementError(f"{label}: invalid input on rank(s) {bad} of the group ({details}); "
-                             "no communication was started")
+        raise _agreed(f"{label}: invalid input on rank(s) {bad} of the group ({details}); "
+                      "no communication was started")
     first = rows[0]["fields"]
     if all(row["fields"] == first for row in rows[1:]):
         return
@@ -299,7 +301,7 @@ def check_rows(label: str, rows: list[dict], error: Exception | None) -> None:
             parts.append(f"{name} ({', '.join(f'{v} on rank(s) {rs}' for v, rs in by_value.items())})")
     op = rows[0].get("op", label)
     allowed = "N" if op == "ag_gemm" else "K"
-    raise AgreementError(
+    raise _agreed(
         f"{label}: ranks disagree on {' and '.join(parts)}; every rank must call {op} with the same "
         f"op, strategy, dtype, device type, layout and shapes (only the local {allowed} may differ)"
     )
@@ -308,9 +310,9 @@ def check_rows(label: str, rows: list[dict], error: Exception | None) -> None:
 def agree(ctx: GroupContext, op: str, error: Exception | None, signature: Signature | None) -> None:
     """One agreement round for a call: raise on every rank if any rank failed validation or the
     signatures differ.  A rank with an error posts it and raises without waiting."""
-    if ctx.world_size == 1 or isinstance(error, AgreementError):
+    if ctx.world_size == 1 or getattr(error, "tpfuse_agreed", False):
         if error is not None:
-            raise error  # an AgreementError came out of a round every rank ran: do not post it
+            raise error  # it came out of a round every rank ran: do not post it again
         return
     if error is not None:
         exchange(ctx, op, payload_of(error, None), wait=False)

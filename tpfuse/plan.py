@@ -574,6 +574,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all", action="store_true", help="the whole workload matrix for the hardware")
     parser.add_argument("--timeline", metavar="OUT.png", help="draw the chosen strategy's simulated timeline")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="plan for CUDA-graph replay (no host costs) instead of eager calls")
 
 
 def _check_cli_args(args) -> None:
@@ -606,7 +608,7 @@ def _cells(args) -> list[tuple[str, Plan]]:
             raise ValueError("one cell needs --op, --m, --n, --k and --world-size; "
                              "or give none of them for the workload matrix")
         p = plan(args.op, m=args.m, n=args.n, k=args.k, world_size=args.world_size,
-                 dtype=args.dtype, hardware=hw, modelled=True)
+                 dtype=args.dtype, hardware=hw, modelled=True, cuda_graph=args.cuda_graph)
         return [(f"{args.op} {args.m}x{args.n}x{args.k}", p)]
     from tpfuse.bench.workloads import workload_matrix
 
@@ -616,7 +618,7 @@ def _cells(args) -> list[tuple[str, Plan]]:
         models=(args.model,) if args.model else ("8b", "70b", "405b"),
         phases=(args.phase,) if args.phase else ("training", "prefill", "decode"))
     return [(c.name, plan(c.op, m=c.m, n=c.n, k=c.k, world_size=c.world_size, dtype=c.dtype,
-                          hardware=hw, modelled=True)) for c in cells]
+                          hardware=hw, modelled=True, cuda_graph=args.cuda_graph)) for c in cells]
 
 
 def _print_table(rows: list[tuple[str, Plan]], title: str) -> None:
@@ -678,7 +680,7 @@ def run_plan_cli(args: argparse.Namespace) -> int:
         for i, (name, p) in enumerate(rows):
             path = out if len(rows) == 1 else out.with_name(f"{out.stem}-{name}{out.suffix or '.png'}")
             res = _simulate(p.op, p.strategy, p.m, p.n, p.k, p.world_size, p.dtype, hw, p.num_chunks,
-                            p.comm_sms)
+                            p.comm_sms, p.cuda_graph)
             draw_timeline(res, path, title=f"{name}: {p.strategy}, {p.num_chunks} chunks, "
                           f"{p.predicted_ms[p.strategy]:.3f} ms predicted on {hw.name} "
                           f"(unfused {p.predicted_ms['unfused']:.3f} ms)")
