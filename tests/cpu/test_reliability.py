@@ -314,3 +314,24 @@ def test_plan_with_a_real_group_offers_what_the_group_can_run(pools):
         assert strategy in ("unfused", "ring") and predicted == ["ring", "unfused"], predicted
         assert modelled == ["copy_engine", "fused"]  # gloo: modelled for show, never chosen
         assert "world_size: 3 but the group has 2 ranks" in wrong
+
+
+def bad_group_while_the_other_uses_a_subgroup(rank, world_size):
+    sub = dist.new_group([0, 1])  # same members as WORLD, but another group
+    t0 = time.monotonic()
+    try:
+        tpfuse.gemm_ar(torch.randn(4, 3), torch.randn(3, 2), "world" if rank == 1 else sub, strategy="unfused")
+    except (TypeError, TimeoutError) as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return None
+
+
+def test_bad_group_against_a_subgroup_times_out_in_bounded_time():
+    """docs/ops.md: a rank that cannot name its group reports over the default group; a peer
+    waiting in a subgroup's round gets a TimeoutError after TPFUSE_AGREE_TIMEOUT_S, not 30 min."""
+    env = dict(TEST_RANK_ENV, TPFUSE_AGREE_TIMEOUT_S="3")
+    with RankPool(2, env=env) as pool:
+        (kind0, msg0, t0), (kind1, msg1, _) = pool.run(bad_group_while_the_other_uses_a_subgroup, timeout=JOB_TIMEOUT)
+    assert kind1 == "TypeError" and "ProcessGroup" in msg1
+    assert kind0 == "TimeoutError" and "rank(s) [1]" in msg0 and "TPFUSE_AGREE_TIMEOUT_S" in msg0, msg0
+    assert 2.5 < t0 < 15
