@@ -104,6 +104,9 @@ def _check(args: argparse.Namespace) -> int:
         rows.append(["triton", triton.__version__])
     except ImportError:
         rows.append(["triton", "not installed (fused strategies unavailable)"])
+    from tpfuse import strategies
+
+    rows.append(["strategies in this build", ", ".join(strategies.implemented())])
     if torch.cuda.is_available():
         rows.append(["gpus", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"])
     else:
