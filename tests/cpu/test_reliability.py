@@ -125,8 +125,9 @@ def disagreeing_rows_first_call(rank, world_size, salt):
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_new_signature_mismatch_raises_everywhere_even_without_the_per_call_round(pools, mode):
     """21.5: the first call of a signature is the always-on guard; 21.4: it names the field."""
+    pool = pools(mode, 2)
     t0 = time.monotonic()
-    messages = pools(mode, 2).run(disagreeing_rows_first_call, 0 if mode == "on" else 7, timeout=JOB_TIMEOUT)
+    messages = pool.run(disagreeing_rows_first_call, 0 if mode == "on" else 7, timeout=JOB_TIMEOUT)
     assert time.monotonic() - t0 < JOB_TIMEOUT
     for msg in messages:
         assert msg is not None and "ranks disagree on M/W (rows of a_shard)" in msg, msg
@@ -211,8 +212,9 @@ def test_one_rank_bad_input_raises_on_every_rank(pools, mode, case):
     world_size = 2
     expected_type, expected_text = ONE_RANK_CASES[case]
     salt = 100 + 2 * sorted(ONE_RANK_CASES).index(case) + (mode == "on")
+    pool = pools(mode, world_size)  # started outside the timed part
     t0 = time.monotonic()
-    results = pools(mode, world_size).run(one_rank_bad_input, case, salt, timeout=JOB_TIMEOUT)
+    results = pool.run(one_rank_bad_input, case, salt, timeout=JOB_TIMEOUT)
     assert time.monotonic() - t0 < 15, "took too long: someone waited for a timeout"
     for rank, (caught, probe) in enumerate(results):
         assert caught is not None, f"rank {rank}: no error"
