@@ -266,6 +266,14 @@ def _prepare(op: str, a, b, group, strategy, return_gathered=False) -> _Call:
 
 
 def _prepare_slow(op, a, b, group, strategy, return_gathered, key) -> _Call:
+    if _fake(a) or _fake(b):
+        # Shape propagation (FakeTensorMode): nothing runs and nothing is exchanged -- one rank may
+        # do it alone.  Local checks only; the custom op's fake impl gives the same shapes for
+        # every strategy.
+        ctx = group_context(group)
+        _checks.check_call(op, a, b, ctx, strategy, return_gathered)
+        chosen = "unfused" if strategy == "auto" else strategy
+        return _Call(ctx, chosen, strategies.get("unfused"), None, False, _world())
     error: Exception | None = None
     try:
         ctx = group_context(group)
@@ -296,6 +304,12 @@ def _prepare_slow(op, a, b, group, strategy, return_gathered, key) -> _Call:
             _CALLS.clear()
         _CALLS[key] = call
     return call
+
+
+def _fake(x: object) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
 
 
 def _direct(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -337,3 +337,20 @@ def test_bad_group_against_a_subgroup_times_out_in_bounded_time():
     assert kind1 == "TypeError" and "ProcessGroup" in msg1
     assert kind0 == "TimeoutError" and "rank(s) [1]" in msg0 and "TPFUSE_AGREE_TIMEOUT_S" in msg0, msg0
     assert 2.5 < t0 < 15
+
+
+def fake_shapes_on_one_rank(rank, world_size):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    shape = None
+    if rank == 0:  # shape propagation on one rank only: no round, nobody waits
+        with FakeTensorMode():
+            shape = tuple(tpfuse.gemm_rs(torch.empty(6 * world_size, 5), torch.empty(5, 3)).shape)
+    real = tpfuse.gemm_rs(torch.ones(6 * world_size, 5), torch.ones(5, 3))  # the rounds stay in step
+    return shape, tuple(real.shape), real.max().item()
+
+
+def test_fake_tensor_shape_propagation_on_one_rank(pools):
+    for mode in ("on", "off"):
+        results = pools(mode, 2).run(fake_shapes_on_one_rank, timeout=JOB_TIMEOUT)
+        assert results[0][0] == (6, 3) and all(r[1:] == ((6, 3), 10.0) for r in results), results
