@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 __all__ = [
     "GroupContext", "group_context", "resolve_group_name", "poison_enabled", "new_output", "breadcrumb",
+    "clear_breadcrumb",
     "all_gather_rows", "reduce_scatter_rows",
 ]
 
@@ -134,6 +135,14 @@ def breadcrumb(message: str) -> None:
         return
     data = message.encode("utf-8", "replace")[:_CRUMB_BYTES - 1] + b"\n"
     os.pwrite(fd, data.ljust(_CRUMB_BYTES, b" "), 0)
+
+
+def clear_breadcrumb() -> None:
+    """Forget the last step (the spawn harness calls it before each job, so that a hang report
+    never names a step left over from an earlier job)."""
+    fd = _breadcrumb_fd()
+    if fd is not None:
+        os.pwrite(fd, b" " * _CRUMB_BYTES, 0)
 
 
 def all_gather_rows(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -55,6 +55,13 @@ class _Progress:
 def _demo(args: argparse.Namespace) -> int:
     from tpfuse.demo import DemoConfig, format_table, run_demo
 
+    for name in ("world_size", "scale", "repeats"):
+        if getattr(args, name) < 1:
+            return _usage_error(f"--{name.replace('_', '-')}: {getattr(args, name)} must be >= 1")
+    if args.device == "cuda" and not _cuda():
+        return _usage_error("--device cuda: no CUDA GPU is visible on this machine; use --device cpu "
+                            "(or auto, which picks CPU ranks here)")
+
     config = DemoConfig(world_size=args.world_size, model=args.model, scale=args.scale, repeats=args.repeats,
                         device=args.device)
     rows = run_demo(config, progress=_Progress())
@@ -67,6 +74,12 @@ def _demo(args: argparse.Namespace) -> int:
         return 1
     print("all outputs match the float64 reference")
     return 0
+
+
+def _usage_error(message: str) -> int:
+    """One line on stderr and exit code 2, like argparse's own errors."""
+    print(f"tpfuse: {message}", file=sys.stderr)
+    return 2
 
 
 def _cuda() -> bool:
@@ -91,6 +104,9 @@ def _check(args: argparse.Namespace) -> int:
         rows.append(["triton", triton.__version__])
     except ImportError:
         rows.append(["triton", "not installed (fused strategies unavailable)"])
+    from tpfuse import strategies
+
+    rows.append(["strategies in this build", ", ".join(strategies.implemented())])
     if torch.cuda.is_available():
         rows.append(["gpus", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"])
     else:
@@ -128,9 +144,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "world_size", 1) is not None and args.command == "demo" and args.world_size < 1:
-        print(f"--world-size: {args.world_size} must be >= 1", file=sys.stderr)
-        return 2
     return args.func(args)
 
 

@@ -1,4 +1,4 @@
-"""The three public ops: validate -> choose a strategy -> dispatch.
+"""The three public ops: validate -> agree -> decide -> dispatch.
 
 | op | per-rank input | per-rank output | unfused meaning |
 |---|---|---|---|
@@ -8,13 +8,21 @@
 
 K and N are this rank's local sizes.  Each op is also a ``torch.library`` custom op
 (``torch.ops.tpfuse.ag_gemm`` etc., taking the group by name) with a fake implementation, so
-``torch.compile`` traces it as one node and CUDA graphs can capture it.
+``torch.compile`` traces it as one node and CUDA graphs can capture it.  Eager calls with nothing
+for the dispatcher to do (no autograd, no dispatch mode, not tracing) call the strategy directly.
+
+Per call: one dict lookup of the call shape (and, with ``TPFUSE_DEBUG=1``/gloo, one agreement
+round).  Per new call shape: validation.  Per new agreed signature and group: one agreement round
+that checks the agreed fields on every rank and decides the strategy for the whole group
+(:func:`group_decision`).  docs/ops.md has the details.
 """
 
 from __future__ import annotations
 
 
 import operator
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -22,7 +30,8 @@ import torch.distributed as dist
 from tpfuse import _checks, strategies
 from tpfuse._dist import GroupContext, group_context, resolve_group_name
 
-__all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "resolve_strategy", "traced_strategy"]
+__all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "resolve_strategy", "traced_strategy", "group_decision",
+           "clear_decisions"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,8 +81,20 @@ def _(a, b, group_name, strategy):
 
 
 # --------------------------------------------------------------------------------------------
-# Strategy choice
+# Strategy choice: one decision per (group, agreed signature), made from what every rank posted
 # --------------------------------------------------------------------------------------------
+
+# (group, world size, backend, agreed fields) -> concrete strategy.  Every rank of a group sees the
+# same sequence of agreed signatures in a correct program, so hits, misses and the clearing below
+# happen at the same call on every rank.
+_DECISIONS: dict[tuple, str] = {}
+_MAX_DECISIONS = 4096
+
+
+def clear_decisions() -> None:
+    """Forget every cached decision and per-shape check (call it on every rank, at the same point)."""
+    _DECISIONS.clear()
+    _CALLS.clear()
 
 
 def _problem_size(op: str, a: torch.Tensor, b: torch.Tensor, world_size: int) -> tuple[int, int, int]:
@@ -82,29 +103,93 @@ def _problem_size(op: str, a: torch.Tensor, b: torch.Tensor, world_size: int) ->
     return m, b.shape[1], a.shape[1]
 
 
-def resolve_strategy(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> str:
-    """The concrete strategy a call runs: ``strategy`` itself if it can run here (else a
-    ``ValueError`` saying why), or the planner's choice among the runnable ones for ``"auto"``."""
+def _hardware_name(device: torch.device) -> str:
+    from tpfuse.model.hardware import detect
+
+    return detect(device).name if device.type == "cuda" else "cpu-gloo"
+
+
+def _decision_inputs(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> dict:
+    """What this rank contributes to an ``auto`` decision: its runnable strategies, hardware
+    profile and the tuning-cache times measured for its own local shape."""
+    if strategy != "auto":
+        return {}
+    from tpfuse.plan import measured_times
+
+    m, n, k = _problem_size(op, a, b, ctx.world_size)
+    hardware = _hardware_name(a.device)
+    measured = measured_times(op, m=m, n=n, k=k, world_size=ctx.world_size, dtype=a.dtype, hardware=hardware) \
+        if m * n * k > 0 else {}
+    return {"candidates": list(strategies.runnable(ctx, a.device, a.dtype)), "hardware": hardware,
+            "measured": measured}
+
+
+def _decide(op: str, strategy: str, rows: list[dict], world_size: int) -> str:
+    """The strategy for a signature, as a pure function of every rank's posted row.
+
+    A named strategy is itself (each rank checked it can run it).  ``auto`` plans the largest
+    local size of any rank (N for ag_gemm, K otherwise) among the strategies every rank can run,
+    on rank 0's hardware profile, with the tuning-cache times of the lowest rank whose local size
+    is that largest one (its cache key is the planned shape).  Empty problems run ``unfused``.
+    """
+    if strategy != "auto":
+        return strategy
+    fields = dict((name, value) for name, value in rows[0]["fields"])
+    local = [row["local"][1] for row in rows]
+    big = max(local)
+    if op == "ag_gemm":
+        m, n, k = fields["M/W (rows of a_shard)"] * world_size, big, fields["K"]
+    else:
+        m, n, k = fields["M (rows of a)"], fields["N"], big
+    if m * n * k == 0:
+        return "unfused"  # nothing to overlap; unfused handles every empty dimension
+    if any("candidates" not in row for row in rows):
+        raise RuntimeError(f"{op}: ranks are out of step (some did not post decision inputs for a new "
+                           "signature); every rank must run the same sequence of tpfuse calls")
+    common = set(rows[0]["candidates"]).intersection(*(row["candidates"] for row in rows[1:]))
+    candidates = tuple(s for s in strategies.STRATEGY_NAMES if s in common)
+    from tpfuse.plan import choose
+
+    measured = rows[local.index(big)]["measured"]
+    return choose(op, m=m, n=n, k=k, world_size=world_size, dtype=fields["dtype"],
+                  hardware=rows[0]["hardware"], candidates=candidates, measured=measured).strategy
+
+
+def group_decision(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *,
+                   return_gathered: bool = False, label: str | None = None, guard: bool = True) -> str:
+    """The concrete strategy of a validated call, the same on every rank of the group.
+
+    Cached per (group, agreed signature); the first call of a signature runs one agreement round
+    (:func:`tpfuse._checks.exchange`) that both checks the agreed fields (the always-on guard)
+    and carries what the decision needs.  ``guard=False`` skips the round for a named strategy
+    (nothing to decide; used at trace time, where the shapes are stand-ins).
+    """
+    sig = _checks.call_signature(op, strategy, a, b, return_gathered)
+    key = (ctx.group, ctx.world_size, ctx.backend, sig.fields)
+    chosen = _DECISIONS.get(key)
+    if chosen is not None:
+        return chosen
+    if strategy != "auto" and not guard:
+        return strategy
+    payload = _checks.payload_of(None, sig, **_decision_inputs(op, strategy, a, b, ctx))
+    rows = [payload] if ctx.world_size == 1 else _checks.exchange(ctx, label or op, payload)
+    _checks.check_rows(label or op, rows, None)
+    chosen = _decide(op, strategy, rows, ctx.world_size)
+    if len(_DECISIONS) >= _MAX_DECISIONS:
+        clear_decisions()
+    _DECISIONS[key] = chosen
+    return chosen
+
+
+def resolve_strategy(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *,
+                     guard: bool = True) -> str:
+    """The concrete strategy a validated call runs: ``strategy`` itself if it can run here (else a
+    ``ValueError`` saying why), or the group's decision among what every rank can run for ``"auto"``."""
     if strategy != "auto":
         reason = strategies.why_unavailable(strategy, ctx, a.device, a.dtype)
         if reason is not None:
             raise ValueError(f"{op}: strategy {strategy!r} cannot run here: {reason}")
-        return strategy
-    candidates = strategies.runnable(ctx, a.device, a.dtype)
-    m, n, k = _problem_size(op, a, b, ctx.world_size)
-    return _auto_choice(op, m, n, k, ctx.world_size, a.dtype, a.device, candidates)
-
-
-def _auto_choice(op: str, m: int, n: int, k: int, world_size: int, dtype: torch.dtype, device: torch.device,
-                 candidates: tuple[str, ...]) -> str:
-    """The planner's pick (cached inside :func:`tpfuse.plan.choose`; deterministic, so every rank
-    that sees the same shapes picks the same strategy)."""
-    from tpfuse.model.hardware import detect, get_profile
-    from tpfuse.plan import choose
-
-    hardware = detect(device) if device.type == "cuda" else get_profile("cpu-gloo")
-    return choose(op, m=m, n=n, k=k, world_size=world_size, dtype=dtype, hardware=hardware,
-                  candidates=candidates).strategy
+    return group_decision(op, strategy, a, b, ctx, guard=guard)
 
 
 @torch.compiler.assume_constant_result
@@ -121,7 +206,7 @@ def _strategy_for_shapes(op: str, strategy: str, m: int, k: int, n: int, dtype: 
         return torch.empty((), dtype=dtype, device=device).expand(shape)
 
     return resolve_strategy(op, strategy, stand_in((m, k)), stand_in((k, n)),
-                            group_context(resolve_group_name(group_name)))
+                            group_context(resolve_group_name(group_name)), guard=False)
 
 
 def traced_strategy(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> str:
@@ -129,7 +214,8 @@ def traced_strategy(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ct
 
     A named strategy does not depend on sizes, so shapes stay dynamic.  For "auto",
     ``operator.index`` specializes the symbolic sizes (with a guard): the graph is valid for the
-    sizes its strategy was chosen for and recompiles for others.
+    sizes its strategy was chosen for and recompiles for others (every rank traces the same
+    program, so the decision round runs on every rank).
     """
     m = k = n = 1
     if strategy == "auto":
@@ -142,30 +228,111 @@ def traced_strategy(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ct
 # --------------------------------------------------------------------------------------------
 
 
-def _prepare(op: str, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None, strategy: str,
-             extra: int = 0) -> tuple[GroupContext, str]:
-    """Validate locally, resolve the strategy, and (when enabled) agree with the other ranks.
+@dataclass(frozen=True)
+class _Call:
+    """What a validated call shape resolved to on this rank (the per-shape work, cached)."""
 
-    Every error is raised before any data moves; with the agreement check on, it is raised on
-    every rank of the group.
-    """
-    ctx = group_context(group)
-    if torch.compiler.is_compiling():  # local checks become guards; no cross-rank exchange
-        _checks.check_call(op, a, b, ctx, strategy)
-        return ctx, traced_strategy(op, strategy, a, b, ctx)
-    error: Exception | None = None
-    chosen = "unfused"
+    ctx: GroupContext
+    strategy: str
+    module: ModuleType
+    signature: _checks.Signature
+    per_call_round: bool
+    world: object  # the default group when the call was cached (group=None follows WORLD)
+
+
+# (op, group, strategy, return_gathered, types, shapes, dtypes, devices, layouts) -> _Call: a hit
+# means this exact call passed every local check before, so only the cheap parts run again.
+_CALLS: dict[tuple, _Call] = {}
+
+
+def _world() -> object:
+    return dist.distributed_c10d._world.default_pg
+
+
+def _prepare(op: str, a, b, group, strategy, return_gathered=False) -> _Call:
+    """Validate, agree and decide; everything that can fail fails before any data moves, on every
+    rank (with the per-call round) or on every rank of a new signature (without it)."""
     try:
-        _checks.check_call(op, a, b, ctx, strategy)
-        chosen = resolve_strategy(op, strategy, a, b, ctx)
-    except (TypeError, ValueError) as exc:
-        error = exc
-    if _checks.agreement_enabled(ctx):
-        signature = None if error is not None else _checks.signature(op, chosen, a, b, extra)
-        _checks.agree(ctx, op, error, signature)
-    elif error is not None:
-        raise error
-    return ctx, chosen
+        key = (op, group, strategy, return_gathered, type(a), type(b), a.shape, b.shape, a.dtype, b.dtype,
+               a.device, b.device, a.layout, b.layout)
+        hit = _CALLS.get(key) if return_gathered.__class__ is bool else None
+    except (AttributeError, TypeError):  # not tensors, unhashable group...: the slow path explains
+        key = hit = None
+    if hit is not None and hit.world is _world():
+        if hit.per_call_round:
+            _checks.agree(hit.ctx, op, None, hit.signature)
+        return hit
+    return _prepare_slow(op, a, b, group, strategy, return_gathered, key)
+
+
+def _prepare_slow(op, a, b, group, strategy, return_gathered, key) -> _Call:
+    if _fake(a) or _fake(b):
+        # Shape propagation (FakeTensorMode): nothing runs and nothing is exchanged -- one rank may
+        # do it alone.  Local checks only; the custom op's fake impl gives the same shapes for
+        # every strategy.
+        ctx = group_context(group)
+        _checks.check_call(op, a, b, ctx, strategy, return_gathered)
+        chosen = "unfused" if strategy == "auto" else strategy
+        return _Call(ctx, chosen, strategies.get("unfused"), None, False, _world())
+    error: Exception | None = None
+    try:
+        ctx = group_context(group)
+    except TypeError as exc:
+        # This rank cannot name its group: it reports over the default group, which is what
+        # the other ranks use when they pass group=None (docs/ops.md, "Bad input").
+        error, ctx = exc, group_context(None)
+    sig = None
+    if error is None:
+        try:
+            _checks.check_call(op, a, b, ctx, strategy, return_gathered)
+            if strategy != "auto":
+                reason = strategies.why_unavailable(strategy, ctx, a.device, a.dtype)
+                if reason is not None:
+                    raise ValueError(f"{op}: strategy {strategy!r} cannot run here: {reason}")
+            sig = _checks.call_signature(op, strategy, a, b, return_gathered)
+        except (TypeError, ValueError) as exc:
+            error = exc
+    per_call = _checks.agreement_enabled(ctx)
+    if error is not None:
+        _checks.agree(ctx, op, error, None)  # posts the error (world size > 1) and raises
+    if per_call and (ctx.group, ctx.world_size, ctx.backend, sig.fields) in _DECISIONS:
+        _checks.agree(ctx, op, None, sig)  # the decision is known: the per-call round only checks
+    chosen = group_decision(op, strategy, a, b, ctx, return_gathered=return_gathered)
+    call = _Call(ctx, chosen, strategies.get(chosen), sig, per_call, _world())
+    if key is not None:
+        if len(_CALLS) >= 4 * _MAX_DECISIONS:
+            _CALLS.clear()
+        _CALLS[key] = call
+    return call
+
+
+def _fake(x: object) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+def _direct(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether an eager call may skip the custom op's dispatcher and call the strategy itself.
+
+    Only plain tensors with no autograd to record, outside tracing, and with no Python dispatch
+    or function mode active (FakeTensorMode, profilers' modes...): there the custom op's fake
+    impl and autograd formula are needed.  The result is the same either way.
+    """
+    return (a.__class__ in _PLAIN and b.__class__ in _PLAIN
+            and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._is_torch_function_mode_enabled()
+            and not torch.compiler.is_compiling())
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _traced(op: str, a, b, group, strategy, return_gathered=False) -> tuple[GroupContext, str]:
+    ctx = group_context(group)
+    _checks.check_call(op, a, b, ctx, strategy, return_gathered)  # local checks become guards
+    return ctx, traced_strategy(op, strategy, a, b, ctx)
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
@@ -181,10 +348,15 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | N
 
     ``strategy``: "auto" (the planner), "unfused", "ring", "copy_engine", "fused".
     """
-    if not isinstance(return_gathered, bool):
-        raise TypeError(f"ag_gemm: return_gathered must be a bool, got {type(return_gathered).__name__}")
-    ctx, chosen = _prepare("ag_gemm", a_shard, b, group, strategy, int(return_gathered))
-    c, a_full = torch.ops.tpfuse.ag_gemm(a_shard, b, ctx.group_name, chosen)
+    if torch.compiler.is_compiling():
+        ctx, chosen = _traced("ag_gemm", a_shard, b, group, strategy, return_gathered)
+        c, a_full = torch.ops.tpfuse.ag_gemm(a_shard, b, ctx.group_name, chosen)
+        return (c, a_full) if return_gathered else c
+    call = _prepare("ag_gemm", a_shard, b, group, strategy, return_gathered)
+    if _direct(a_shard, b):
+        c, a_full = call.module.ag_gemm(a_shard, b, call.ctx)
+    else:
+        c, a_full = torch.ops.tpfuse.ag_gemm(a_shard, b, call.ctx.group_name, call.strategy)
     return (c, a_full) if return_gathered else c
 
 
@@ -199,8 +371,13 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = 
 
     M must be divisible by W.  bf16/fp16 partials are summed in float32, then rounded once.
     """
-    ctx, chosen = _prepare("gemm_rs", a, b, group, strategy)
-    return torch.ops.tpfuse.gemm_rs(a, b, ctx.group_name, chosen)
+    if torch.compiler.is_compiling():
+        ctx, chosen = _traced("gemm_rs", a, b, group, strategy)
+        return torch.ops.tpfuse.gemm_rs(a, b, ctx.group_name, chosen)
+    call = _prepare("gemm_rs", a, b, group, strategy)
+    if _direct(a, b):
+        return call.module.gemm_rs(a, b, call.ctx)
+    return torch.ops.tpfuse.gemm_rs(a, b, call.ctx.group_name, call.strategy)
 
 
 def gemm_ar(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *, strategy: str = "auto"):
@@ -214,5 +391,10 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = 
 
     bf16/fp16 partials are summed in float32, then rounded once.
     """
-    ctx, chosen = _prepare("gemm_ar", a, b, group, strategy)
-    return torch.ops.tpfuse.gemm_ar(a, b, ctx.group_name, chosen)
+    if torch.compiler.is_compiling():
+        ctx, chosen = _traced("gemm_ar", a, b, group, strategy)
+        return torch.ops.tpfuse.gemm_ar(a, b, ctx.group_name, chosen)
+    call = _prepare("gemm_ar", a, b, group, strategy)
+    if _direct(a, b):
+        return call.module.gemm_ar(a, b, call.ctx)
+    return torch.ops.tpfuse.gemm_ar(a, b, call.ctx.group_name, call.strategy)

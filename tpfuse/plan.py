@@ -86,8 +86,8 @@ def _validate(op, m, n, k, world_size, dtype, hardware) -> tuple[str, HardwarePr
     if op not in OPS:
         raise ValueError(f"op: unknown op {op!r}; use one of {', '.join(OPS)}")
     _check_int("m", m, 0)
-    _check_int("n", n, 1)
-    _check_int("k", k, 1)
+    _check_int("n", n, 0)
+    _check_int("k", k, 0)
     _check_int("world_size", world_size, 1)
     return canonical_dtype(dtype), get_profile(hardware)
 
@@ -101,8 +101,11 @@ class Plan:
     on the op's dtype by its fastest transport -- NCCL, copy engine or communication SMs; not what
     tpfuse's unfused pays, which reduces bf16/fp16 partials in fp32 plus two cast passes; both
     strategy-independent, ``comm_ms`` 0 at world_size 1; no strategy is predicted below
-    ``max(gemm_ms, comm_ms)``), ``fill_ms``/``drain_ms``/
-    ``exposed_comm_ms`` of the chosen strategy.  ``comm_sms``: SMs the fused kernel gives to
+    ``max(gemm_ms, comm_ms)``), ``model_ms`` = ``fill_ms`` + ``steady_ms`` + ``drain_ms`` (the
+    chosen strategy's simulated pipeline on its critical rank; equal to its ``predicted_ms`` unless
+    that was measured) and ``exposed_comm_ms`` (prediction minus GEMM alone).
+    ``cuda_graph``: planned for graph replay (no host costs) instead of eager calls.
+    ``modelled_ms``: strategies not in this build, predicted for show (``plan(modelled=True)``).  ``comm_sms``: SMs the fused kernel gives to
     communication (0 for other strategies).  ``measured``: strategies whose time came from the
     tuning cache instead of the model.
     """
@@ -122,6 +125,8 @@ class Plan:
     breakdown: Mapping[str, float] = field(compare=False)
     measured: tuple[str, ...] = ()
     reason: str = ""
+    cuda_graph: bool = False
+    modelled_ms: Mapping[str, float] = field(default_factory=dict, compare=False)
 
     @property
     def chunk_m(self) -> int:
@@ -145,6 +150,7 @@ class Plan:
         d = asdict(self)
         d.update(predicted_ms=dict(self.predicted_ms), chunks=dict(self.chunks),
                  breakdown=dict(self.breakdown), measured=list(self.measured),
+                 modelled_ms=dict(self.modelled_ms),
                  chunk_m=self.chunk_m, speedup=self.speedup, bound=self.bound)
         return d
 
@@ -159,14 +165,17 @@ class Plan:
             f"{self.predicted_ms['unfused']:.4f} ms ({self.speedup:.2f}x).",
             f"  GEMM alone {b['gemm_ms']:.4f} ms, {coll} alone {b['comm_ms']:.4f} ms "
             f"({'no communication' if self.bound == 'none' else self.bound + '-bound'}); "
-            f"chosen pipeline: fill {b['fill_ms']:.4f} ms, drain {b['drain_ms']:.4f} ms, "
-            f"exposed comm {b['exposed_comm_ms']:.4f} ms.",
+            f"chosen pipeline (model, {'CUDA graph' if self.cuda_graph else 'eager'}): fill {b['fill_ms']:.4f} "
+            f"+ steady {b['steady_ms']:.4f} + drain {b['drain_ms']:.4f} = {b['model_ms']:.4f} ms.",
             f"  Why: {self.reason}",
             "  Candidates: " + ", ".join(
                 f"{s} {ms:.4f} ms" + (f" ({self.chunks[s]} chunks)" if s != "unfused" else "")
                 + (" [measured]" if s in self.measured else "")
                 for s, ms in sorted(self.predicted_ms.items(), key=lambda kv: kv[1])),
         ]
+        if self.modelled_ms:
+            lines.append("  Modelled only (not in this build, never chosen): " + ", ".join(
+                f"{s} {ms:.4f} ms" for s, ms in sorted(self.modelled_ms.items(), key=lambda kv: kv[1])))
         return "\n".join(lines)
 
 
@@ -183,8 +192,14 @@ def chunk_candidates(op: str, strategy: str, m: int, world_size: int) -> tuple[i
         return (w,)
     if op == "gemm_ar":
         return tuple(c for c in (1, 2, 4, 8, 16) if c == 1 or m // c >= 16)
+    # At most MAX_CHUNKS chunks in all (always at least one per shard): every chunk pays a latency
+    # and, in eager mode, host calls, which ate the gain of finer chunks at W = 8 in the model;
+    # at W = 72 the W shards already are fine chunks (and the planner stays fast).
     shard = max(1, m // w)
-    return tuple(w * s for s in (1, 2, 4, 8) if s == 1 or shard // s >= 16)
+    return tuple(w * s for s in (1, 2, 4, 8) if s == 1 or (shard // s >= 16 and w * s <= MAX_CHUNKS))
+
+
+MAX_CHUNKS = 64
 
 
 def comm_sms_candidates(strategy: str, hw: HardwareProfile) -> tuple[int, ...]:
@@ -195,20 +210,22 @@ def comm_sms_candidates(strategy: str, hw: HardwareProfile) -> tuple[int, ...]:
     return tuple(sorted({max(1, top // 4), max(1, top // 2), top}))
 
 
-def _simulate(op, strategy, m, n, k, w, dtype, hw, num_chunks, comm_sms=0) -> SimResult:
+def _simulate(op, strategy, m, n, k, w, dtype, hw, num_chunks, comm_sms=0, cuda_graph=False,
+              fast=False) -> SimResult:
     return simulate(op, strategy, m=m, n=n, k=k, world_size=w, dtype=dtype, hw=hw,
-                    num_chunks=num_chunks, comm_sms=comm_sms or None)
+                    num_chunks=num_chunks, comm_sms=comm_sms or None, cuda_graph=cuda_graph, fast=fast)
 
 
 @functools.lru_cache(maxsize=4096)
-def _best_per_strategy(op, m, n, k, w, dtype, hw: HardwareProfile, strategy,
+def _best_per_strategy(op, m, n, k, w, dtype, hw: HardwareProfile, strategy, cuda_graph=False,
                        ) -> tuple[float, int, int, SimResult]:
     """(ms, num_chunks, comm_sms, result) of the strategy's best configuration; ties go to the
-    configuration tried first (fewer chunks, fewer communication SMs)."""
+    configuration tried first (fewer chunks, fewer communication SMs).  Replays rank 0 only
+    (``simulate(fast=True)``): ranks are symmetric without skew."""
     best = None
     for sms in comm_sms_candidates(strategy, hw):
         for nc in chunk_candidates(op, strategy, m, w):
-            res = _simulate(op, strategy, m, n, k, w, dtype, hw, nc, sms)
+            res = _simulate(op, strategy, m, n, k, w, dtype, hw, nc, sms, cuda_graph, fast=True)
             if best is None or res.makespan_ms < best[0] - 1e-12:
                 best = (res.makespan_ms, nc, sms, res)
     return best
@@ -226,42 +243,88 @@ def _comm_alone_ms(op, m, n, k, w, dtype, hw: HardwareProfile) -> float:
                cost.p2p_collective_ms(op, m, n, k, w, dtype, hw, "sm", num_sms=default_comm_sms(hw)))
 
 
-def _reason(op, strategy, w, predicted, gemm_ms, comm_ms, measured, margin_kept=False) -> str:
+def _reason(op, strategy, w, predicted, gemm_ms, comm_ms, measured, margin_kept=False, *,
+            empty=False, multi_node=False, cuda_graph=False) -> str:
+    """Why the chosen strategy, in sentences whose numbers add up (hidden <= the collective)."""
     if w == 1:
         return "world_size is 1: there is no communication to overlap, so the plain GEMM (unfused) is used."
+    if empty:
+        return "the GEMM is empty (m, n or k is 0): there is nothing to overlap, so unfused runs it."
     src = " (measured times from the tuning cache)" if measured else ""
+    where = (f"world_size {w} spans hosts (more than one NVLink domain), so only the NCCL strategies "
+             "(unfused, ring) are candidates; " if multi_node else "")
+    mode = "CUDA-graph replay (no host time)" if cuda_graph else "eager calls (host dispatch and launches included)"
     if margin_kept:
         best = min((s for s in predicted if s != "unfused"), key=lambda s: predicted[s])
         gain = 1.0 - predicted[best] / predicted["unfused"]
-        return (f"{best} is predicted only {100 * gain:.1f}% faster than unfused, under the "
+        return (f"{where}{best} is predicted only {100 * gain:.1f}% faster than unfused, under the "
                 f"{100 * MIN_MODEL_GAIN:.0f}% margin a model-only prediction must clear (host launch "
                 "and per-step costs the model does not see ate such wins on 2x H200); unfused is kept. "
                 "A measurement in the tuning cache (tpfuse.plan.record_measurement) overrides this.")
     if strategy == "unfused":
-        return (f"no overlapped strategy is predicted faster{src}: the {comm_ms:.4f} ms of communication "
-                "is too small to pay for per-chunk latencies, extra launches, smaller GEMMs and SMs "
-                "taken by communication.")
-    hidden = predicted["unfused"] - predicted[strategy]
+        return (f"{where}no overlapped strategy is predicted faster{src} for {mode}: the {comm_ms:.4f} ms "
+                "of communication is too small to pay for per-chunk latencies, extra launches, smaller "
+                "GEMMs and SMs taken by communication.")
+    exposed = min(comm_ms, max(0.0, predicted[strategy] - gemm_ms))
+    hidden = comm_ms - exposed
+    saved = predicted["unfused"] - predicted[strategy]
     bound = "GEMM" if gemm_ms >= comm_ms else "communication"
     how = strategies.description(strategy)
-    return (f"{strategy} ({how}) hides {hidden:.4f} ms of the {comm_ms:.4f} ms collective{src}; "
-            f"the pipeline is {bound}-bound, the best possible is max(GEMM, comm) = "
-            f"{max(gemm_ms, comm_ms):.4f} ms.")
+    return (f"{where}{strategy} ({how}) takes {predicted[strategy]:.4f} ms{src} for {mode}, "
+            f"{predicted[strategy] - gemm_ms:.4f} ms beyond the {gemm_ms:.4f} ms GEMM: it hides "
+            f"{hidden:.4f} ms of the {comm_ms:.4f} ms collective and saves {saved:.4f} ms against "
+            f"unfused (which also pays its own casts, fp32 partials and launches); the pipeline is "
+            f"{bound}-bound, the best possible is max(GEMM, comm) = {max(gemm_ms, comm_ms):.4f} ms.")
+
+
+# Strategies that run only the op's fast dtypes (DESIGN §1: float64 is for unfused and ring).
+_FAST_DTYPE_ONLY = ("copy_engine", "fused")
+# What a group spanning hosts can run (DESIGN §3: symmetric memory only inside one NVLink domain).
+_NCCL_STRATEGIES = ("unfused", "ring")
+
+
+# fused's Triton GEMM would multiply float32 in TF32: it refuses float32 (strategies/fused.py).
+_NO_FP32 = ("fused",)
+
+
+def _runnable_dtype(candidates: tuple[str, ...], dtype: str) -> tuple[str, ...]:
+    """``candidates`` without the strategies that cannot run ``dtype`` (float64: unfused and ring
+    only; float32: not fused)."""
+    if dtype == "fp64":
+        return tuple(s for s in candidates if s not in _FAST_DTYPE_ONLY)
+    if dtype == "fp32":
+        return tuple(s for s in candidates if s not in _NO_FP32)
+    return candidates
+
+
+def _critical_rank(res: SimResult):
+    """The rank whose end is the makespan (its fill + steady + drain is the prediction)."""
+    return max(res.ranks, key=lambda r: (r.end, -r.rank))
 
 
 def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str, ...],
-               measured: Mapping[str, float]) -> Plan:
+               measured: Mapping[str, float], *, cuda_graph: bool = False,
+               modelled: tuple[str, ...] = ()) -> Plan:
+    multi_node = w > hw.max_domain
+    candidates = _runnable_dtype(tuple(candidates), dtype)
+    if multi_node:
+        candidates = tuple(s for s in candidates if s in _NCCL_STRATEGIES)
+    candidates = tuple(s for s in STRATEGIES if s in candidates or s == "unfused")
+    modelled = tuple(s for s in _runnable_dtype(modelled, dtype) if s not in candidates
+                     and not (multi_node and s not in _NCCL_STRATEGIES))
     gemm_ms = cost.gemm_time_ms(m, n, k, dtype, hw) if m > 0 else 0.0
     comm_ms = _comm_alone_ms(op, m, n, k, w, dtype, hw)
     predicted, chunks, results, sms = {}, {}, {}, {}
     for s in candidates:
-        ms, nc, sms[s], res = _best_per_strategy(op, m, n, k, w, dtype, hw, s)
+        ms, nc, sms[s], res = _best_per_strategy(op, m, n, k, w, dtype, hw, s, cuda_graph)
         predicted[s], chunks[s], results[s] = ms, nc, res
+    modelled_ms = {s: _best_per_strategy(op, m, n, k, w, dtype, hw, s, cuda_graph)[0] for s in modelled}
     used = tuple(s for s in candidates if s in measured)
     for s in used:
         predicted[s] = float(measured[s])
     margin_kept = False
-    if w == 1:
+    empty = m * n * k == 0
+    if w == 1 or empty:
         chosen = "unfused"
     else:
         # deterministic: fastest; ties go to the earlier (simpler) strategy in STRATEGIES order
@@ -272,24 +335,70 @@ def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str
                 and predicted[chosen] > predicted["unfused"] * (1.0 - MIN_MODEL_GAIN)):
             chosen, margin_kept = "unfused", True
     res = results[chosen]
+    crit = _critical_rank(res)
     breakdown = {"gemm_ms": gemm_ms, "comm_ms": comm_ms if w > 1 else 0.0,
-                 "fill_ms": res.fill_ms, "drain_ms": res.drain_ms,
-                 "exposed_comm_ms": max(0.0, predicted[chosen] - gemm_ms)}
+                 "model_ms": res.makespan_ms, "fill_ms": crit.fill, "steady_ms": crit.steady,
+                 "drain_ms": crit.drain, "exposed_comm_ms": max(0.0, predicted[chosen] - gemm_ms)}
     return Plan(op=op, strategy=chosen, num_chunks=chunks[chosen], m=m, n=n, k=k, world_size=w,
                 dtype=dtype, hardware=hw.name, comm_sms=sms[chosen],
                 predicted_ms=predicted, chunks=chunks, breakdown=breakdown, measured=used,
-                reason=_reason(op, chosen, w, predicted, gemm_ms, comm_ms, used, margin_kept))
+                reason=_reason(op, chosen, w, predicted, gemm_ms, comm_ms, used, margin_kept,
+                               empty=empty, multi_node=multi_node, cuda_graph=cuda_graph),
+                cuda_graph=cuda_graph, modelled_ms=modelled_ms)
+
+
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+
+
+def _runnable_for_group(group: Any, world_size: int, dtype: str, built: tuple[str, ...]) -> tuple[str, ...]:
+    import torch
+
+    from tpfuse import strategies
+    from tpfuse._dist import group_context
+
+    ctx = group_context(group)
+    if ctx.world_size != world_size:
+        raise ValueError(f"world_size: {world_size} but the group has {ctx.world_size} ranks; pass "
+                         f"world_size={ctx.world_size} (or no group)")
+    if dtype not in _TORCH_DTYPES:
+        return ("unfused",)
+    device = torch.device("cuda", torch.cuda.current_device()) if ctx.device_type == "cuda" else torch.device("cpu")
+    runnable = strategies.runnable(ctx, device, getattr(torch, _TORCH_DTYPES[dtype]))
+    return tuple(s for s in built if s in runnable)
+
+
+def implemented_strategies() -> tuple[str, ...]:
+    """The strategies this build implements (asked of :mod:`tpfuse.strategies`), in planner order."""
+    from tpfuse import strategies
+
+    built = strategies.implemented()
+    return tuple(s for s in STRATEGIES if s in built)
 
 
 def plan(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any = "bf16",
-         hardware: str | HardwareProfile = "h200") -> Plan:
-    """Predict every strategy for one op shape and choose the fastest (model only, no cache).
+         hardware: str | HardwareProfile = "h200", cuda_graph: bool = False,
+         modelled: bool = False, group: Any = None) -> Plan:
+    """Predict the strategies this build implements for one op shape and choose the fastest
+    (model only, no tuning cache).
 
     ``m``: full M; ``n``, ``k``: this rank's local sizes; ``dtype``: torch dtype or name;
     ``hardware``: profile name (``tpfuse.model.hardware.PROFILES``) or a ``HardwareProfile``.
+    ``cuda_graph``: the call is replayed from a CUDA graph (no host costs); default eager.
+    ``modelled``: also predict the strategies not in this build (``Plan.modelled_ms``; never
+    chosen).  Strategies that cannot run ``dtype`` (float64: unfused and ring only) or, above
+    the profile's NVLink domain, need symmetric memory, are left out.  ``group``: a real
+    ``torch.distributed`` ProcessGroup of ``world_size`` ranks: also leave out what this
+    environment cannot run for it (``tpfuse.strategies.why_unavailable``, on the group's device).
     """
     dtype_name, hw = _validate(op, m, n, k, world_size, dtype, hardware)
-    return _make_plan(op, m, n, k, world_size, dtype_name, hw, STRATEGIES, {})
+    if not isinstance(cuda_graph, bool):
+        raise TypeError(f"cuda_graph: expected a bool, got {type(cuda_graph).__name__} {cuda_graph!r}")
+    built = implemented_strategies()
+    if group is not None:
+        built = _runnable_for_group(group, world_size, dtype_name, built)
+    others = tuple(s for s in STRATEGIES if s not in built) if modelled else ()
+    return _make_plan(op, m, n, k, world_size, dtype_name, hw, built, {}, cuda_graph=cuda_graph,
+                      modelled=others)
 
 
 # --- auto: choose() + tuning cache -----------------------------------------------------------------
@@ -394,17 +503,29 @@ def record_measurement(op: str, m: int, n: int, k: int, world_size: int, dtype: 
 
 
 @functools.lru_cache(maxsize=8192)
-def _choose_cached(op, m, n, k, w, dtype, hw, candidates, generation, path) -> Plan:
+def _choose_cached(op, m, n, k, w, dtype, hw, candidates, generation, path, cuda_graph=False) -> Plan:
     measured = _CACHE.measured(_cache_key(op, m, n, k, w, dtype, hw.name))
-    return _make_plan(op, m, n, k, w, dtype, hw, candidates, measured)
+    return _make_plan(op, m, n, k, w, dtype, hw, candidates, measured, cuda_graph=cuda_graph)
+
+
+def measured_times(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any,
+                   hardware: str | HardwareProfile) -> dict[str, float]:
+    """strategy -> median measured ms in this process's tuning cache for exactly this shape."""
+    dtype_name, hw = _validate(op, m, n, k, world_size, dtype, hardware)
+    _CACHE.current()
+    return _CACHE.measured(_cache_key(op, m, n, k, world_size, dtype_name, hw.name))
 
 
 def choose(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any,
-           hardware: str | HardwareProfile, candidates: tuple[str, ...]) -> Plan:
+           hardware: str | HardwareProfile, candidates: tuple[str, ...],
+           measured: Mapping[str, float] | None = None, cuda_graph: bool = False) -> Plan:
     """``plan`` restricted to ``candidates`` (what this environment can run; "unfused" is always
-    added), with measured times from the tuning cache overriding the model.  Cached: cheap on
-    every op call; a ``record_measurement`` or a change of ``TPFUSE_CACHE_DIR`` invalidates it."""
-    fast_key = (op, m, n, k, world_size, dtype, hardware, candidates,
+    added), with measured times from the tuning cache overriding the model -- or from
+    ``measured`` when given (the ops pass one rank's times so that every rank decides alike).
+    Cached: cheap on every op call; a ``record_measurement`` or a change of ``TPFUSE_CACHE_DIR``
+    invalidates it."""
+    frozen_measured = None if measured is None else tuple(sorted(measured.items()))
+    fast_key = (op, m, n, k, world_size, dtype, hardware, candidates, frozen_measured, cuda_graph,
                 os.environ.get("TPFUSE_CACHE_DIR"), os.environ.get("HOME"))
     try:
         hit = _FAST.get(fast_key)
@@ -418,8 +539,14 @@ def choose(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any,
     if bad:
         raise ValueError(f"candidates: unknown strategies {bad}; use names from {STRATEGIES}")
     cands = tuple(s for s in STRATEGIES if s in cands or s == "unfused")
+    cands = _runnable_dtype(cands, dtype_name)
     generation, path = _CACHE.current()
-    result = _choose_cached(op, m, n, k, world_size, dtype_name, hw, cands, generation, str(path))
+    if frozen_measured is not None:
+        result = _make_plan(op, m, n, k, world_size, dtype_name, hw, cands, dict(frozen_measured),
+                            cuda_graph=cuda_graph)
+    else:
+        result = _choose_cached(op, m, n, k, world_size, dtype_name, hw, cands, generation, str(path),
+                                cuda_graph)
     if fast_key is not None:
         if len(_FAST) > 8192:
             _FAST.clear()
@@ -454,6 +581,30 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all", action="store_true", help="the whole workload matrix for the hardware")
     parser.add_argument("--timeline", metavar="OUT.png", help="draw the chosen strategy's simulated timeline")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="plan for CUDA-graph replay (no host costs) instead of eager calls")
+
+
+def _check_cli_args(args) -> None:
+    """Argument errors of ``tpfuse plan`` (one line each, before any work)."""
+    if args.world_size is not None and args.world_size < 1:
+        raise ValueError(f"--world-size: {args.world_size} must be >= 1 (the TP degree)")
+    cell_args = {"--op": args.op, "--m": args.m, "--n": args.n, "--k": args.k}
+    given = [name for name, value in cell_args.items() if value is not None]
+    if args.all and given:
+        raise ValueError(f"--all plans the whole workload matrix and ignores {', '.join(given)}; "
+                         "drop --all for one cell, or drop the cell options")
+    if given and (args.model is not None or args.phase is not None):
+        raise ValueError("--model/--phase select rows of the workload matrix; they do not combine "
+                         "with one cell (--op/--m/--n/--k)")
+    if args.timeline:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--timeline needs matplotlib, which is not installed "
+                             "(pip install matplotlib), or drop --timeline") from None
+    get_profile(args.hardware)
+    canonical_dtype(args.dtype)
 
 
 def _cells(args) -> list[tuple[str, Plan]]:
@@ -464,7 +615,7 @@ def _cells(args) -> list[tuple[str, Plan]]:
             raise ValueError("one cell needs --op, --m, --n, --k and --world-size; "
                              "or give none of them for the workload matrix")
         p = plan(args.op, m=args.m, n=args.n, k=args.k, world_size=args.world_size,
-                 dtype=args.dtype, hardware=hw)
+                 dtype=args.dtype, hardware=hw, modelled=True, cuda_graph=args.cuda_graph)
         return [(f"{args.op} {args.m}x{args.n}x{args.k}", p)]
     from tpfuse.bench.workloads import workload_matrix
 
@@ -474,15 +625,23 @@ def _cells(args) -> list[tuple[str, Plan]]:
         models=(args.model,) if args.model else ("8b", "70b", "405b"),
         phases=(args.phase,) if args.phase else ("training", "prefill", "decode"))
     return [(c.name, plan(c.op, m=c.m, n=c.n, k=c.k, world_size=c.world_size, dtype=c.dtype,
-                          hardware=hw)) for c in cells]
+                          hardware=hw, modelled=True, cuda_graph=args.cuda_graph)) for c in cells]
 
 
 def _print_table(rows: list[tuple[str, Plan]], title: str) -> None:
     header = ["cell", "op", "W", "strategy", "chunks", "pred ms", "unfused ms", "speedup",
-              "exposed comm ms", "bound"]
+              "exposed comm ms", "bound", "modelled only*"]
+
+    def modelled(p: Plan) -> str:
+        if not p.modelled_ms:
+            return "-"
+        s, ms = min(p.modelled_ms.items(), key=lambda kv: kv[1])
+        return f"{s} {ms:.4f}*"
+
     body = [[name, p.op, str(p.world_size), p.strategy, str(p.num_chunks),
              f"{p.predicted_ms[p.strategy]:.4f}", f"{p.predicted_ms['unfused']:.4f}",
-             f"{p.speedup:.2f}x", f"{p.breakdown['exposed_comm_ms']:.4f}", p.bound] for name, p in rows]
+             f"{p.speedup:.2f}x", f"{p.breakdown['exposed_comm_ms']:.4f}", p.bound, modelled(p)]
+            for name, p in rows]
     try:
         from rich.console import Console
         from rich.table import Table
@@ -491,18 +650,26 @@ def _print_table(rows: list[tuple[str, Plan]], title: str) -> None:
         print(title)
         for r in [header] + body:
             print("  ".join(c.ljust(wd) for c, wd in zip(r, widths)))
+        print(_modelled_note())
         return
     table = Table(title=title)
     for i, h in enumerate(header):
-        table.add_column(h, justify="left" if i in (0, 1, 3, 9) else "right")
+        table.add_column(h, justify="left" if i in (0, 1, 3, 9, 10) else "right")
     for r in body:
         table.add_row(*r)
-    Console(file=sys.stdout, width=max(120, sum(len(h) for h in header) + 40)).print(table)
+    Console(file=sys.stdout, width=max(140, sum(len(h) for h in header) + 50)).print(table)
+    print(_modelled_note())
+
+
+def _modelled_note() -> str:
+    return ("* modelled only: the fastest strategy this build does not implement, as predicted; never "
+            f"chosen (this build implements {', '.join(implemented_strategies())})")
 
 
 def run_plan_cli(args: argparse.Namespace) -> int:
     """``tpfuse plan``: a table (or JSON) of predictions for one cell or the workload matrix."""
     try:
+        _check_cli_args(args)
         rows = _cells(args)
     except (ValueError, TypeError) as exc:
         print(f"tpfuse plan: {exc}", file=sys.stderr)
@@ -520,7 +687,7 @@ def run_plan_cli(args: argparse.Namespace) -> int:
         for i, (name, p) in enumerate(rows):
             path = out if len(rows) == 1 else out.with_name(f"{out.stem}-{name}{out.suffix or '.png'}")
             res = _simulate(p.op, p.strategy, p.m, p.n, p.k, p.world_size, p.dtype, hw, p.num_chunks,
-                            p.comm_sms)
+                            p.comm_sms, p.cuda_graph)
             draw_timeline(res, path, title=f"{name}: {p.strategy}, {p.num_chunks} chunks, "
                           f"{p.predicted_ms[p.strategy]:.3f} ms predicted on {hw.name} "
                           f"(unfused {p.predicted_ms['unfused']:.3f} ms)")

@@ -90,6 +90,8 @@ def _worker(rank: int, world_size: int, port: int, env: dict[str, str], jobs: mp
     import torch
     import torch.distributed as dist
 
+    from tpfuse._dist import clear_breadcrumb
+
     torch.set_num_threads(1)
     try:
         if device_index is not None:
@@ -107,6 +109,7 @@ def _worker(rank: int, world_size: int, port: int, env: dict[str, str], jobs: mp
         if job is None:
             break
         fn, args, kwargs = job
+        clear_breadcrumb()
         try:
             results.put((rank, "ok", fn(rank, world_size, *args, **kwargs)))
         except BaseException:  # noqa: BLE001 - every failure goes back to the parent
@@ -189,9 +192,10 @@ class RankPool:
     def _last_step(self, rank: int) -> str:
         try:
             with open(os.path.join(self._crumbs, f"rank{rank}.txt")) as f:
-                return repr(f.read().strip())
+                step = f.read().strip()
         except OSError:
-            return "nothing recorded"
+            step = ""
+        return repr(step) if step else "nothing recorded in this job"
 
     # -- life cycle ---------------------------------------------------------------------------
     @property

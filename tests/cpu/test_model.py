@@ -169,7 +169,7 @@ def test_unfused_reduces_fp32_partials(op):
     assert up > 0 and down > 0
     assert comm == cost.collective_ms(op, m, n, k, w, "fp32", H200) > cost.collective_ms(op, m, n, k, w, "bf16", H200)
     gemm = cost.gemm_time_ms(m, n, k, "bf16", H200)
-    res = simulate(op, "unfused", m=m, n=n, k=k, world_size=w, dtype="bf16", hw=H200)
+    res = simulate(op, "unfused", m=m, n=n, k=k, world_size=w, dtype="bf16", hw=H200, cuda_graph=True)
     assert res.makespan_ms == pytest.approx(gemm + up + comm + down)
     assert res.makespan_ms > gemm + cost.collective_ms(op, m, n, k, w, "bf16", H200)
     assert cost.unfused_collective_parts(op, m, n, k, w, "fp32", H200)[::2] == (0.0, 0.0)
@@ -183,7 +183,7 @@ def test_unfused_reduces_fp32_partials(op):
 def test_gemm_ar_fused_matches_two_stage_closed_form(shape, num_chunks):
     m, n, k = shape
     res = simulate("gemm_ar", "fused", m=m, n=n, k=k, world_size=4, dtype="bf16", hw=UNIFORM,
-                   num_chunks=num_chunks)
+                   num_chunks=num_chunks, cuda_graph=True)
     (t_g,), (t_c,) = set(_durations(res, "gemm")), set(_durations(res, "comm"))
     assert res.makespan_ms == pytest.approx(cost.two_stage_pipeline_ms(t_g, t_c, num_chunks))
 
@@ -192,11 +192,11 @@ def test_gemm_ar_fused_matches_two_stage_closed_form(shape, num_chunks):
 @pytest.mark.parametrize("shape", [(16384, 7168, 8192), (128, 7168, 8192)])
 def test_ring_matches_closed_form(shape, w):
     m, n, k = shape
-    ag = simulate("ag_gemm", "ring", m=m, n=n, k=k, world_size=w, dtype="bf16", hw=UNIFORM)
+    ag = simulate("ag_gemm", "ring", m=m, n=n, k=k, world_size=w, dtype="bf16", hw=UNIFORM, cuda_graph=True)
     (t_g,), (t_c,) = set(_durations(ag, "gemm")), set(_durations(ag, "comm"))
     # local shard first: no fill, then W-1 steps of max(GEMM, transfer), then the last GEMM
     assert ag.makespan_ms == pytest.approx(t_g + (w - 1) * max(t_g, t_c))
-    rs = simulate("gemm_rs", "ring", m=m, n=n, k=k, world_size=w, dtype="bf16", hw=UNIFORM)
+    rs = simulate("gemm_rs", "ring", m=m, n=n, k=k, world_size=w, dtype="bf16", hw=UNIFORM, cuda_graph=True)
     (t_g,), (t_c,) = set(_durations(rs, "gemm", "gemm")), set(_durations(rs, "comm"))
     (t_up,), (t_add,), (t_down,) = ({_label_duration(rs, name)} for name in ("upcast", "add", "downcast"))
     # GEMM + upcast of the first partial, then W-1 steps of (transfer or next GEMM + upcast,
@@ -210,7 +210,7 @@ def test_ring_matches_closed_form(shape, w):
 @pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs", "gemm_ar"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_world_size_one_is_the_gemm(op, strategy):
-    res = simulate(op, strategy, m=4096, n=4096, k=4096, world_size=1, dtype="bf16", hw=H200)
+    res = simulate(op, strategy, m=4096, n=4096, k=4096, world_size=1, dtype="bf16", hw=H200, cuda_graph=True)
     assert _durations(res, "comm") == []
     assert res.makespan_ms == pytest.approx(cost.gemm_time_ms(4096, 4096, 4096, "bf16", H200))
     assert res.ranks[0].exposed_comm == 0
@@ -297,3 +297,34 @@ def test_ring_step_host_fit_from_bench_host_times():
     assert [n for n, _ in per_row] == ["a", "b", "c"]
     assert median == pytest.approx(300.0)
     assert ring_step_host_us({"rows": rows[3:]}) is None
+
+
+# --- host model (issue 22.6) and the planner's symmetric replay ---------------------------------
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs", "gemm_ar"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_pays_the_eager_host_model_and_graphs_drop_it(op, strategy):
+    """Eager: at least tpfuse's dispatch plus one host-issued call before any GPU work, for every
+    strategy alike; CUDA-graph replay: no host time at all (never slower)."""
+    shape = dict(m=128, n=8192, k=3584, world_size=8, dtype="bf16", hw=H200)
+    eager = simulate(op, strategy, **shape)
+    graph = simulate(op, strategy, **shape, cuda_graph=True)
+    host = (H200.host_op_us + H200.host_call_us) * 1e-3
+    assert graph.makespan_ms < eager.makespan_ms
+    assert eager.makespan_ms >= graph.makespan_ms + min(host, H200.host_op_us * 1e-3 + H200.ring_step_host_us * 1e-3) - 1e-9
+    assert not [t for t in graph.tasks if t.engine == "host" and t.duration > 0]
+    first_device = min(t.start for t in eager.tasks if t.engine != "host" and t.duration > 0)
+    assert first_device >= H200.host_op_us * 1e-3 - 1e-12
+
+
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs", "gemm_ar"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("graph", [False, True])
+def test_symmetric_replay_equals_the_full_one(op, strategy, graph):
+    w = 4
+    chunks = None if strategy in ("unfused", "ring") else 2 * w
+    shape = dict(m=4096, n=7168, k=2048, world_size=w, dtype="bf16", hw=H200, num_chunks=chunks, cuda_graph=graph)
+    full = simulate(op, strategy, **shape)
+    fast = simulate(op, strategy, **shape, fast=True)
+    assert fast.makespan_ms == pytest.approx(full.makespan_ms, rel=1e-12)
+    assert fast.fill_ms == pytest.approx(full.fill_ms) and fast.drain_ms == pytest.approx(full.drain_ms)
+    assert len(fast.tasks) < len(full.tasks) / (w - 1)

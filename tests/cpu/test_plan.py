@@ -25,8 +25,16 @@ def _cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("TPFUSE_CACHE_DIR", str(tmp_path / "cache"))
 
 
+ALL = tuple(STRATEGIES)  # the model covers every strategy; plan() chooses among the built ones
+
+
+def _every(p: Plan) -> dict:
+    """Predictions of the built strategies and the modelled-only ones together."""
+    return {**p.predicted_ms, **p.modelled_ms}
+
+
 def test_plan_fields():
-    p = plan("ag_gemm", **SHAPE, world_size=8, dtype="bf16", hardware="h200")
+    p = choose("ag_gemm", **SHAPE, world_size=8, dtype="bf16", hardware="h200", candidates=ALL)
     assert isinstance(p, Plan) and p.op == "ag_gemm"
     assert set(p.predicted_ms) == set(STRATEGIES)
     assert p.strategy in STRATEGIES and p.predicted_ms[p.strategy] == min(p.predicted_ms.values())
@@ -70,7 +78,7 @@ def test_dtype_spellings_agree():
     (dict(dtype="int8"), "dtype: 'int8' is not supported"),
     (dict(hardware="tpu"), "hardware: unknown profile 'tpu'"),
     (dict(m=-1), "m: -1 must be >= 0"),
-    (dict(n=0), "n: 0 must be >= 1"),
+    (dict(n=-1), "n: -1 must be >= 0"),
     (dict(world_size=0), "world_size: 0 must be >= 1"),
 ])
 def test_validation_names_arg_value_fix(kwargs, match):
@@ -115,14 +123,15 @@ def test_never_beats_its_parts():
     collective's bytes over the link's line rate."""
     hw = get_profile("h200")
     for cell in workload_matrix(world_sizes=(2, 8), phases=("training", "decode")):
-        p = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, dtype=cell.dtype)
+        p = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, dtype=cell.dtype,
+                 modelled=True)
         elt = cost.DTYPE_BYTES["bf16"]
         w = cell.world_size
         moved = {"ag_gemm": cell.m * cell.k * elt * (w - 1) / w, "gemm_rs": cell.m * cell.n * elt * (w - 1) / w,
                  "gemm_ar": 2 * cell.m * cell.n * elt * (w - 1) / w}[cell.op]
         assert p.breakdown["comm_ms"] >= moved / (hw.link_line_gbps * 1e9) * 1e3
         floor = max(p.breakdown["gemm_ms"], p.breakdown["comm_ms"])
-        for s, ms in p.predicted_ms.items():
+        for s, ms in _every(p).items():
             assert ms >= floor * (1 - 1e-9), (cell.name, s, ms, floor)
 
 
@@ -139,16 +148,17 @@ def test_more_bandwidth_or_flops_never_slower(field):
     else:
         better = dataclasses.replace(base, tflops_bf16=2 * base.tflops_bf16)
     for cell in workload_matrix(world_sizes=(2, 8), models=("8b", "70b")):
-        p = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, hardware=base)
-        q = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, hardware=better)
+        p = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, hardware=base, modelled=True)
+        q = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, hardware=better, modelled=True)
         for s in STRATEGIES:
-            assert q.predicted_ms[s] <= p.predicted_ms[s] * (1 + 1e-9), (cell.name, s)
+            assert _every(q)[s] <= _every(p)[s] * (1 + 1e-9), (cell.name, s)
 
 
 def test_decode_gains_less_than_training():
     def speedup(phase):
         (fc1,) = [c for c in workload_matrix(world_sizes=(8,), models=("70b",), phases=(phase,)) if c.gemm == "fc1"]
-        return plan(fc1.op, m=fc1.m, n=fc1.n, k=fc1.k, world_size=8).speedup
+        return choose(fc1.op, m=fc1.m, n=fc1.n, k=fc1.k, world_size=8, dtype="bf16", hardware="h200",
+                      candidates=ALL).speedup
     assert 1.0 <= speedup("decode") < speedup("training")
 
 
@@ -264,6 +274,130 @@ def test_model_only_win_needs_a_margin():
     q = choose(cell.op, **args, candidates=cands)
     assert q.strategy == "ring" and set(q.measured) == {"unfused", "ring"}
     # a clear model-only win is still taken
-    big = plan("gemm_rs", m=16384, n=4096, k=1792, world_size=8, hardware="h200")
+    big = choose("gemm_rs", m=16384, n=4096, k=1792, world_size=8, dtype="bf16", hardware="h200", candidates=ALL)
     assert big.strategy != "unfused"
     assert big.predicted_ms[big.strategy] <= big.predicted_ms["unfused"] * (1 - MIN_MODEL_GAIN)
+
+
+# --- issue 22.6: the planner only recommends what runs, and its text adds up ----------------------
+def _cells_everywhere():
+    for hw, sizes in (("h200", (2, 4, 8)), ("gb200", (8, 72))):
+        for cell in workload_matrix(world_sizes=sizes):
+            yield hw, cell
+
+
+def test_plan_chooses_only_implemented_strategies():
+    from tpfuse import strategies
+
+    built = strategies.implemented()
+    for hw, cell in _cells_everywhere():
+        p = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, dtype=cell.dtype,
+                 hardware=hw, modelled=True)
+        assert p.strategy in built and set(p.predicted_ms) <= set(built), (hw, cell.name, p.strategy)
+        assert set(p.modelled_ms).isdisjoint(built)
+    # the README's example
+    assert plan("ag_gemm", m=16384, n=7168, k=8192, world_size=8, dtype="bf16", hardware="h200").strategy in built
+
+
+def test_cli_marks_modelled_only_rows(capsys):
+    assert _run(["--op", "gemm_rs", "--m", "16384", "--n", "8192", "--k", "3584", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "modelled only" in out and "never chosen" in out
+    assert "Modelled only (not in this build, never chosen): copy_engine" in out
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_explanation_obeys_its_own_arithmetic(graph):
+    """Would catch "hides 1.3903 ms of the 0.6558 ms collective" (gemm_rs 16384x8192x3584, W = 8)
+    and "hides 0.0643 ms of the 0.0142 ms collective" (gemm_ar decode): hidden <= collective, and
+    fill + steady + drain = predicted, for every cell, every candidate set."""
+    import re
+
+    cells = [(hw, c.op, c.m, c.n, c.k, c.world_size) for hw, c in _cells_everywhere()]
+    cells += [("h200", "gemm_rs", 16384, 8192, 3584, 8), ("h200", "gemm_ar", 128, 8192, 3584, 8)]
+    for hw, op, m, n, k, w in cells:
+        for cands in (ALL, ("unfused", "ring")):
+            p = choose(op, m=m, n=n, k=k, world_size=w, dtype="bf16", hardware=hw, candidates=cands,
+                       cuda_graph=graph)
+            b = p.breakdown
+            assert b["fill_ms"] + b["steady_ms"] + b["drain_ms"] == pytest.approx(b["model_ms"], abs=1e-9)
+            assert b["model_ms"] == pytest.approx(p.predicted_ms[p.strategy])
+            text = p.explain()
+            for hidden, coll in re.findall(r"hides ([0-9.]+) ms of the ([0-9.]+) ms collective", text):
+                assert float(hidden) <= float(coll), (hw, op, m, n, k, w, text)
+            sums = re.search(r"fill ([0-9.]+) \+ steady ([0-9.]+) \+ drain ([0-9.]+) = ([0-9.]+) ms", text)
+            assert sums and sum(map(float, sums.groups()[:3])) == pytest.approx(float(sums.group(4)), abs=2e-4)
+            assert f"{p.predicted_ms[p.strategy]:.4f} ms" in text
+
+
+def test_same_host_model_for_every_strategy_and_graphs_drop_it():
+    """Eager: every strategy pays tpfuse's dispatch and its launches; a CUDA graph pays none, so the
+    decode speedup of an overlapped strategy is not an artifact of unfused's host time alone."""
+    hw = get_profile("h200")
+    for op, m, n, k in (("gemm_ar", 128, 8192, 3584), ("gemm_rs", 16384, 8192, 3584), ("ag_gemm", 128, 7168, 8192)):
+        eager = choose(op, m=m, n=n, k=k, world_size=8, dtype="bf16", hardware=hw, candidates=ALL)
+        graph = choose(op, m=m, n=n, k=k, world_size=8, dtype="bf16", hardware=hw, candidates=ALL, cuda_graph=True)
+        for s in ALL:
+            assert eager.predicted_ms[s] >= graph.predicted_ms[s] + hw.host_op_us * 1e-3 - 1e-9, (op, s)
+        assert "eager" in eager.explain() and "CUDA graph" in graph.explain()
+    assert plan("gemm_ar", m=128, n=8192, k=3584, world_size=8, cuda_graph=True).cuda_graph
+
+
+def test_float64_never_plans_a_strategy_that_cannot_run_it():
+    for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
+        p = choose(op, m=16384, n=7168, k=8192, world_size=8, dtype="fp64", hardware="h200", candidates=ALL)
+        assert p.strategy in ("unfused", "ring") and set(p.predicted_ms) <= {"unfused", "ring"}
+        q = plan(op, m=16384, n=7168, k=8192, world_size=8, dtype=torch.float64, modelled=True)
+        assert not set(q.modelled_ms) & {"copy_engine", "fused"}
+
+
+def test_beyond_the_nvlink_domain_plans_multi_node():
+    p = choose("ag_gemm", m=16384, n=7168, k=8192, world_size=16, dtype="bf16", hardware="h200", candidates=ALL)
+    assert set(p.predicted_ms) <= {"unfused", "ring"} and "spans hosts" in p.explain()
+    inside = choose("ag_gemm", m=16384, n=7168 * 2, k=8192, world_size=8, dtype="bf16", hardware="h200",
+                    candidates=ALL)
+    assert "copy_engine" in inside.predicted_ms
+    # the network is slower than NVLink: the same per-rank collective costs more across hosts
+    assert p.breakdown["comm_ms"] > inside.breakdown["comm_ms"]
+
+
+def test_plan_is_fast_at_nvl72_scale():
+    from tpfuse.plan import _best_per_strategy
+
+    _best_per_strategy.cache_clear()
+    times = []
+    for cell in workload_matrix(world_sizes=(72,)):
+        t0 = time.perf_counter()
+        plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=72, dtype="bf16", hardware="gb200", modelled=True)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    assert times[len(times) // 2] < 0.05, times  # median < 50 ms (a shared 2-core box; ~7 ms alone)
+    assert times[-1] < 0.25, times
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "0"], "--world-size: 0 must be >= 1"),
+    (["--all", "--op", "ag_gemm"], "--all plans the whole workload matrix and ignores --op"),
+    (["--hardware", "foo"], "unknown profile 'foo'"),
+])
+def test_cli_argument_errors_are_one_line_exit_2(capsys, argv, message):
+    assert _run(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_cli_timeline_without_matplotlib_is_an_error(capsys, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert _run(["--op", "ag_gemm", "--m", "4096", "--n", "7168", "--k", "8192", "--world-size", "4",
+                 "--timeline", "x.png"]) == 2
+    err = capsys.readouterr().err
+    assert "--timeline needs matplotlib" in err and err.count("\n") == 1, err

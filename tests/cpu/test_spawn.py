@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tpfuse._dist import breadcrumb
-from tpfuse.spawn import run_ranks
+from tpfuse.spawn import RankPool, run_ranks
 
 
 def hang_on_rank_one(rank, world_size):
@@ -45,3 +45,23 @@ def test_shared_device_option_is_checked_before_spawning():
     if torch.cuda.device_count() == 0:
         with pytest.raises(ValueError, match="needs a CUDA device 0; this machine has 0"):
             RankPool(2, device="cuda")
+
+
+def leave_a_breadcrumb(rank, world_size):
+    breadcrumb(f"rank {rank}: a step of the first job")
+    return rank
+
+
+def hang_without_a_breadcrumb(rank, world_size):
+    if rank == 1:
+        time.sleep(600)
+    return rank
+
+
+def test_timeout_does_not_name_a_step_of_an_earlier_job():
+    with RankPool(2) as pool:
+        assert pool.run(leave_a_breadcrumb, timeout=30) == [0, 1]
+        with pytest.raises(TimeoutError) as info:
+            pool.run(hang_without_a_breadcrumb, timeout=5)
+    msg = str(info.value)
+    assert "first job" not in msg and "rank 1 last did: nothing recorded in this job" in msg, msg

@@ -141,6 +141,8 @@ def link_gbps(path: Path, hw: HardwareProfile, num_sms: int | None = None,
     """Achieved per-direction bandwidth of a transport (NCCL's measured one at ``world_size``
     where the profile has it)."""
     if path in ("nccl", "p2p"):
+        if world_size is not None and world_size > hw.max_domain:
+            return min(hw.link_nccl_gbps, hw.link_internode_gbps)  # the group spans hosts
         fit = hw.nccl_fit(world_size) if world_size is not None else None
         return fit.bus_gbps if fit is not None else hw.link_nccl_gbps
     if path == "ce":
@@ -211,7 +213,7 @@ def _nccl_ms(kind: str, total_bytes: float, world_size: int, hw: HardwareProfile
     measured = _measured_ms(kind, total_bytes, world_size, hw)
     if measured is not None:
         return measured
-    return (world_size - 1) * transfer_time_ms(total_bytes / world_size, "nccl", hw)
+    return (world_size - 1) * transfer_time_ms(total_bytes / world_size, "nccl", hw, world_size=world_size)
 
 
 def all_gather_ms(total_bytes: float, world_size: int, hw: HardwareProfile) -> float:
@@ -233,7 +235,8 @@ def all_reduce_ms(total_bytes: float, world_size: int, hw: HardwareProfile) -> f
     if measured is not None:
         return measured
     ring = 2 * all_gather_ms(total_bytes, world_size, hw)
-    one_step = alpha_ms("nccl", hw) * 2 + (world_size - 1) * total_bytes / (hw.link_nccl_gbps * 1e9) * 1e3
+    one_step = (alpha_ms("nccl", hw) * 2
+                + (world_size - 1) * total_bytes / (link_gbps("nccl", hw, world_size=world_size) * 1e9) * 1e3)
     return min(ring, one_step)
 
 

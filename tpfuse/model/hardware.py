@@ -105,6 +105,15 @@ class HardwareProfile:
     # host time a ring step costs beyond unfused (Python issue of the P2P exchange, events, the
     # per-step GEMM and casts); a step's GEMM cannot start before the host has issued it
     ring_step_host_us: float = 60.0
+    # Eager host cost every strategy pays alike (0 under CUDA graphs): tpfuse's per-op dispatch
+    # (the 25 us budget of issue 22.2, a lead until `tpfuse bench` measures host_us) and one
+    # eager launch or collective call issued from Python (torch.matmul took 12-16 us of host time
+    # per call on one H200, 2026-12-01, 2000 calls).
+    host_op_us: float = 25.0
+    host_call_us: float = 12.0
+    # A group larger than the NVLink domain spans hosts: NCCL over the network (lead: one
+    # 400 Gb/s NDR InfiniBand NIC per GPU, ~90 % achieved by NCCL).
+    link_internode_gbps: float = 45.0
     # measured NCCL collectives per world size (benchmarks/calibrate_nccl.py); () = leads only
     nccl_measured: tuple[NcclFit, ...] = ()
     calibrated: str = ""  # "" = datasheet/lead numbers only; else what calibration was applied

@@ -11,7 +11,8 @@ __all__ = ["predicted_table_markdown"]
 
 
 def predicted_table_markdown(hardware: str, world_sizes: tuple[int, ...] | None = None) -> str:
-    """One row per workload cell: chosen strategy, chunks, predicted ms, unfused ms, speedup."""
+    """One row per workload cell: chosen strategy (among the built ones), chunks, predicted ms,
+    unfused ms, speedup, and the fastest modelled-only strategy (not in this build), marked *."""
     from tpfuse.bench.workloads import workload_matrix
     from tpfuse.model.hardware import get_profile
     from tpfuse.plan import plan, tp_sizes
@@ -24,17 +25,24 @@ def predicted_table_markdown(hardware: str, world_sizes: tuple[int, ...] | None 
         cal += "; NCCL measured at W = " + ", ".join(str(f.world_size) for f in hw.nccl_measured) + \
             " (leads elsewhere)"
     lines = [
-        f"PREDICTED on `{hw.name}` ({hw.description}; {cal}), bf16, TP {', '.join(map(str, sizes))}.",
+        f"PREDICTED on `{hw.name}` ({hw.description}; {cal}), bf16, TP {', '.join(map(str, sizes))}, "
+        "eager calls (host model included).",
         "",
-        "| cell | op | m | n | k | strategy | chunks | pred ms | unfused ms | GEMM alone ms | comm alone ms | speedup |",
-        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| cell | op | m | n | k | strategy | chunks | pred ms | unfused ms | GEMM alone ms | comm alone ms "
+        "| speedup | modelled only* (ms, speedup) |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for c in workload_matrix(world_sizes=sizes):
-        p = plan(c.op, m=c.m, n=c.n, k=c.k, world_size=c.world_size, dtype=c.dtype, hardware=hw)
+        p = plan(c.op, m=c.m, n=c.n, k=c.k, world_size=c.world_size, dtype=c.dtype, hardware=hw, modelled=True)
+        other = "-"
+        if p.modelled_ms:
+            s, ms = min(p.modelled_ms.items(), key=lambda kv: kv[1])
+            other = f"{s} {ms:.3f}, {p.predicted_ms['unfused'] / ms:.2f}x"
         lines.append(
             f"| {c.name} | {c.op} | {c.m} | {c.n} | {c.k} | {p.strategy} | {p.num_chunks} | "
             f"{p.predicted_ms[p.strategy]:.3f} | {p.predicted_ms['unfused']:.3f} | "
-            f"{p.breakdown['gemm_ms']:.3f} | {p.breakdown['comm_ms']:.3f} | {p.speedup:.2f}x |")
+            f"{p.breakdown['gemm_ms']:.3f} | {p.breakdown['comm_ms']:.3f} | {p.speedup:.2f}x | {other} |")
+    lines += ["", "\\* not in this build: predicted for comparison, never chosen by `tpfuse.plan`."]
     return "\n".join(lines)
 
 

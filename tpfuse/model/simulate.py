@@ -21,6 +21,7 @@ the total; ``draw_timeline`` turns it into a PNG.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -146,17 +147,31 @@ class SimResult:
 
 
 class _Graph:
-    def __init__(self, world_size: int, skew: tuple[float, ...]):
+    def __init__(self, world_size: int, skew: tuple[float, ...], symmetric: bool = False,
+                 host_call_ms: float = 0.0):
         self.tasks: list[Task] = []
         self.world_size = world_size
         self.skew = skew
         self.pairs: list[tuple[int, int, int]] = []  # (rank, producer tid, consumer tid)
+        # symmetric: every rank runs rank 0's schedule rotated (no skew, equal shards), so only
+        # rank 0 is built and a dependency on rank q's task is one on rank 0's same task.
+        self.symmetric = symmetric
+        self.ranks = range(1) if symmetric else range(world_size)
+        self.host_call_ms = host_call_ms
+
+    def peer(self, rank: int) -> int:
+        """The rank whose task stands for ``rank``'s (0 in symmetric mode)."""
+        return 0 if self.symmetric else rank
 
     def add(self, rank: int, engine: str, kind: str, duration: float, deps=(), label: str = "",
-            chunk: int = -1) -> int:
+            chunk: int = -1, launch: bool = False) -> int:
+        """A task; ``launch=True``: issued from the host as its own call, so it also waits for a
+        host task of ``host_call_ms`` on the rank's serial host engine (eager mode)."""
+        deps = tuple(d for d in deps if d is not None)
+        if launch and self.host_call_ms > 0:
+            deps += (self.add(rank, "host", "host", self.host_call_ms, label=f"issue {label}"),)
         tid = len(self.tasks)
-        self.tasks.append(Task(tid, rank, engine, kind, max(0.0, duration),
-                               tuple(d for d in deps if d is not None), label, chunk))
+        self.tasks.append(Task(tid, rank, engine, kind, max(0.0, duration), deps, label, chunk))
         return tid
 
     def run(self) -> None:
@@ -218,7 +233,8 @@ def _check(op, sched, world_size, num_chunks):
 
 def simulate(op: str, strategy: str, *, m: int, n: int, k: int, world_size: int, dtype: str,
              hw: HardwareProfile, num_chunks: int | None = None, skew_ms: tuple[float, ...] | None = None,
-             comm_sms: int | None = None, num_slots: int | None = None) -> SimResult:
+             comm_sms: int | None = None, num_slots: int | None = None, cuda_graph: bool = False,
+             fast: bool = False) -> SimResult:
     """Replay ``op`` with ``strategy`` on ``world_size`` ranks.
 
     ``m`` is the full M, ``n``/``k`` the local sizes (as the ops take them); ``dtype`` a
@@ -227,6 +243,15 @@ def simulate(op: str, strategy: str, *, m: int, n: int, k: int, world_size: int,
     ``ring`` always uses W).  ``skew_ms[r]`` delays rank r's start.  ``comm_sms`` is the SMs the
     fused kernel gives to communication; ``num_slots`` bounds staged chunks in flight
     (None: one slot per chunk).
+
+    Host: in eager mode (default) every strategy pays the same host model -- ``host_op_us`` of
+    tpfuse dispatch per call, then ``host_call_us`` per host-issued launch or collective on a
+    serial host engine that the launched work waits for (ring: ``ring_step_host_us`` per step,
+    its measured issue cost).  ``cuda_graph=True``: replayed from a graph, no host time at all.
+
+    ``fast=True`` (the planner): without skew every rank runs the same schedule rotated, so only
+    rank 0 is replayed (exact when the shards are equal; uneven shards are all modelled as the
+    largest one, an upper bound) and every rank reports rank 0's numbers.
     """
     w = world_size
     sched = schedule_of(strategy)
@@ -242,8 +267,13 @@ def simulate(op: str, strategy: str, *, m: int, n: int, k: int, world_size: int,
     skew = tuple(s - base for s in skew)
     if comm_sms is None:
         comm_sms = default_comm_sms(hw)
-    g = _Graph(w, skew)
-    ctx = _Ctx(op, m, n, k, w, dtype, hw, num_chunks, comm_sms, num_slots)
+    symmetric = fast and w > 1 and max(skew) == 0.0
+    host_ms = 0.0 if cuda_graph else 1e-3
+    g = _Graph(w, skew, symmetric=symmetric, host_call_ms=hw.host_call_us * host_ms)
+    ctx = _Ctx(op, m, n, k, w, dtype, hw, num_chunks, comm_sms, num_slots,
+               ring_step_ms=hw.ring_step_host_us * host_ms, even=symmetric)
+    for r in g.ranks:  # tpfuse's own dispatch comes first on every rank's host
+        g.add(r, "host", "host", hw.host_op_us * host_ms, label="dispatch")
     if w == 1 or sched.kind == "collective":
         _build_unfused(g, ctx)
     else:
@@ -255,7 +285,11 @@ def simulate(op: str, strategy: str, *, m: int, n: int, k: int, world_size: int,
     pairs: list[list[tuple[int, int]]] = [[] for _ in range(w)]
     for rank, prod, cons in g.pairs:
         pairs[rank].append((prod, cons))
-    ranks = [_rank_stats(g, r, by_rank[r], pairs[r]) for r in range(w)]
+    if symmetric:
+        zero = _rank_stats(g, 0, by_rank[0], pairs[0])
+        ranks = [zero] + [dataclasses.replace(zero, rank=r) for r in range(1, w)]
+    else:
+        ranks = [_rank_stats(g, r, by_rank[r], pairs[r]) for r in range(w)]
     makespan = max(r.end for r in ranks) - min(r.start for r in ranks)
     return SimResult(op, strategy, w, num_chunks, makespan, ranks, g.tasks)
 
@@ -272,6 +306,12 @@ class _Ctx:
     num_chunks: int
     comm_sms: int
     num_slots: int | None
+    ring_step_ms: float = 0.0  # host issue time of one ring step (0 under CUDA graphs)
+    even: bool = False  # every shard as the largest one (symmetric replay)
+
+    def shard_rows(self) -> list[int]:
+        rows = _split(self.m, self.w)
+        return [rows[0]] * self.w if self.even else rows
 
     @property
     def elt(self) -> int:
@@ -304,8 +344,7 @@ class _Ctx:
         """``steps`` host-issue tasks of a ring on ``rank``, one after the other (engine "host"):
         step s's GEMM depends on the s-th, so a ring whose steps are shorter than the host's
         issue time runs at the host's pace."""
-        dur = self.hw.ring_step_host_us * 1e-3
-        return [g.add(rank, "host", "host", dur, label=f"issue {s}") for s in range(steps)]
+        return [g.add(rank, "host", "host", self.ring_step_ms, label=f"issue {s}") for s in range(steps)]
 
     def xfer(self, num_bytes: float, path: str) -> float:
         return cost.transfer_time_ms(num_bytes, path, self.hw,
@@ -317,41 +356,43 @@ def _build_unfused(g: _Graph, c: _Ctx) -> None:
     the accumulation dtype, collective on it, downcast (rs, ar); NCCL waits for every rank."""
     full = cost.gemm_time_ms(c.m, c.n, c.k, c.dtype, c.hw)
     if c.w == 1:
-        for r in range(c.w):
-            g.add(r, "gemm", "gemm", full, label="GEMM")
+        for r in g.ranks:
+            g.add(r, "gemm", "gemm", full, label="GEMM", launch=True)
         return
     up, comm, down = cost.unfused_collective_parts(c.op, c.m, c.n, c.k, c.w, c.dtype, c.hw)
     if c.op == "ag_gemm":
-        starts = [g.add(r, "comm", "comm", 0.0, label="join") for r in range(c.w)]
-        for r in range(c.w):
-            t = g.add(r, "comm", "comm", comm, deps=starts, label="all_gather")
-            g.add(r, "gemm", "gemm", full, deps=(t,), label="GEMM")
-            g.pairs.append((r, t, t + 1))
+        # NCCL waits for every rank: each all-gather depends on every rank having issued its own
+        issued = {r: g.add(r, "comm", "comm", 0.0, label="join", launch=True) for r in g.ranks}
+        for r in g.ranks:
+            t = g.add(r, "comm", "comm", comm, deps=tuple(issued.values()), label="all_gather")
+            gt = g.add(r, "gemm", "gemm", full, deps=(t,), label="GEMM", launch=True)
+            g.pairs.append((r, t, gt))
     else:
-        gemms = [g.add(r, "gemm", "gemm", full, label="GEMM") for r in range(c.w)]
-        ups = [g.add(r, "gemm", "reduce", up, deps=(gemms[r],), label="upcast") for r in range(c.w)]
+        gemms = {r: g.add(r, "gemm", "gemm", full, label="GEMM", launch=True) for r in g.ranks}
+        ups = {r: g.add(r, "gemm", "reduce", up, deps=(gemms[r],), label="upcast", launch=True) for r in g.ranks}
         name = "reduce_scatter" if c.op == "gemm_rs" else "all_reduce"
-        for r in range(c.w):
-            t = g.add(r, "comm", "comm", comm, deps=ups, label=name)
-            g.add(r, "gemm", "reduce", down, deps=(t,), label="downcast")
+        for r in g.ranks:
+            t = g.add(r, "comm", "comm", comm, deps=tuple(ups.values()), label=name, launch=True)
+            g.add(r, "gemm", "reduce", down, deps=(t,), label="downcast", launch=True)
             g.pairs.append((r, gemms[r], t))
 
 
 def _build_ag(g: _Graph, c: _Ctx, sched: Schedule) -> None:
     w = c.w
-    shard_rows = _split(c.m, w)
+    shard_rows = c.shard_rows()
     if sched.kind == "ring":
-        # step s: compute on shard (r - s) while shard (r - s - 1) travels from rank r - 1.
+        # step s: compute on shard (r - s) while shard (r - s - 1) travels from rank r - 1
+        # (posted by the host when it issued step s - 1).
         contended = c.hw.sm_count - c.hw.nccl_sms
-        host = {r: c.host_steps(g, r, w) for r in range(w)}
+        host = {r: c.host_steps(g, r, w) for r in g.ranks}
         recv = {}  # (rank, step) -> tid
         for s in range(1, w):
-            for r in range(w):
+            for r in g.ranks:
                 src = (r - s) % w
-                prev = recv.get(((r - 1) % w, s - 1))
+                prev = recv.get((g.peer((r - 1) % w), s - 1))
                 recv[(r, s)] = g.add(r, "comm", "comm", c.xfer(shard_rows[src] * c.k * c.elt, "p2p"),
-                                     deps=(prev,), label=f"recv {src}", chunk=src)
-        for r in range(w):
+                                     deps=(prev, host[r][s - 1]), label=f"recv {src}", chunk=src)
+        for r in g.ranks:
             for s in range(w):
                 src = (r - s) % w
                 dep = recv.get((r, s))
@@ -365,23 +406,27 @@ def _build_ag(g: _Graph, c: _Ctx, sched: Schedule) -> None:
     # local shard first, then each piece as it lands.
     pieces = c.num_chunks // w
     path = sched.comm_path
-    for r in range(w):
+    ce = sched.separate_kernels
+    for r in g.ranks:
+        # copy_engine: each copy and each GEMM is its own host call; fused: one kernel launch
+        kernel = None if ce else g.add(r, "host", "host", g.host_call_ms, label="issue kernel")
         order = [(r + d) % w for d in range(w)]
         arrivals = []
         for src in order[1:]:
             for p, rows in enumerate(_split(shard_rows[src], pieces)):
-                tid = g.add(r, "comm", "comm", c.xfer(rows * c.k * c.elt, path),
-                            label=f"pull {src}.{p}", chunk=src * pieces + p)
+                tid = g.add(r, "comm", "comm", c.xfer(rows * c.k * c.elt, path), deps=(kernel,),
+                            label=f"pull {src}.{p}", chunk=src * pieces + p, launch=ce)
                 arrivals.append((tid, rows, src * pieces + p))
         first = True
-        if sched.separate_kernels:
-            g.add(r, "gemm", "gemm", c.gemm(shard_rows[r]), label=f"GEMM {r}", chunk=r * pieces)
+        if ce:
+            g.add(r, "gemm", "gemm", c.gemm(shard_rows[r]), label=f"GEMM {r}", chunk=r * pieces, launch=True)
             for tid, rows, ch in arrivals:
-                t = g.add(r, "gemm", "gemm", c.gemm(rows), deps=(tid,), label=f"GEMM {ch}", chunk=ch)
+                t = g.add(r, "gemm", "gemm", c.gemm(rows), deps=(tid,), label=f"GEMM {ch}", chunk=ch,
+                          launch=True)
                 g.pairs.append((r, tid, t))
         else:
             for p, rows in enumerate(_split(shard_rows[r], pieces)):
-                g.add(r, "gemm", "gemm", c.persistent(rows, first), label=f"tiles {r}.{p}",
+                g.add(r, "gemm", "gemm", c.persistent(rows, first), deps=(kernel,), label=f"tiles {r}.{p}",
                       chunk=r * pieces + p)
                 first = False
             for tid, rows, ch in arrivals:
@@ -397,15 +442,15 @@ def _ring_reduce_scatter(g: _Graph, c: _Ctx) -> dict[int, int]:
     downcast at the end.  The next step's GEMM is issued after the add (one compute stream).
     Returns rank -> the tid of its downcast."""
     w = c.w
-    shard_rows = _split(c.m, w)
+    shard_rows = c.shard_rows()
     acc = cost.accumulation_dtype(c.dtype)
     acc_elt = cost.DTYPE_BYTES[acc]
     contended = c.hw.sm_count - c.hw.nccl_sms
     send: dict[tuple[int, int], int] = {}
     finals: dict[int, int] = {}
-    host = {r: c.host_steps(g, r, w) for r in range(w)}
+    host = {r: c.host_steps(g, r, w) for r in g.ranks}
     for s in range(w):
-        for r in range(w):
+        for r in g.ranks:
             dst = (r - s - 1) % w
             rows = shard_rows[dst]
             sms = contended if s < w - 1 else None
@@ -416,7 +461,7 @@ def _ring_reduce_scatter(g: _Graph, c: _Ctx) -> dict[int, int]:
             if s > 0:
                 ready = g.add(r, "gemm", "reduce",
                               cost.reduce_time_ms(3 * rows * c.n * acc_elt, c.hw),
-                              deps=(ready, send[((r - 1) % w, s - 1)]), label=f"add {dst}", chunk=dst)
+                              deps=(ready, send[(g.peer((r - 1) % w), s - 1)]), label=f"add {dst}", chunk=dst)
             if s < w - 1:
                 send[(r, s)] = g.add(r, "comm", "comm", c.xfer(rows * c.n * acc_elt, "p2p"),
                                      deps=(ready,), label=f"send {dst}", chunk=dst)
@@ -429,7 +474,7 @@ def _ring_reduce_scatter(g: _Graph, c: _Ctx) -> dict[int, int]:
 
 def _build_rs(g: _Graph, c: _Ctx, sched: Schedule) -> None:
     w = c.w
-    shard_rows = _split(c.m, w)
+    shard_rows = c.shard_rows()
     if sched.kind == "ring":
         _ring_reduce_scatter(g, c)
         return
@@ -438,9 +483,12 @@ def _build_rs(g: _Graph, c: _Ctx, sched: Schedule) -> None:
     pieces = c.num_chunks // w
     path = sched.comm_path
     slots = c.num_slots
+    ce = sched.separate_kernels
     pushes: dict[int, list[int]] = {r: [] for r in range(w)}  # owner -> transfer tids
+    all_pushes: list[int] = []
     own_gemm = {}
-    for r in range(w):
+    for r in g.ranks:
+        kernel = None if ce else g.add(r, "host", "host", g.host_call_ms, label="issue kernel")
         order = [(r + d) % w for d in range(1, w)] + [r]
         sends: list[int] = []
         first = True
@@ -448,25 +496,25 @@ def _build_rs(g: _Graph, c: _Ctx, sched: Schedule) -> None:
             for p, rows in enumerate(_split(shard_rows[dst], pieces)):
                 ch = dst * pieces + p
                 credit = sends[len(sends) - slots] if (slots and dst != r and len(sends) >= slots) else None
-                if sched.separate_kernels:
-                    dur = c.gemm(rows)
-                else:
-                    dur = c.persistent(rows, first)
+                dur = c.gemm(rows) if ce else c.persistent(rows, first)
                 first = False
-                gt = g.add(r, "gemm", "gemm", dur, deps=(credit,), label=f"GEMM {dst}.{p}", chunk=ch)
+                gt = g.add(r, "gemm", "gemm", dur, deps=(credit, kernel), label=f"GEMM {dst}.{p}", chunk=ch,
+                           launch=ce)
                 if dst == r:
                     own_gemm.setdefault(r, []).append(gt)
                     continue
                 st = g.add(r, "comm", "comm", c.xfer(rows * c.n * c.elt, path), deps=(gt,),
-                           label=f"push {dst}.{p}", chunk=ch)
+                           label=f"push {dst}.{p}", chunk=ch, launch=ce)
                 sends.append(st)
                 pushes[dst].append(st)
+                all_pushes.append(st)
                 g.pairs.append((r, gt, st))
-    for r in range(w):
-        red = cost.reduce_time_ms((w + 1) * shard_rows[r] * c.n * c.elt, c.hw,
-                                  launch=sched.separate_kernels)
-        g.add(r, "gemm", "reduce", red,
-              deps=tuple(pushes[r]) + tuple(own_gemm[r]), label="reduce", chunk=r)
+    for r in g.ranks:
+        red = cost.reduce_time_ms((w + 1) * shard_rows[r] * c.n * c.elt, c.hw, launch=ce)
+        # symmetric: the pushes every peer makes to rank 0 are rank 0's own pushes, rotated
+        incoming = all_pushes if g.symmetric else pushes[r]
+        g.add(r, "gemm", "reduce", red, deps=tuple(incoming) + tuple(own_gemm[r]), label="reduce", chunk=r,
+              launch=ce)
 
 
 def _build_ar(g: _Graph, c: _Ctx, sched: Schedule) -> None:
@@ -475,28 +523,31 @@ def _build_ar(g: _Graph, c: _Ctx, sched: Schedule) -> None:
         # ring reduce-scatter (as gemm_rs, downcast into the output) then a ring all-gather of
         # the reduced shards in the op's dtype, step by step (exposed).
         finals = _ring_reduce_scatter(g, c)
-        shard_rows = _split(c.m, w)
-        host = {r: c.host_steps(g, r, w - 1) for r in range(w)}  # the all-gather's steps
+        shard_rows = c.shard_rows()
+        host = {r: c.host_steps(g, r, w - 1) for r in g.ranks}  # the all-gather's steps
         recv = {}
         for s in range(1, w):
-            for r in range(w):
+            for r in g.ranks:
                 src = (r - s) % w
-                prev = recv.get(((r - 1) % w, s - 1), finals[(r - 1) % w] if s == 1 else None)
+                left = g.peer((r - 1) % w)
+                prev = recv.get((left, s - 1), finals[left] if s == 1 else None)
                 recv[(r, s)] = g.add(r, "comm", "comm", c.xfer(shard_rows[src] * c.n * c.elt, "p2p"),
                                      deps=(prev, finals[r], host[r][s - 1]), label=f"ag {src}", chunk=src)
         return
     # pipeline: cut M into chunks; all-reduce chunk i (best of one-shot pull-and-reduce
     # and two-shot RS+AG, reduction on the comm side) while chunk i+1 is computed.
     path = sched.comm_path
+    ce = sched.separate_kernels
     rows_list = _split(c.m, c.num_chunks)
     gemms: dict[tuple[int, int], int] = {}
-    for r in range(w):
+    for r in g.ranks:
+        kernel = None if ce else g.add(r, "host", "host", g.host_call_ms, label="issue kernel")
         first = True
         for i, rows in enumerate(rows_list):
-            dur = c.gemm(rows) if sched.separate_kernels else c.persistent(rows, first)
+            dur = c.gemm(rows) if ce else c.persistent(rows, first)
             first = False
-            gemms[(r, i)] = g.add(r, "gemm", "gemm", dur, label=f"GEMM {i}", chunk=i)
-    for r in range(w):
+            gemms[(r, i)] = g.add(r, "gemm", "gemm", dur, deps=(kernel,), label=f"GEMM {i}", chunk=i, launch=ce)
+    for r in g.ranks:
         for i, rows in enumerate(rows_list):
             nbytes = rows * c.n * c.elt
             launch = sched.separate_kernels  # a separate reduction kernel, or reduced in the persistent kernel
@@ -505,7 +556,7 @@ def _build_ar(g: _Graph, c: _Ctx, sched: Schedule) -> None:
             two_shot = (2 * c.xfer((w - 1) * nbytes / w, path)
                         + cost.reduce_time_ms((w + 1) * nbytes / w, c.hw, launch=launch))
             t = g.add(r, "comm", "comm", min(one_shot, two_shot),
-                      deps=tuple(gemms[(q, i)] for q in range(w)), label=f"AR {i}", chunk=i)
+                      deps=tuple({gemms[(g.peer(q), i)] for q in range(w)}), label=f"AR {i}", chunk=i, launch=ce)
             g.pairs.append((r, gemms[(r, i)], t))
 
 

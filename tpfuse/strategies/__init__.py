@@ -40,7 +40,7 @@ from tpfuse._dist import GroupContext
 from tpfuse.model import simulate
 
 __all__ = ["STRATEGY_NAMES", "IMPLEMENTED_NAMES", "StrategyInfo", "info", "get", "model", "description",
-           "why_unavailable", "runnable"]
+           "why_unavailable", "runnable", "implemented"]
 
 FUNCTIONS = ("ag_gemm", "gemm_rs", "gemm_ar")
 
@@ -152,3 +152,8 @@ def why_unavailable(name: str, ctx: GroupContext, device: torch.device, dtype: t
 def runnable(ctx: GroupContext, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     """Strategies that can run for this group, device and dtype (always includes 'unfused')."""
     return tuple(s for s in STRATEGY_NAMES if why_unavailable(s, ctx, device, dtype) is None)
+
+
+def implemented() -> tuple[str, ...]:
+    """Names of the strategies this build contains (the planner chooses only among these)."""
+    return IMPLEMENTED_NAMES

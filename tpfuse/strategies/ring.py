@@ -155,7 +155,8 @@ def _row_bounds(m: int, world_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _reduce_scatter_gemm(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, bounds: list[tuple[int, int]]) -> torch.Tensor:
+def _reduce_scatter_gemm(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, bounds: list[tuple[int, int]],
+                         op: str = "gemm_rs") -> torch.Tensor:
     """This rank's chunk ``bounds[rank]`` of ``sum over ranks of a @ b``, in the accumulation dtype."""
     world_size, rank = ctx.world_size, ctx.rank
     acc_dtype = accumulation_dtype(a.dtype)
@@ -172,7 +173,7 @@ def _reduce_scatter_gemm(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, bo
             with ring.rec.span("gemm", f"gemm_rs chunk {dest}", device=ring.device, chunk=dest):
                 partial = torch.matmul(a[lo:hi], b).to(acc_dtype)
         if works:
-            ring.finish(works, f"gemm_rs step {step}")
+            ring.finish(works, f"{op} step {step}")
         if incoming is not None:
             if ring.rec is None:
                 partial += incoming
@@ -184,7 +185,7 @@ def _reduce_scatter_gemm(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, bo
         next_dest = (rank - 2 - step) % world_size
         incoming = new_output((bounds[next_dest][1] - bounds[next_dest][0], n), dtype=acc_dtype, device=a.device)
         in_flight = partial  # keep the send buffer alive until its exchange has finished
-        works = ring.start(in_flight, incoming, f"gemm_rs step {step}", chunk=dest)
+        works = ring.start(in_flight, incoming, f"{op} step {step}", chunk=dest)
     raise AssertionError("unreachable")
 
 
@@ -205,7 +206,7 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
         return torch.matmul(a, b)
     world_size, rank = ctx.world_size, ctx.rank
     bounds = _row_bounds(m, world_size)
-    mine = _reduce_scatter_gemm(a, b, ctx, bounds)
+    mine = _reduce_scatter_gemm(a, b, ctx, bounds, "gemm_ar")
     c = new_output((m, n), dtype=a.dtype, device=a.device)
     lo, hi = bounds[rank]
     c[lo:hi].copy_(mine)

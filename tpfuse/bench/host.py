@@ -1,0 +1,165 @@
+"""Host overhead of tpfuse's eager dispatch (issue 22.2): what one ``tpfuse.<op>`` call costs on
+the host beyond calling its strategy directly.
+
+    python -m tpfuse.bench.host [--device cuda] [--calls 2000] [--json out.json]
+
+(starts a one-rank process group when none is initialized; under ``torchrun`` it uses the
+group it finds).  Or from code::
+
+    from tpfuse.bench.host import measure_host_overhead
+    row = measure_host_overhead("gemm_ar", strategy="unfused", m=128, n=256, k=256, device="cuda")
+    row["overhead_us"]        # tpfuse.gemm_ar(...) minus strategies.unfused.gemm_ar(...) per call
+
+Host time per call is the wall time of ``calls`` back-to-back calls divided by ``calls``, taken
+before the device is synchronized: with tiny shapes the GPU runs ahead of nothing, so this is
+the time the host spends issuing.  Each variant is timed ``rounds`` times, interleaved, and the
+median kept.  Timed variants:
+
+| key | what runs |
+|---|---|
+| ``tpfuse_us`` | ``tpfuse.<op>(a, b, strategy=s)``: validate (cached per shape), decide (cached per signature), dispatch |
+| ``direct_us`` | ``tpfuse.strategies.<s>.<op>(a, b, ctx)``: the strategy's own launches and collectives |
+| ``custom_op_us`` | ``torch.ops.tpfuse.<op>(a, b, group_name, s)``: the torch.library dispatcher path |
+| ``bare_us`` | ``torch.matmul`` plus the plain collective in the input dtype (what users run today) |
+| ``matmul_us`` | ``torch.matmul`` alone |
+
+``overhead_us = tpfuse_us - direct_us`` is the number the 25 us budget is about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["measure_host_overhead", "main"]
+
+
+def _per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    sync()
+    return elapsed / calls * 1e6
+
+
+def measure_host_overhead(op: str = "gemm_ar", *, strategy: str = "unfused", m: int = 128, n: int = 256,
+                          k: int = 256, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+                          group: dist.ProcessGroup | None = None, calls: int = 2000, rounds: int = 5,
+                          warmup: int = 100) -> dict:
+    """Per-call host time (us) of ``tpfuse.<op>`` against calling its strategy directly.
+
+    ``m`` is the full M (``ag_gemm``'s shard is ``m / W`` rows); ``n``, ``k`` local.  Needs an
+    initialized process group (``group``, default WORLD); every rank of it must call this.
+    Returns a dict with the keys of the module docstring plus the call's description.
+    """
+    import tpfuse
+    from tpfuse import strategies
+    from tpfuse._dist import all_gather_rows, group_context, reduce_scatter_rows
+
+    if op not in ("ag_gemm", "gemm_rs", "gemm_ar"):
+        raise ValueError(f"op: unknown op {op!r}; use ag_gemm, gemm_rs or gemm_ar")
+    if calls < 1 or rounds < 1:
+        raise ValueError(f"calls, rounds: {calls}, {rounds} must be >= 1")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' but no CUDA GPU is visible; pass device='cpu'")
+        sync = torch.cuda.synchronize
+    else:
+        def sync() -> None:
+            return None
+    ctx = group_context(group)
+    w = ctx.world_size
+    if op != "gemm_ar" and m % w:
+        raise ValueError(f"m: {m} must be divisible by the world size {w} for {op}")
+    rows = m // w if op == "ag_gemm" else m
+    a = torch.randn(rows, k, device=dev, dtype=dtype)
+    b = torch.randn(n, k, device=dev, dtype=dtype).t()  # a weight.t() view, as layers pass it
+    public = getattr(tpfuse, op)
+    module = strategies.get(strategy)
+    direct = getattr(module, op)
+    custom = getattr(torch.ops.tpfuse, op)
+
+    def bare() -> object:
+        if op == "ag_gemm":
+            full = torch.empty(m, k, device=dev, dtype=dtype)
+            if w > 1:
+                all_gather_rows(full, a, ctx.group)
+            return torch.matmul(full, b)
+        c = torch.matmul(a, b)
+        if w == 1:
+            return c
+        if op == "gemm_rs":
+            out = torch.empty(m // w, n, device=dev, dtype=dtype)
+            reduce_scatter_rows(out, c, ctx.group)
+            return out
+        dist.all_reduce(c, group=ctx.group)
+        return c
+
+    variants = {
+        "tpfuse_us": lambda: public(a, b, group, strategy=strategy),
+        "direct_us": lambda: direct(a, b, ctx),
+        "custom_op_us": lambda: custom(a, b, ctx.group_name, strategy),
+        "bare_us": bare,
+        "matmul_us": lambda: torch.matmul(a, b),
+    }
+    with torch.no_grad():
+        for fn in variants.values():
+            for _ in range(warmup):
+                fn()
+        samples: dict[str, list[float]] = {key: [] for key in variants}
+        for _ in range(rounds):  # interleaved, so that clock and load drift hit every variant alike
+            for key, fn in variants.items():
+                samples[key].append(_per_call_us(fn, calls, sync))
+    row = {key: statistics.median(v) for key, v in samples.items()}
+    row["overhead_us"] = row["tpfuse_us"] - row["direct_us"]
+    row["dispatcher_us"] = row["custom_op_us"] - row["direct_us"]
+    row.update(op=op, strategy=strategy, m=m, n=n, k=k, dtype=str(dtype).removeprefix("torch."),
+               device=str(dev), world_size=w, backend=ctx.backend, calls=calls, rounds=rounds,
+               torch=torch.__version__,
+               device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tpfuse.bench.host", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--ops", nargs="+", default=["ag_gemm", "gemm_rs", "gemm_ar"])
+    parser.add_argument("--strategies", nargs="+", default=["unfused", "ring"])
+    parser.add_argument("--m", type=int, default=128)
+    parser.add_argument("--n", type=int, default=256)
+    parser.add_argument("--k", type=int, default=256)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo", rank=0, world_size=1)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    rows = [measure_host_overhead(op, strategy=s, m=args.m, n=args.n, k=args.k, dtype=dtype,
+                                  device=args.device, calls=args.calls)
+            for op in args.ops for s in args.strategies]
+    if dist.get_rank() == 0:
+        for r in rows:
+            print(f"{r['op']:8s} {r['strategy']:8s} tpfuse {r['tpfuse_us']:7.2f} us  direct {r['direct_us']:7.2f}  "
+                  f"overhead {r['overhead_us']:6.2f}  custom op {r['custom_op_us']:7.2f}  bare {r['bare_us']:7.2f}  "
+                  f"matmul {r['matmul_us']:6.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
