@@ -46,6 +46,18 @@ def _check_strategies(args: argparse.Namespace) -> None:
             raise _UsageError(f"--strategies: unknown strategy {name!r}; choose from auto, {', '.join(STRATEGY_NAMES)}")
 
 
+def _check_hardware(args: argparse.Namespace) -> None:
+    """``--hardware``: "auto" or a known planner profile, before any cell runs."""
+    if args.hardware == "auto":
+        return
+    from tpfuse.model.hardware import get_profile
+
+    try:
+        get_profile(args.hardware)
+    except ValueError as exc:
+        raise _UsageError(f"--hardware: {exc}") from None
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
     pngs = [p for p in (getattr(args, "png", None), getattr(args, "timeline", None)) if p]
     for p in pngs:
@@ -109,6 +121,7 @@ def _ops(args: argparse.Namespace) -> int:
     _positive(args, "warmup", minimum=0)
     _check_outputs(args)
     _check_strategies(args)
+    _check_hardware(args)
     given = {k: v for k, v in {
         "world_size": args.world_size, "models": tuple(args.models) if args.models else None,
         "phases": tuple(args.phases) if args.phases else None,
