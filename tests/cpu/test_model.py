@@ -328,3 +328,13 @@ def test_symmetric_replay_equals_the_full_one(op, strategy, graph):
     assert fast.makespan_ms == pytest.approx(full.makespan_ms, rel=1e-12)
     assert fast.fill_ms == pytest.approx(full.fill_ms) and fast.drain_ms == pytest.approx(full.drain_ms)
     assert len(fast.tasks) < len(full.tasks) / (w - 1)
+
+
+def test_nccl_fit_reads_the_bench_rows_of_today_once_per_cell():
+    from tpfuse.model.nccl_fit import comm_rows_from_bench
+
+    row = {"cell": "8b-prefill-fc1-tp2", "op": "ag_gemm", "m": 64, "n": 8, "k": 16, "world_size": 2,
+           "dtype": "bf16", "comm_ms": 0.1}
+    rows = comm_rows_from_bench({"rows": [dict(row, strategy="unfused", ms=0.3), dict(row, strategy="ring", ms=0.2),
+                                          dict(row, cell="other", comm_ms=None)]})
+    assert [(r.name, r.kind, r.ms) for r in rows] == [("8b-prefill-fc1-tp2", "all_gather", 0.1)]

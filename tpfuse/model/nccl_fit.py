@@ -50,10 +50,20 @@ class NcclFitResult:
 
 
 def comm_rows_from_bench(data: Mapping[str, Any]) -> list[CommRow]:
-    """The "comm alone" rows of a ``tpfuse bench`` JSON ({meta, rows}); rows without it are skipped."""
+    """The "comm alone" rows of a ``tpfuse bench`` JSON ({meta, rows}); rows without it are skipped.
+
+    Reads both row formats: today's (one row per cell and strategy, ``comm_ms``; one measurement
+    per ``cell`` taken) and the one before 2026-12-01 (``ms: {"comm_alone": ...}``)."""
     out = []
+    seen_cells = set()
     for row in data.get("rows", []):
-        ms = row.get("ms", {}).get("comm_alone")
+        timings = row.get("ms")
+        ms = timings.get("comm_alone") if isinstance(timings, Mapping) else row.get("comm_ms")
+        if "cell" in row:
+            if row["cell"] in seen_cells:
+                continue
+            if ms is not None:
+                seen_cells.add(row["cell"])
         w = int(row.get("world_size", 1))
         if ms is None or w < 2 or row.get("op") not in _COLLECTIVE:
             continue
@@ -61,7 +71,8 @@ def comm_rows_from_bench(data: Mapping[str, Any]) -> list[CommRow]:
         elt = DTYPE_BYTES[row.get("dtype", "bf16")]
         kind = _COLLECTIVE[row["op"]]
         total = m * k * elt if kind == "all_gather" else m * n * elt
-        out.append(CommRow(row.get("name", row["op"]), kind, w, nccl_bytes_per_rank(kind, total, w), float(ms)))
+        name = row.get("cell", row.get("name", row["op"]))
+        out.append(CommRow(name, kind, w, nccl_bytes_per_rank(kind, total, w), float(ms)))
     return out
 
 
