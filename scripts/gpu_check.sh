@@ -35,6 +35,10 @@ step gpu_tests timeout "${TESTS_LIMIT_S:-400}" $PY -m pytest -q -p no:cacheprovi
 if [ "${SKIP_BED:-0}" != 1 ]; then
   nvidia-cuda-mps-control -d >/dev/null 2>&1; mps_started=$?
   step symm_bed timeout "${BED_LIMIT_S:-600}" $PY tests/gpu/bed.py --world-sizes ${BED_WORLD_SIZES:-2 4} ${BED_ARGS:-} --out "$OUT/symm_1gpu.json"
+  if [ "${1:-}" != "quick" ]; then   # bed-only numbers (not multi-GPU timings): the bench in the bed
+    step bench_bed timeout "${BENCH_BED_LIMIT_S:-240}" $PY -m tpfuse bench --bed 2 --quick --json "$OUT/bench_bed2.json" \
+      --png "$OUT/bench_bed2.png" --timeline "$OUT/bench_bed2_timeline.png"
+  fi
   [ "$mps_started" = 0 ] && echo quit | nvidia-cuda-mps-control
 fi
 if [ "${SKIP_DEMO:-0}" != 1 ]; then
@@ -48,6 +52,7 @@ if [ "${1:-}" != "quick" ]; then
   if [ "$GPUS" -ge 2 ]; then  # every strategy on the workload matrix at W = GPUs
     step bench timeout "${STRAT_LIMIT_S:-200}" $PY -m tpfuse bench --world-size "$GPUS" --out "$OUT"
   fi
+  step host_overhead timeout "${HOST_LIMIT_S:-120}" $PY -m tpfuse.bench.host --device cuda --json "$OUT/host_overhead.json"
   step gemm_bench timeout "${BENCH_LIMIT_S:-420}" $PY benchmarks/gemm_core.py --out "$OUT" --tune-rep 10 --rep 20 --rounds "${BENCH_ROUNDS:-9}"
   if [ "${CALIBRATE:-0}" = 1 ]; then
     step calibrate timeout "${CALIB_LIMIT_S:-300}" $PY benchmarks/calibrate_gemm.py --out "$OUT"
