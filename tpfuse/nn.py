@@ -235,8 +235,15 @@ class _ParallelLinear(nn.Module):
             x2d = self._flatten(x, local_in)
             return x2d, traced_strategy(op, self.strategy, a(x2d), b, ctx)
         if not _checks.agreement_enabled(ctx):
-            x2d = self._flatten(x, local_in)
-            return x2d, resolve_strategy(op, self.strategy, a(x2d), b, ctx)
+            try:
+                x2d = self._flatten(x, local_in)
+                a_t = a(x2d)
+            except (TypeError, ValueError) as exc:
+                # posted, as the ops post theirs: peers deciding a new signature learn of it at
+                # once instead of waiting out the round's timeout
+                _checks.agree(ctx, f"{type(self).__name__} ({op})", exc, None)
+                raise
+            return x2d, resolve_strategy(op, self.strategy, a_t, b, ctx)
         error: Exception | None = None
         x2d, chosen, signature = None, "unfused", None
         try:

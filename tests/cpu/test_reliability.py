@@ -354,3 +354,27 @@ def test_fake_tensor_shape_propagation_on_one_rank(pools):
     for mode in ("on", "off"):
         results = pools(mode, 2).run(fake_shapes_on_one_rank, timeout=JOB_TIMEOUT)
         assert results[0][0] == (6, 3) and all(r[1:] == ((6, 3), 10.0) for r in results), results
+
+
+def layer_bad_input_on_one_rank(rank, world_size, rows):
+    """A ColumnParallelLinear call of a new signature where the last rank's input has the wrong
+    feature size (a local error, before any round)."""
+    layer = tpfuse.nn.ColumnParallelLinear(16, 8, bias=False)
+    x = torch.randn(rows, 16 if rank != world_size - 1 else 15)
+    t0 = time.monotonic()
+    try:
+        layer(x)
+    except (TypeError, ValueError) as exc:
+        return type(exc).__name__, str(exc)[:300], time.monotonic() - t0
+    return None, "", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_layer_bad_input_on_one_rank_raises_on_every_rank_at_once(pools, mode):
+    """tpfuse.nn with the per-call round off (the NCCL default): the bad rank posts its error, so
+    a peer deciding the new signature raises at once instead of waiting out the round's bound."""
+    rows = 6 if mode == "on" else 10   # a fresh signature per mode
+    for rank, (kind, text, seconds) in enumerate(pools(mode, 2).run(layer_bad_input_on_one_rank, rows,
+                                                                     timeout=JOB_TIMEOUT)):
+        assert kind == "ValueError", (rank, kind, text)
+        assert seconds < 10, f"rank {rank} waited {seconds:.1f} s: {text}"
