@@ -175,6 +175,8 @@ def _bad_call(case: str, rank: int, world_size: int):
         return lambda: tpfuse.gemm_rs(a.repeat(world_size, 1), b, strategy="magic")
     if case == "copy_engine_on_gloo":
         return lambda: tpfuse.ag_gemm(a, b, strategy="copy_engine")
+    if case == "fused_on_gloo":
+        return lambda: tpfuse.gemm_rs(a.repeat(world_size, 1), b, strategy="fused")
     if case == "fused_fp64":
         return lambda: tpfuse.gemm_ar(a.double(), b.double(), strategy="fused")
     if case == "return_gathered_not_bool":
@@ -193,6 +195,7 @@ BAD_CASES = {
     "dtype_mismatch": (TypeError, "cast"), "int_dtype": (TypeError, "not supported"),
     "k_mismatch": (ValueError, "weight.t()"), "m_not_divisible": (ValueError, "divisible"),
     "unknown_strategy": (ValueError, "magic"), "copy_engine_on_gloo": (ValueError, "symmetric memory"),
+    "fused_on_gloo": (ValueError, "fused needs CUDA symmetric memory"),
     "fused_fp64": (ValueError, "float64"), "return_gathered_not_bool": (TypeError, "return_gathered"),
     "bad_group": (TypeError, "ProcessGroup"), "one_rank_bad": (ValueError, "invalid input on rank(s) [1]"),
     "ranks_disagree": (ValueError, "disagree"),
