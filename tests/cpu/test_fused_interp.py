@@ -6,11 +6,8 @@ from __future__ import annotations
 import os
 import sys
 
-_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"   # before any triton import
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the interpreter tests need it")
 
@@ -26,7 +23,8 @@ _KERNELS = ("tpfuse.kernels.gemm", "tpfuse.kernels.signals", "tpfuse.kernels.fla
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter():
-    os.environ["TRITON_INTERPRET"] = "1"
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"   # the kernel modules are decorated afresh under it
     os.environ["TPFUSE_TIMEOUT_S"] = "0.05"
     symm.timeout_s.cache_clear()
     for name in _KERNELS:
@@ -37,10 +35,10 @@ def _interpreter():
     fused.set_options(fused.FusedOptions())
     os.environ.pop("TPFUSE_TIMEOUT_S", None)
     symm.timeout_s.cache_clear()
-    if _PREV_INTERPRET is None:
+    if previous is None:
         os.environ.pop("TRITON_INTERPRET", None)
     else:
-        os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
+        os.environ["TRITON_INTERPRET"] = previous
     for name in _KERNELS:
         sys.modules.pop(name, None)
     device.triton_modules.cache_clear()

@@ -7,11 +7,8 @@ from __future__ import annotations
 import os
 import sys
 
-_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"   # before any triton import
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the interpreter tests need it")
 
@@ -24,8 +21,8 @@ _KERNELS = ("tpfuse.kernels.flags", "tpfuse.kernels.reduce", "tpfuse.kernels.sig
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter():
     """Run the kernels under TRITON_INTERPRET=1 (decorated afresh, and dropped after)."""
-    previous = _PREV_INTERPRET
-    os.environ["TRITON_INTERPRET"] = "1"
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"   # the kernel modules are decorated afresh under it
     os.environ["TPFUSE_TIMEOUT_S"] = "0.05"        # the interpreter spins ~1 ms a round
     symm.timeout_s.cache_clear()
     for name in _KERNELS:
