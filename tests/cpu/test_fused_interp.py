@@ -3,8 +3,6 @@ standing in for W ranks' symmetric allocations (tpfuse/symm.py), signals pre-set
 would raise them.  The protocol itself runs on the GPU bed (tests/gpu/bed.py)."""
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
@@ -13,46 +11,25 @@ pytest.importorskip("triton", reason="triton is not installed; the interpreter t
 
 from tpfuse import symm, testing  # noqa: E402
 from tpfuse.gemm import GemmConfig, WaitSpec, matmul  # noqa: E402
-from tpfuse.gemm import device  # noqa: E402
 from tpfuse.strategies import fused  # noqa: E402
 from tpfuse.strategies.ring import _row_bounds  # noqa: E402
 
+from _symm_interp import fake_ranks, interpreted  # noqa: E402
+
 CFG = GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
-_KERNELS = ("tpfuse.kernels.gemm", "tpfuse.kernels.signals", "tpfuse.kernels.flags", "tpfuse.kernels.reduce")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter():
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"   # the kernel modules are decorated afresh under it
-    os.environ["TPFUSE_TIMEOUT_S"] = "0.05"
-    symm.timeout_s.cache_clear()
-    for name in _KERNELS:
-        sys.modules.pop(name, None)
-    device.triton_modules.cache_clear()
-    fused.set_options(fused.FusedOptions(num_sms=2))   # 2 programs: each loops over several tiles
-    yield
-    fused.set_options(fused.FusedOptions())
-    os.environ.pop("TPFUSE_TIMEOUT_S", None)
-    symm.timeout_s.cache_clear()
-    if previous is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = previous
-    for name in _KERNELS:
-        sys.modules.pop(name, None)
-    device.triton_modules.cache_clear()
+    with interpreted():
+        fused.set_options(fused.FusedOptions(num_sms=2))   # 2 programs: each loops over several tiles
+        yield
+        fused.set_options(fused.FusedOptions())
 
 
 class _Ctx:
     def __init__(self, rank, world_size):
         self.rank, self.world_size, self.group_name = rank, world_size, "fake"
-
-
-def _ranks(world_size, capacity, dtype):
-    buffers = [torch.zeros(symm.FLAG_BYTES + capacity, dtype=torch.uint8) for _ in range(world_size)]
-    return [symm.Workspace(symm.WorkspaceSpec("g", "gemm_rs", dtype, torch.device("cpu"), r, world_size, capacity),
-                           buffers) for r in range(world_size)]
 
 
 @pytest.mark.parametrize("world_size, shard, n, k", [(2, 37, 24, 40), (3, 16, 33, 20)])
@@ -63,7 +40,7 @@ def test_fused_gemm_rs_routes_every_owners_rows_to_its_inbox_and_reduces_in_rank
     the interpreter rounds float32 -> bfloat16 toward zero (the GPU to nearest)."""
     dtype = torch.float16
     m = world_size * shard
-    ws = _ranks(world_size, world_size * shard * n * 2, dtype)
+    ws = fake_ranks(world_size, world_size * shard * n * 2, dtype)
     g = torch.Generator().manual_seed(world_size)
     a = [torch.randn(m, k, generator=g).to(dtype) for _ in range(world_size)]
     b = [torch.randn(n, k, generator=g).to(dtype).t() for _ in range(world_size)]   # weight.t()

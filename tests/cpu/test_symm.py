@@ -4,8 +4,6 @@ broken-workspace handling, and copy_engine's refusal on CPU groups.  The protoco
 on the GPU bed (tests/gpu/bed.py)."""
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
@@ -15,34 +13,18 @@ pytest.importorskip("triton", reason="triton is not installed; the interpreter t
 from tpfuse import symm  # noqa: E402
 from tpfuse.strategies import copy_engine  # noqa: E402
 
-_KERNELS = ("tpfuse.kernels.flags", "tpfuse.kernels.reduce", "tpfuse.kernels.signals")
-
+from _symm_interp import fake_ranks, interpreted  # noqa: E402
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter():
     """Run the kernels under TRITON_INTERPRET=1 (decorated afresh, and dropped after)."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"   # the kernel modules are decorated afresh under it
-    os.environ["TPFUSE_TIMEOUT_S"] = "0.05"        # the interpreter spins ~1 ms a round
-    symm.timeout_s.cache_clear()
-    for name in _KERNELS:
-        sys.modules.pop(name, None)
-    yield
-    os.environ.pop("TPFUSE_TIMEOUT_S", None)
-    symm.timeout_s.cache_clear()
-    if previous is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = previous
-    for name in _KERNELS:
-        sys.modules.pop(name, None)
+    with interpreted():
+        yield
 
 
 def _ranks(world_size: int, capacity: int = 4096, dtype=torch.float32, op="gemm_rs"):
     """One Workspace per rank over shared CPU buffers (rank r's buffer is buffers[r] for all)."""
-    buffers = [torch.zeros(symm.FLAG_BYTES + capacity, dtype=torch.uint8) for _ in range(world_size)]
-    return [symm.Workspace(symm.WorkspaceSpec("g", op, dtype, torch.device("cpu"), r, world_size, capacity), buffers)
-            for r in range(world_size)]
+    return fake_ranks(world_size, capacity, dtype, op)
 
 
 def test_signal_writes_the_generation_into_each_peers_word():
