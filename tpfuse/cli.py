@@ -32,6 +32,8 @@ class _Progress:
     def __init__(self, name: str = "demo") -> None:
         self._name = name
         self._bar = None
+        if not sys.stderr.isatty():   # a log file: plain lines (rich would print nothing until the end)
+            return
         try:
             from rich.progress import Progress
 

@@ -33,8 +33,13 @@ def check_nulls_have_reasons(row: dict, fields) -> None:
 
 def test_bench_rows_every_field_in_one_run(pool, tmp_path):
     config = quick_config(phases=("decode",), iters=2, warmup=1, timeline=True)
-    result = run_bench(config, ranks=pool)
+    partial = []
+    result = run_bench(config, ranks=pool, on_cell=partial.append)
     rows = result["rows"]
+    # after the first of the two cells: its rows, marked incomplete (what a run cut short keeps)
+    assert len(partial) == 1 and partial[0]["meta"]["complete"] is False
+    assert partial[0]["meta"]["cells_done"] == 1 and partial[0]["rows"] == rows[:3]
+    assert result["meta"]["complete"] is True
     assert [(r["cell"], r["strategy"]) for r in rows] == [
         (cell, s) for cell in ("8b-decode-fc1-tp2", "8b-decode-fc2-tp2") for s in ("unfused", "ring", "auto")]
     for r in rows:

@@ -103,10 +103,12 @@ def _write_md(path: str | None, title: str, table: list[list[str]], meta: dict, 
     print(f"wrote {out}")
 
 
-def _write_json(result: dict, path: str) -> None:
+def _write_json(result: dict, path: str, quiet: bool = False) -> None:
     from tpfuse.bench.run import write_result
 
-    print(f"wrote {write_result(result, path)}")
+    written = write_result(result, path)
+    if not quiet:
+        print(f"wrote {written}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,7 +135,11 @@ def _ops(args: argparse.Namespace) -> int:
                      graph=not args.no_graph, timeline=bool(args.timeline))
     from tpfuse.cli import _print_table, _Progress
 
-    result = run_bench(config, progress=_Progress("bench") if _speaks() else None)
+    def partial(result: dict) -> None:   # a run cut short keeps the cells it finished
+        if args.json and _speaks():
+            _write_json(result, args.json, quiet=True)
+
+    result = run_bench(config, progress=_Progress("bench") if _speaks() else None, on_cell=partial)
     if not _speaks():
         return 0
     meta = result["meta"]

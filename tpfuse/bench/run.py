@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -91,6 +92,7 @@ class _CellJob:
     dtype: str
     mode: str
     graph: bool
+    progress: bool = False   # rank 0 prints each step of the cell on stderr (long GPU runs)
 
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -209,20 +211,27 @@ def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
         variants["@asynctp"] = asynctp
 
     # Keys: strategy names, and "@"-prefixed baselines (never a strategy name).
+    def say(step: str) -> None:
+        if job.progress and rank == 0:
+            print(f"  {w.name}: {step}", file=sys.stderr, flush=True)
+
     out: dict[str, dict] = {}
     working = {}
     for name, fn in variants.items():
+        say(f"first call of {name}")
         reason = common.attempt(lambda fn=fn: fn(0))
         if reason is None:
             working[name] = fn
         else:
             out[name] = {"reason": reason}
+    say(f"timing {len(working)} variants x {job.iters} calls")
     for name, (times, host) in common.timed_rounds(working, job.iters, job.warmup, device).items():
         out[name] = {"times": times, "host": host}
     for name in names:  # graph replay of the tpfuse calls that ran eagerly
         if name not in working:
             continue
         if job.graph:
+            say(f"graph replay of {name}")
             out[name]["graph"], out[name]["graph_reason"] = common.graph_timed(working[name], job.iters, device)
         else:
             out[name]["graph"], out[name]["graph_reason"] = None, ("no CUDA (graphs need a GPU)" if device.type != "cuda"
@@ -335,10 +344,12 @@ def _hardware(config: BenchConfig, setup: common.RankSetup):
     return detect(torch.device("cuda", 0)) if setup.device_type == "cuda" else get_profile("cpu-gloo")
 
 
-def run_bench(config: BenchConfig, progress=None, ranks=None) -> dict:
+def run_bench(config: BenchConfig, progress=None, ranks=None, on_cell=None) -> dict:
     """Run every cell on the ranks; returns ``{"meta", "rows"}`` (and ``"timeline"``: the first
     cell's recorded events, when ``config.timeline``).  ``ranks``: an open set of ranks (e.g. a
-    ``RankPool`` of the right kind) to reuse instead of starting new ones."""
+    ``RankPool`` of the right kind) to reuse instead of starting new ones.  ``on_cell(result)``
+    after every cell: the cells so far, ``meta["complete"]`` False (the CLI writes it, so a run
+    cut short keeps what it measured)."""
     setup = common.plan_ranks(config.world_size, config.device, config.bed)
     if ranks is not None:
         setup = replace(setup, world_size=ranks.world_size)
@@ -360,11 +371,15 @@ def run_bench(config: BenchConfig, progress=None, ranks=None) -> dict:
         for i, w in enumerate(cells):
             if progress is not None:
                 progress(i, len(cells), w.name)
-            job = _CellJob(w, config.strategies, config.iters, config.warmup, dtype, setup.mode, config.graph)
+            job = _CellJob(w, config.strategies, config.iters, config.warmup, dtype, setup.mode, config.graph,
+                           progress=progress is not None)
             per_rank = pool.run(cell_job, job, timeout=1800)
             p = tpfuse.plan(w.op, m=w.m, n=w.n, k=w.k, world_size=w.world_size, dtype=dtype, hardware=hw)
             rows += _rows_for_cell(w, per_rank, dict(p.predicted_ms), dtype)
             not_runnable.update(per_rank[0].get("unavailable", {}))
+            if on_cell is not None and i + 1 < len(cells):
+                on_cell({"meta": {**meta, "complete": False, "cells_done": i + 1, "cells": len(cells)},
+                         "rows": list(rows)})
             if config.timeline and i == 0:
                 ran = tuple(r["strategy"] for r in rows if r["ms"] is not None and r["strategy"] != "auto")
                 events = [ev for rank_events in pool.run(timeline_job, replace(job, strategies=ran), timeout=600)
@@ -375,6 +390,7 @@ def run_bench(config: BenchConfig, progress=None, ranks=None) -> dict:
     for r in rows:
         if r["ms"] is None:
             skipped.setdefault(r["strategy"], r["reasons"]["ms"])
+    meta["complete"] = True
     meta["strategies_not_run"] = skipped
     meta["strategies_not_runnable"] = not_runnable
     result = {"meta": meta, "rows": rows}
