@@ -98,3 +98,71 @@ def test_fused_refuses_float32_and_the_sm_budget_knob_is_checked():
     with pytest.raises(TypeError, match="FusedOptions"):
         fused.set_options({"num_sms": 4})
     assert _row_bounds(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+
+@pytest.mark.parametrize("world_size, m_shard, pieces", [(2, 37, 1), (2, 37, 3), (4, 37, 4), (3, 16, 2), (4, 10, 10)])
+def test_fused_ag_pieces_cover_every_row_once_and_set_each_arrival_word_after_its_last_copy(world_size, m_shard,
+                                                                                            pieces):
+    """More chunks than ranks: fused.ag_gemm's copies cut at chunk boundaries (a chunk may
+    straddle two shards, e.g. 37 rows in 3 chunks of 13): every row is copied exactly once, from
+    its own shard, local shard first then rank+1, rank+2, ...; each chunk's word is set once,
+    after the last copy that touches it."""
+    chunk_m = -(-m_shard // pieces)
+    m = world_size * m_shard
+    for rank in range(world_size):
+        got = fused._ag_pieces(rank, world_size, m_shard, chunk_m)
+        covered = torch.zeros(m, dtype=torch.int32)
+        order = [(rank + i) % world_size for i in range(world_size)]
+        assert [p[0] for p in got] == sorted((p[0] for p in got), key=order.index)   # issue order
+        for src, lo, hi, chunk, _ in got:
+            assert src * m_shard <= lo < hi <= (src + 1) * m_shard
+            assert chunk * chunk_m <= lo and hi <= (chunk + 1) * chunk_m
+            covered[lo:hi] += 1
+        assert covered.eq(1).all()
+        lasts = [p[3] for p in got if p[4]]
+        assert sorted(lasts) == list(range(-(-m // chunk_m)))                   # one per chunk
+        for i, (_, _, _, chunk, last) in enumerate(got):
+            later = any(p[3] == chunk for p in got[i + 1:])
+            assert last == (not later)
+    if pieces == 1 and m_shard % chunk_m == 0:
+        assert [p[:4] for p in fused._ag_pieces(1, world_size, m_shard, chunk_m)] == [
+            (r, r * m_shard, (r + 1) * m_shard, r) for r in [(1 + i) % world_size for i in range(world_size)]]
+
+
+def test_fused_ag_gemm_waits_per_piece_with_more_chunks_than_ranks():
+    """The wait hook as fused.ag_gemm calls it with 3 pieces per rank (chunks of 13 rows over
+    shards of 37: chunks straddle shards and tiles straddle chunks): every word set -> the
+    product; the word of one chunk missing -> TimeoutError naming that chunk."""
+    world_size, m_shard, k, n, rank, pieces = 3, 37, 24, 40, 1, 3
+    chunk_m = -(-m_shard // pieces)
+    m = world_size * m_shard
+    num_chunks = -(-m // chunk_m)
+    g = torch.Generator().manual_seed(5)
+    a_full = torch.randn(m, k, generator=g).to(torch.float16)
+    b = torch.randn(n, k, generator=g).to(torch.float16).t()
+    arrived = torch.zeros(num_chunks, dtype=torch.int32)
+    for _, _, _, chunk, last in fused._ag_pieces(rank, world_size, m_shard, chunk_m):
+        if last:
+            arrived[chunk] = 1
+    out = torch.full((m, n), float("nan"), dtype=torch.float16)
+    start = rank * m_shard // chunk_m
+    matmul(a_full, b, out=out, config=CFG, tile_order="round", start_chunk=start,
+           wait=WaitSpec(signal=arrived, generation=1, chunk_m=chunk_m, max_spins=50, rank=rank), num_sms=2)
+    testing.assert_close(out, testing.Reference.of(a_full, b), dtype=torch.float16, what="fused ag_gemm, 3 pieces")
+    arrived[5] = 0
+    with pytest.raises(TimeoutError, match=r"chunk=5"):
+        matmul(a_full, b, out=out, config=CFG, tile_order="round", start_chunk=start,
+               wait=WaitSpec(signal=arrived, generation=1, chunk_m=chunk_m, max_spins=50, rank=rank), num_sms=2)
+
+
+def test_fused_options_chunks_per_rank_is_checked_and_pinned():
+    with pytest.raises(ValueError, match="chunks_per_rank"):
+        fused.FusedOptions(chunks_per_rank=0)
+    with pytest.raises(ValueError, match="chunks_per_rank"):
+        fused.FusedOptions(chunks_per_rank=True)
+    fused.set_options(fused.FusedOptions(num_sms=2, chunks_per_rank=4))
+    try:
+        assert fused.chunks_per_rank(37, 8, 8, 2, torch.float16, torch.device("cpu")) == 4
+        assert fused.chunks_per_rank(3, 8, 8, 2, torch.float16, torch.device("cpu")) == 3   # at most one row each
+    finally:
+        fused.set_options(fused.FusedOptions(num_sms=2))

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from tpfuse.bench import timeline
-from tpfuse.bench.timeline import TimelineEvent
+from tpfuse import timeline
+from tpfuse.timeline import TimelineEvent
 
 
 def test_recorder_is_off_by_default_and_one_at_a_time():

@@ -25,7 +25,7 @@ def test_shared_device_pool_puts_every_rank_on_cuda0():
 
 
 def test_cuda_spans_land_on_the_host_clock_in_order():
-    from tpfuse.bench import timeline
+    from tpfuse import timeline
 
     dev = torch.device("cuda", 0)
     a = torch.randn(2048, 2048, device=dev)

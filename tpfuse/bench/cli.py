@@ -166,7 +166,7 @@ def _ops(args: argparse.Namespace) -> int:
 def _write_timeline(result: dict, path: str) -> None:
     import json
 
-    from tpfuse.bench import timeline
+    from tpfuse import timeline
 
     tl = result["timeline"]
     events = [timeline.TimelineEvent.from_dict(e) for e in tl["events"]]

@@ -244,7 +244,7 @@ def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
 
 def timeline_job(rank: int, world_size: int, job: _CellJob) -> list[dict]:
     """Runs on every rank: one recorded call per strategy of the cell (after a warm-up call)."""
-    from tpfuse.bench import timeline
+    from tpfuse import timeline
 
     w = job.workload
     device = torch.device("cuda", torch.cuda.current_device()) if job.mode != "cpu-gloo" else torch.device("cpu")

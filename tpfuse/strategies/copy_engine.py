@@ -39,11 +39,11 @@ import os
 
 import torch
 
-from tpfuse import symm
+from tpfuse import symm, timeline
 from tpfuse._dist import GroupContext, breadcrumb, new_output
 from tpfuse.strategies.ring import _row_bounds
 
-__all__ = ["NAME", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar", "ar_mode"]
+__all__ = ["NAME", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar", "ar_mode", "gather_reduced"]
 
 NAME = "copy_engine"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -109,18 +109,23 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
     ws.signal(ws.outgoing("READY", peers))
     side.wait_stream(main)
     arrived = {}
+    dev = a_shard.device
     with torch.cuda.stream(side):
         for p in peers:
-            ws.wait(ws.incoming("READY", [p]), symm.WAIT_READY)
-            a_full[rows(p)].copy_(ws.data(p, (m_shard, k)))
+            with timeline.span("wait", f"READY {p}", device=dev, chunk=p):
+                ws.wait(ws.incoming("READY", [p]), symm.WAIT_READY)
+            with timeline.span("copy", f"pull {p}", device=dev, chunk=p):
+                a_full[rows(p)].copy_(ws.data(p, (m_shard, k)))
             arrived[p] = torch.cuda.Event()
             arrived[p].record(side)
         ws.signal(ws.outgoing("DONE", peers))
     a_full[rows(rank)].copy_(a_shard)
-    torch.matmul(a_shard, b, out=c[rows(rank)])
+    with timeline.span("gemm", f"GEMM {rank}", device=dev, chunk=rank):
+        torch.matmul(a_shard, b, out=c[rows(rank)])
     for p in peers:
         main.wait_event(arrived[p])
-        torch.matmul(a_full[rows(p)], b, out=c[rows(p)])
+        with timeline.span("gemm", f"GEMM {p}", device=dev, chunk=p):
+            torch.matmul(a_full[rows(p)], b, out=c[rows(p)])
     main.wait_stream(side)
     a_full.record_stream(side)
     _finish(ws, "ag_gemm", c, a_full)
@@ -139,19 +144,23 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, ws: s
         lo, hi = bounds[owner]
         return ws.data(owner, (slot_rows, n), offset=src * slot_rows * n)[: hi - lo]
 
+    dev = a.device
     side.wait_stream(main)
     for p in _peers(ctx):
         lo, hi = bounds[p]
-        part = torch.matmul(a[lo:hi], b)
+        with timeline.span("gemm", f"GEMM {p}", device=dev, chunk=p):
+            part = torch.matmul(a[lo:hi], b)
         done = torch.cuda.Event()
         done.record(main)
         with torch.cuda.stream(side):
             side.wait_event(done)
-            inbox(p, rank).copy_(part)
+            with timeline.span("copy", f"push {p}", device=dev, chunk=p):
+                inbox(p, rank).copy_(part)
             ws.signal(ws.outgoing("READY", [p]))
         part.record_stream(side)
     lo, hi = bounds[rank]
-    torch.matmul(a[lo:hi], b, out=inbox(rank, rank))
+    with timeline.span("gemm", f"GEMM {rank}", device=dev, chunk=rank):
+        torch.matmul(a[lo:hi], b, out=inbox(rank, rank))
     return [inbox(rank, src) for src in range(world_size)]
 
 
@@ -170,8 +179,7 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
     ws.begin(ws.incoming("DONE", peers))
     bounds = [(r * shard, (r + 1) * shard) for r in range(world_size)]
     sources = _scatter_partials(a, b, ctx, ws, bounds, shard)
-    ws.wait(ws.incoming("READY", peers), symm.WAIT_READY)
-    ws.reduce(("rs", shard, n), sources, c_shard)
+    reduce_inbox(ws, ("rs", shard, n), peers, sources, c_shard)
     ws.signal(ws.outgoing("DONE", peers))
     torch.cuda.current_stream().wait_stream(ws.stream)
     _finish(ws, "gemm_rs", c_shard)
@@ -194,10 +202,10 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
         ws = symm.get_workspace(ctx, "gemm_ar", a.dtype, a.device, m * n * a.element_size())
         breadcrumb("copy_engine gemm_ar (one-shot): computing the partial")
         ws.begin(ws.incoming("DONE", peers))
-        torch.matmul(a, b, out=ws.data(rank, (m, n)))
+        with timeline.span("gemm", "GEMM", device=a.device):
+            torch.matmul(a, b, out=ws.data(rank, (m, n)))
         ws.signal(ws.outgoing("READY", peers))
-        ws.wait(ws.incoming("READY", peers), symm.WAIT_READY)
-        ws.reduce(("ar1", m, n), [ws.data(src, (m, n)) for src in range(world_size)], c)
+        reduce_inbox(ws, ("ar1", m, n), peers, [ws.data(src, (m, n)) for src in range(world_size)], c)
         ws.signal(ws.outgoing("DONE", peers))
         _finish(ws, "gemm_ar", c)
         return c
@@ -214,10 +222,30 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
     breadcrumb("copy_engine gemm_ar (two-shot): computing partials")
     ws.begin(ws.incoming("DONE", peers))
     sources = _scatter_partials(a, b, ctx, ws, bounds, slot_rows)
-    ws.wait(ws.incoming("READY", peers), symm.WAIT_READY)
+    gather_reduced(ws, peers, sources, bounds, gathered, c)
+    _finish(ws, "gemm_ar", c)
+    return c
+
+
+def reduce_inbox(ws: symm.Workspace, key: tuple, peers: list[int], sources: list[torch.Tensor],
+                 out: torch.Tensor) -> None:
+    """Wait for every peer's READY, then ``out`` = the float32 sum of ``sources`` in rank order."""
+    with timeline.span("wait", "READY all", device=out.device):
+        ws.wait(ws.incoming("READY", peers), symm.WAIT_READY)
+    with timeline.span("reduce", "reduce", device=out.device):
+        ws.reduce(key, sources, out)
+
+
+def gather_reduced(ws: symm.Workspace, peers: list[int], sources: list[torch.Tensor],
+                   bounds: list[tuple[int, int]], gathered, c: torch.Tensor) -> None:
+    """Phase 2 of the two-shot gemm_ar (shared with ``fused``): once this rank's inbox is full
+    (READY) and every peer has pulled the last call's reduced chunk (DONE2, lag 1), reduce the
+    inbox into this rank's gather slot ``gathered(rank)``, free the inbox (DONE), announce the
+    chunk (READY2), and pull every peer's reduced chunk into ``c`` on the side stream."""
+    rank = ws.rank
     ws.wait(ws.incoming("DONE2", peers), symm.WAIT_CREDIT2, lag=1)
     mine = gathered(rank)
-    ws.reduce(("ar2", m, n), sources, mine)
+    reduce_inbox(ws, ("ar2",) + tuple(c.shape), peers, sources, mine)
     ws.signal(ws.outgoing("DONE", peers))
     ws.signal(ws.outgoing("READY2", peers))
     lo, hi = bounds[rank]
@@ -226,11 +254,11 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for p in peers:
-            ws.wait(ws.incoming("READY2", [p]), symm.WAIT_READY2)
+            with timeline.span("wait", f"READY2 {p}", device=c.device, chunk=p):
+                ws.wait(ws.incoming("READY2", [p]), symm.WAIT_READY2)
             plo, phi = bounds[p]
-            c[plo:phi].copy_(gathered(p))
+            with timeline.span("copy", f"pull {p}", device=c.device, chunk=p):
+                c[plo:phi].copy_(gathered(p))
         ws.signal(ws.outgoing("DONE2", peers))
     torch.cuda.current_stream().wait_stream(side)
     c.record_stream(side)
-    _finish(ws, "gemm_ar", c)
-    return c

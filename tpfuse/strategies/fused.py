@@ -30,12 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tpfuse import symm
+from tpfuse import symm, timeline
 from tpfuse._dist import GroupContext, breadcrumb, new_output
 from tpfuse.strategies import copy_engine
 from tpfuse.strategies.ring import _row_bounds
 
-__all__ = ["NAME", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar", "FusedOptions", "set_options", "sm_budget"]
+__all__ = ["NAME", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar", "FusedOptions", "set_options", "sm_budget",
+           "chunks_per_rank"]
 
 NAME = "fused"
 
@@ -45,14 +46,19 @@ class FusedOptions:
     """Knobs of the fused strategy (the CTA tile comes from the GEMM core's tuning).
 
     ``num_sms``: programs of the persistent GEMM (None: :func:`sm_budget`).
+    ``chunks_per_rank``: ``ag_gemm`` cuts every rank's shard into this many communication
+    chunks (copies, each with its arrival word; tiles wait per chunk), so the GEMM can start on
+    the first rows of a peer's shard before the rest has landed (None: :func:`chunks_per_rank`).
     """
 
     num_sms: int | None = None
+    chunks_per_rank: int | None = None
 
     def __post_init__(self):
-        if self.num_sms is not None and (isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int)
-                                         or self.num_sms < 1):
-            raise ValueError(f"FusedOptions.num_sms={self.num_sms!r}: must be a positive int or None")
+        for name in ("num_sms", "chunks_per_rank"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"FusedOptions.{name}={value!r}: must be a positive int or None")
 
 
 _OPTIONS = [FusedOptions()]
@@ -145,41 +151,83 @@ def _gemm_error(ws: symm.Workspace) -> torch.Tensor:
     return err
 
 
+def chunks_per_rank(m_shard: int, n: int, k: int, world_size: int, dtype: torch.dtype,
+                    device: torch.device) -> int:
+    """Pieces each rank's shard is cut into for ``ag_gemm`` (the communication chunk is
+    ``ceil(m_shard / pieces)`` rows): the pinned :class:`FusedOptions` value, else 1."""
+    pinned = _OPTIONS[0].chunks_per_rank
+    return max(1, min(pinned if pinned is not None else 1, m_shard))
+
+
+def _ag_pieces(rank: int, world_size: int, m_shard: int, chunk_m: int) -> list[tuple[int, int, int, int, bool]]:
+    """The copies of ag_gemm in issue order -- this rank's shard, then peers rank+1, rank+2, ...
+    -- cut at chunk boundaries: ``(src, lo, hi, chunk, last)`` for global rows ``[lo, hi)`` of
+    ``src``'s shard lying in chunk ``chunk`` (rows ``[chunk*chunk_m, (chunk+1)*chunk_m)`` of the
+    gathered A); ``last``: no later piece touches that chunk, so its arrival word may be set
+    after this copy.  A chunk may straddle two ranks' shards."""
+    order = [(rank + i) % world_size for i in range(world_size)]
+    pieces = []
+    for src in order:
+        lo, hi = src * m_shard, (src + 1) * m_shard
+        for chunk in range(lo // chunk_m, (hi - 1) // chunk_m + 1):
+            pieces.append([src, max(lo, chunk * chunk_m), min(hi, (chunk + 1) * chunk_m), chunk, True])
+    seen = set()
+    for piece in reversed(pieces):
+        piece[4] = piece[3] not in seen
+        seen.add(piece[3])
+    return [tuple(p) for p in pieces]
+
+
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[torch.Tensor, torch.Tensor]:
     from tpfuse.gemm import WaitSpec, matmul
 
     world_size, rank = ctx.world_size, ctx.rank
     m_shard, k = a_shard.shape
-    if world_size == 1 or m_shard * k == 0 or b.shape[1] == 0:
+    n = b.shape[1]
+    if world_size == 1 or m_shard * k == 0 or n == 0:
         return copy_engine.ag_gemm(a_shard, b, ctx)
-    a_full = new_output((world_size * m_shard, k), dtype=a_shard.dtype, device=a_shard.device)
-    c = new_output((world_size * m_shard, b.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
+    m = world_size * m_shard
+    a_full = new_output((m, k), dtype=a_shard.dtype, device=a_shard.device)
+    c = new_output((m, n), dtype=a_shard.dtype, device=a_shard.device)
+    dev = a_shard.device
+    pieces_per_rank = chunks_per_rank(m_shard, n, k, world_size, a_shard.dtype, dev)
+    chunk_m = -(-m_shard // pieces_per_rank)
+    pieces = _ag_pieces(rank, world_size, m_shard, chunk_m)
 
-    def rows(chunk: int) -> slice:
-        return slice(chunk * m_shard, (chunk + 1) * m_shard)
-
-    ws = symm.get_workspace(ctx, "ag_gemm", a_shard.dtype, a_shard.device, a_full[rows(0)].nbytes)
+    ws = symm.get_workspace(ctx, "ag_gemm", a_shard.dtype, dev, a_shard.nbytes)
     peers = [(rank + i) % world_size for i in range(1, world_size)]
-    arrived = _local_words(ws, "arrived", world_size)
+    arrived = _local_words(ws, "arrived", -(-m // chunk_m))
     error = _gemm_error(ws)
     main, side = torch.cuda.current_stream(), ws.stream
     breadcrumb("fused ag_gemm: publishing the local shard")
     ws.begin(ws.incoming("DONE", peers))
     ws.data(rank, (m_shard, k)).copy_(a_shard)
     ws.signal(ws.outgoing("READY", peers))
-    a_full[rows(rank)].copy_(a_shard)
-    _set_word(arrived, rank)
+    a_full[rank * m_shard:(rank + 1) * m_shard].copy_(a_shard)
+    for src, _, _, chunk, last in pieces:
+        if src == rank and last:
+            _set_word(arrived, chunk)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        for p in peers:
-            ws.wait(ws.incoming("READY", [p]), symm.WAIT_READY)
-            a_full[rows(p)].copy_(ws.data(p, (m_shard, k)))
-            _set_word(arrived, p)
+        waited = set()
+        for src, lo, hi, chunk, last in pieces:
+            if src == rank:
+                continue
+            if src not in waited:
+                with timeline.span("wait", f"READY {src}", device=dev, chunk=chunk):
+                    ws.wait(ws.incoming("READY", [src]), symm.WAIT_READY)
+                waited.add(src)
+            with timeline.span("copy", f"pull {src} rows {lo}:{hi}", device=dev, chunk=chunk):
+                base = src * m_shard
+                a_full[lo:hi].copy_(ws.data(src, (m_shard, k))[lo - base:hi - base])
+            if last:
+                _set_word(arrived, chunk)
         ws.signal(ws.outgoing("DONE", peers))
-    wait = WaitSpec(signal=arrived, generation=1, chunk_m=m_shard, timeout_ns=int(symm.timeout_s() * 1e9),
+    wait = WaitSpec(signal=arrived, generation=1, chunk_m=chunk_m, timeout_ns=int(symm.timeout_s() * 1e9),
                     max_spins=max(1, int(symm.timeout_s() * 1000)), error=error, rank=rank)
-    matmul(a_full, b, out=c, tile_order="round", start_chunk=rank, wait=wait, check=False,
-           num_sms=sm_budget(a_shard.device, world_size))
+    with timeline.span("gemm", "fused GEMM (waits per chunk)", device=dev):
+        matmul(a_full, b, out=c, tile_order="round", start_chunk=rank * m_shard // chunk_m, wait=wait,
+               check=False, num_sms=sm_budget(dev, world_size))
     arrived.zero_()
     main.wait_stream(side)
     a_full.record_stream(side)
@@ -214,8 +262,9 @@ def _fused_partials(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, ws: sym
         dests = [ws.data(owner, (slot_rows, n), offset=rank * slot_rows * n) for owner in range(world_size)]
         spec = EpilogueSpec.from_tensors(dests, sent, generation=1, chunk_m=chunk_m)
         ws.state[key] = spec
-    matmul(a, b, tile_order="owner", start_chunk=(rank + 1) % world_size, epilogue=spec,
-           num_sms=sm_budget(a.device, world_size))
+    with timeline.span("gemm", "fused GEMM (epilogue to owners)", device=a.device):
+        matmul(a, b, tile_order="owner", start_chunk=(rank + 1) % world_size, epilogue=spec,
+               num_sms=sm_budget(a.device, world_size))
     _local_words(ws, "sent", world_size).zero_()
     ws.signal(ws.outgoing("READY", [(rank + i) % world_size for i in range(1, world_size)]))
     return [inbox(rank, src) for src in range(world_size)]
@@ -234,8 +283,7 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
     ws.begin(ws.incoming("DONE", peers))
     bounds = [(r * shard, (r + 1) * shard) for r in range(world_size)]
     sources = _fused_partials(a, b, ctx, ws, bounds, shard)
-    ws.wait(ws.incoming("READY", peers), symm.WAIT_READY)
-    ws.reduce(("rs", shard, n), sources, c_shard)
+    copy_engine.reduce_inbox(ws, ("rs", shard, n), peers, sources, c_shard)
     ws.signal(ws.outgoing("DONE", peers))
     _finish(ws, "gemm_rs", _gemm_error(ws), c_shard)
     return c_shard
@@ -260,21 +308,6 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
     breadcrumb("fused gemm_ar: the GEMM stores into the owners' inboxes")
     ws.begin(ws.incoming("DONE", peers))
     sources = _fused_partials(a, b, ctx, ws, bounds, slot_rows)
-    ws.wait(ws.incoming("READY", peers), symm.WAIT_READY)
-    ws.wait(ws.incoming("DONE2", peers), symm.WAIT_CREDIT2, lag=1)
-    mine = gathered(rank)
-    ws.reduce(("ar2", m, n), sources, mine)
-    ws.signal(ws.outgoing("DONE", peers))
-    ws.signal(ws.outgoing("READY2", peers))
-    c[bounds[rank][0]:bounds[rank][1]].copy_(mine)
-    side = ws.stream
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for p in peers:
-            ws.wait(ws.incoming("READY2", [p]), symm.WAIT_READY2)
-            c[bounds[p][0]:bounds[p][1]].copy_(gathered(p))
-        ws.signal(ws.outgoing("DONE2", peers))
-    torch.cuda.current_stream().wait_stream(side)
-    c.record_stream(side)
+    copy_engine.gather_reduced(ws, peers, sources, bounds, gathered, c)
     _finish(ws, "gemm_ar", _gemm_error(ws), c)
     return c

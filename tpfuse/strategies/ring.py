@@ -17,7 +17,7 @@ exchange (the send data and the receive buffer are ready), the buffers are ``rec
 on it so the caching allocator cannot hand them out while in flight, and the compute stream
 waits for it before touching a received chunk.
 
-Under :func:`tpfuse.bench.timeline.recording` each step records its spans (lanes "gemm",
+Under :func:`tpfuse.timeline.recording` each step records its spans (lanes "gemm",
 "copy" = exchange posted .. finished, "wait" = the compute side waiting for it, "reduce"); off by
 default, one ``timeline.current()`` read per call when off.
 """
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse._dist import GroupContext, breadcrumb, new_output
-from tpfuse.bench import timeline
+from tpfuse import timeline
 from tpfuse.model import simulate
 from tpfuse.strategies.unfused import accumulation_dtype
 

@@ -7,19 +7,17 @@ the bench adds ``"call"`` around each op call.
 
 Recording is off by default and costs one module attribute read when off::
 
-    from tpfuse.bench import timeline
+    from tpfuse import timeline
     with timeline.recording() as rec:          # this process records
         tpfuse.ag_gemm(a_shard, b, strategy="ring")
     events = rec.events()                      # synchronizes CUDA, resolves events to ns
     timeline.to_chrome_trace(events)           # Perfetto / chrome://tracing JSON (a dict)
     timeline.draw(events, "out.png")           # one row per (rank, lane)
 
-Inside a strategy (the whole cost when off is the ``current()`` call)::
+Inside a strategy (the whole cost when off is one attribute read)::
 
-    rec = timeline.current()
-    if rec is not None:
-        with rec.span("gemm", f"chunk {c}", device=a.device, chunk=c):
-            ...
+    with timeline.span("gemm", f"chunk {c}", device=a.device, chunk=c):
+        ...
 
 Spans on a CPU device are timed with ``time.perf_counter_ns`` (CLOCK_MONOTONIC on Linux: one
 clock for every process of the host, so ranks line up).  Spans on a CUDA device record a pair of
@@ -42,7 +40,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-__all__ = ["TimelineEvent", "Recorder", "recording", "current", "to_chrome_trace", "draw", "LANES"]
+__all__ = ["TimelineEvent", "Recorder", "recording", "current", "span", "to_chrome_trace", "draw", "LANES"]
 
 # Drawing order of the lanes the strategies use; other lanes follow, sorted by name.
 LANES = ("call", "gemm", "copy", "wait", "reduce")
@@ -80,6 +78,15 @@ _SWITCH = _Switch()
 def current() -> Recorder | None:
     """The active recorder of this process, or None (the default: record nothing)."""
     return _SWITCH.recorder
+
+
+def span(lane: str, name: str, *, device: torch.device, chunk: int | None = None):
+    """The active recorder's :meth:`Recorder.span`, or a no-op context when nothing records or
+    a CUDA graph is being captured (a captured call records nothing; its replays neither)."""
+    rec = _SWITCH.recorder
+    if rec is None or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return contextlib.nullcontext()
+    return rec.span(lane, name, device=device, chunk=chunk)
 
 
 class Recorder:
