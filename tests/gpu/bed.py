@@ -4,7 +4,8 @@ W processes share cuda:0 under MPS with ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVIC
 gloo group that carries only the rendezvous (gloo cannot move CUDA tensors there; NCCL refuses
 two ranks on one GPU).  Every case compares against a float64 reference computed on every rank
 from shared seeds; outputs are poisoned (TPFUSE_POISON=1) so an unwritten element shows as NaN.
-Timings here are NOT multi-GPU timings and none are recorded.
+Timings here are NOT multi-GPU timings: the ``timing`` case records bed-only numbers (what
+fusion costs the GEMM before any link is in the way), labelled so in its rows.
 
     nvidia-cuda-mps-control -d
     python tests/gpu/bed.py --world-sizes 2 4 --out symm_1gpu.json
@@ -134,6 +135,118 @@ def case_shapes(rank, world_size, strategy, shapes, dtypes):
                 if op == "gemm_ar":
                     row["digest"] = _digest(out)
                 rows_out.append(row)
+    return rows_out
+
+
+def case_chunks(rank, world_size, strategy, shapes):
+    """More chunks than ranks (fused ag_gemm): each shard cut into 3 pieces, so chunks straddle
+    shards (37 rows -> chunks of 13) and tiles straddle chunks; then 1 piece again (the plan
+    and the arrival words must follow the knob)."""
+    from tpfuse.strategies import fused
+
+    rows_out = []
+    try:
+        for pieces in (3, 4, 1):
+            fused.set_options(fused.FusedOptions(chunks_per_rank=pieces))
+            for rows, k, n in shapes:
+                m = world_size * rows
+                prob = Problem(zlib.crc32(repr((rows, k, n, pieces)).encode()), world_size, m, k, n, torch.bfloat16)
+                out = _call("ag_gemm", strategy, prob, rank)
+                torch.cuda.synchronize()
+                err, tol, ok = _check("ag_gemm", out, prob, rank)
+                rows_out.append(dict(case=f"chunks_{pieces}_per_rank", op="ag_gemm", strategy=strategy,
+                                     world_size=world_size, dtype="bf16", shape=[m, n, k], passed=bool(ok),
+                                     max_rel_err=err, tolerance=tol, calls=1))
+    finally:
+        fused.set_options(fused.FusedOptions())
+    return rows_out
+
+
+def _time_ms(fn, reps, sync_ranks=True):
+    """Median ms per call of ``fn()`` over ``reps`` calls, each after a gloo barrier (every rank
+    calls, so the ranks' calls overlap as in a real step)."""
+    times = []
+    for _ in range(reps):
+        if sync_ranks:
+            torch.cuda.synchronize()
+            dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def case_timing(rank, world_size, strategy, cells, reps):
+    """Bed-only numbers (NOT multi-GPU timings): per Llama cell scaled to fit, the fused call
+    (every rank calling), and on rank 0 alone (the others wait in a barrier) the same GEMM with
+    its hooks on and signals pre-set at the same SM budget, the core without hooks at that
+    budget, the per-chunk cuBLAS GEMMs copy_engine issues, one cuBLAS GEMM; and the copy_engine
+    call.  Plus the spans of one recorded fused call (GEMM, waits, reduce)."""
+    import tpfuse
+    from tpfuse import timeline
+    from tpfuse.gemm import EpilogueSpec, WaitSpec, matmul
+    from tpfuse.strategies import fused
+
+    if strategy != "fused":
+        return []
+    rows_out = []
+    budget = fused.sm_budget(_dev(), world_size)
+    for rows, k, n in cells:
+        m = world_size * rows
+        for op in ("ag_gemm", "gemm_rs"):
+            prob = Problem(zlib.crc32(repr(("timing", rows, k, n, op)).encode()), world_size, m, k, n, torch.bfloat16)
+            row = dict(case="timing", op=op, strategy="fused", world_size=world_size, dtype="bf16", shape=[m, n, k],
+                       sm_budget=budget, reps=reps)
+            for s in ("fused", "copy_engine"):
+                _call(op, s, prob, rank)                     # warm-up: workspace, JIT
+                row[f"{s}_ms"] = _time_ms(lambda s=s: _call(op, s, prob, rank), reps)
+            with timeline.recording(rank) as rec:
+                _call(op, "fused", prob, rank)
+            spans = {}
+            for ev in rec.events():
+                spans[ev.lane] = spans.get(ev.lane, 0.0) + (ev.end_ns - ev.start_ns) / 1e6
+            row["fused_spans_ms"] = {lane: round(v, 4) for lane, v in sorted(spans.items())}
+            dist.barrier()
+            if rank == 0:   # alone on the GPU
+                if op == "ag_gemm":
+                    a = prob.a
+                    b = prob.w[rank].t()
+                    arrived = torch.ones(world_size, dtype=torch.int32, device=_dev())
+                    out = torch.empty(m, n, dtype=a.dtype, device=_dev())
+                    wait = WaitSpec(signal=arrived, generation=1, chunk_m=rows)
+                    hooked = lambda: matmul(a, b, out=out, tile_order="round", start_chunk=rank, wait=wait,  # noqa: E731
+                                            check=False, num_sms=budget)
+                    chunks = [a[i * rows:(i + 1) * rows] for i in range(world_size)]
+                else:
+                    a = prob.a_rs[rank]
+                    b = prob.w[rank].t()
+                    dest = torch.empty(m, n, dtype=a.dtype, device=_dev())
+                    sent = torch.zeros(world_size, dtype=torch.int32, device=_dev())
+                    spec = EpilogueSpec.from_tensors([dest[i * rows:(i + 1) * rows] for i in range(world_size)],
+                                                     sent, generation=1, chunk_m=rows)
+                    hooked = lambda: matmul(a, b, tile_order="owner", start_chunk=(rank + 1) % world_size,  # noqa: E731
+                                            epilogue=spec, num_sms=budget)
+                    chunks = [a[i * rows:(i + 1) * rows] for i in range(world_size)]
+                plain_out = torch.empty(m, n, dtype=a.dtype, device=_dev())
+                variants = {
+                    "gemm_hooked_alone_ms": hooked,
+                    "gemm_core_alone_ms": lambda: matmul(a, b, out=plain_out, num_sms=budget),
+                    "per_chunk_cublas_alone_ms": lambda: [torch.matmul(x, b) for x in chunks],
+                    "cublas_alone_ms": lambda: torch.matmul(a, b, out=plain_out),
+                }
+                for name, fn in variants.items():
+                    for _ in range(3):
+                        fn()
+                    row[name] = _time_ms(fn, reps, sync_ranks=False)
+                    if name == "gemm_hooked_alone_ms" and op == "gemm_rs":
+                        sent.zero_()
+            dist.barrier()
+            row["passed"] = True
+            rows_out.append(row)
     return rows_out
 
 
@@ -293,6 +406,8 @@ def run_all(rank, world_size, strategy, quick, dead_peer=False, cases=None):
         ("straggler", lambda: case_straggler(rank, world_size, strategy, 12 if quick else 30)),
         ("graph", lambda: case_graph(rank, world_size, strategy, 5 if quick else 8)),
         ("asynctp", lambda: case_asynctp(rank, world_size, strategy)),
+        ("chunks", lambda: case_chunks(rank, world_size, strategy, shapes + llama[:1]) if strategy == "fused" else []),
+        ("timing", lambda: case_timing(rank, world_size, strategy, llama, 10 if quick else 30)),
     ]
     if dead_peer:   # its own pool: with the agreement check off (the NCCL default), see main()
         plan = [("dead_peer", lambda: case_dead_peer(rank, world_size, strategy))]
@@ -335,6 +450,9 @@ def aggregate(rows: list[dict]) -> list[dict]:
             out["min_tolerance"] = min(out.get("min_tolerance", float("inf")), row["tolerance"])
         if row.get("failures"):
             out["failures"] = out.get("failures", 0) + row["failures"]
+        if row.get("case") == "timing":   # every rank's call: the slowest rank's time
+            for key in ("fused_ms", "copy_engine_ms"):
+                out[key] = max(out.get(key) or 0.0, row.get(key) or 0.0)
         if row.get("case") == "dead_peer":
             out.setdefault("outcomes", {})[str(row.get("rank"))] = f"{row.get('outcome')} after {row.get('seconds')} s"
             out.pop("outcome", None)
@@ -347,7 +465,7 @@ def main(argv=None) -> int:
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cases", nargs="+", default=None,
-                        help="run only these cases (shapes llama stress straggler graph asynctp dead_peer)")
+                        help="run only these cases (shapes llama stress straggler graph asynctp chunks timing dead_peer)")
     parser.add_argument("--timeout", type=float, default=500)
     parser.add_argument("--out", default="symm_1gpu.json")
     args = parser.parse_args(argv)
@@ -355,6 +473,19 @@ def main(argv=None) -> int:
     from tpfuse.spawn import RankPool
 
     all_rows = []
+
+    def write(complete: bool) -> None:   # after every (W, strategy): a run cut short keeps its rows
+        meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    gpu=torch.cuda.get_device_name(0), num_gpus=1, processes=args.world_sizes,
+                    torch=torch.__version__, triton=__import__("triton").__version__,
+                    command="python tests/gpu/bed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    note="one-GPU multi-process bed (MPS): correctness; the timing rows are bed-only numbers, "
+                         "not multi-GPU timings", complete=complete)
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"meta": meta, "rows": aggregate(all_rows)}, f, indent=1)
+        os.replace(tmp, args.out)
+
     for world_size in args.world_sizes:
         for strategy in args.strategies:
             t0 = time.monotonic()
@@ -386,13 +517,12 @@ def main(argv=None) -> int:
                   f"({time.monotonic() - t0:.0f} s)", flush=True)
             for r in bad[:20]:
                 print("  FAILED", json.dumps(r)[:1500], flush=True)
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                gpu=torch.cuda.get_device_name(0), num_gpus=1, processes=args.world_sizes,
-                torch=torch.__version__, triton=__import__("triton").__version__,
-                command="python tests/gpu/bed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                note="one-GPU multi-process bed (MPS): correctness only; no timings are multi-GPU timings")
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": aggregate(all_rows)}, f, indent=1)
+            write(complete=False)
+    write(complete=True)
+    for r in aggregate(all_rows):
+        if r.get("case") == "timing":
+            print("timing (bed only) " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
+                                                     if k not in ("case", "strategy", "dtype", "passed", "ranks")}))
     failed = sum(not r.get("passed") for r in all_rows)
     print(f"{len(all_rows) - failed} passed, {failed} failed")
     return 1 if failed else 0
