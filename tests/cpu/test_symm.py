@@ -163,3 +163,28 @@ def test_copy_engine_availability_says_why():
     assert "float64" in copy_engine.why_unavailable(Ctx, torch.device("cuda", 0), torch.float64)
     assert copy_engine.ar_mode(128, 4096, 2) == "one_shot"
     assert copy_engine.ar_mode(4096, 4096, 2) == "two_shot"
+
+
+def test_two_shot_gemm_ar_layout_keeps_inboxes_and_gather_slot_apart_whatever_the_shapes():
+    """copy_engine/fused two-shot gemm_ar: the gather slot's offset depends on the capacity only,
+    so for any two calls that fit one workspace, the first's gather slot (peers may still read it)
+    never overlaps the second's inboxes (peers write them once its DONE credit is in)."""
+    import types
+
+    from tpfuse.strategies import copy_engine
+
+    for world_size in (2, 3, 4, 8):
+        for dtype in (torch.bfloat16, torch.float32):
+            e = torch.empty((), dtype=dtype).element_size()
+            slots = [1, 7, 37 * 771, 4096 * 129, 2**20]
+            for big in slots:
+                need = 2 * (world_size * big + 8) * e
+                cap = symm._next_capacity(need, 0)
+                ws = types.SimpleNamespace(spec=types.SimpleNamespace(capacity=cap, dtype=dtype))
+                gather = copy_engine.two_shot_gather_offset(ws)
+                assert gather % 8 == 0
+                for slot in slots:
+                    if 2 * (world_size * slot + 8) * e > cap:
+                        continue
+                    assert world_size * slot <= gather            # inboxes below the gather slot
+                    assert (gather + slot) * e <= cap             # the gather slot fits

@@ -268,6 +268,28 @@ def case_stress(rank, world_size, strategy, calls):
                  calls=counts[op], failures=failed[op]) for op in ops]
 
 
+def case_mixed(rank, world_size, calls):
+    """One workspace per op shared by calls of both strategies and of changing shapes: gemm_ar
+    alternating one-shot and two-shot sizes (copy_engine) and the fused two-shot path, ag_gemm
+    and gemm_rs alternating strategies and shapes -- consecutive calls on one buffer must never
+    wait for a credit the previous call did not raise, nor write where a peer still reads."""
+    plan = [("copy_engine", 48, 72, 200), ("fused", 512, 1024, 256), ("copy_engine", 512, 1024, 256),
+            ("fused", 64, 96, 128), ("copy_engine", 40, 96, 128), ("fused", 256, 2048, 64)]
+    rows_out = []
+    for op in ("gemm_ar", "ag_gemm", "gemm_rs"):
+        failed, worst = 0, 0.0
+        for i in range(calls):
+            strategy, rows, n, k = plan[i % len(plan)]
+            prob = Problem(7000 + i, world_size, world_size * rows, k, n, torch.bfloat16)
+            out = _call(op, strategy, prob, rank)
+            err, tol, ok = _check(op, out, prob, rank)
+            failed += not ok
+            worst = max(worst, err)
+        rows_out.append(dict(case="mixed", op=op, strategy="copy_engine+fused", world_size=world_size, dtype="bf16",
+                             shape=None, passed=failed == 0, max_rel_err=worst, calls=calls, failures=failed))
+    return rows_out
+
+
 def case_straggler(rank, world_size, strategy, calls):
     """A moving straggler: every call each rank sleeps a random 0-20 ms first (seeded per rank)."""
     rnd = random.Random(rank * 7919 + 1)
@@ -406,6 +428,7 @@ def run_all(rank, world_size, strategy, quick, dead_peer=False, cases=None):
         ("straggler", lambda: case_straggler(rank, world_size, strategy, 12 if quick else 30)),
         ("graph", lambda: case_graph(rank, world_size, strategy, 5 if quick else 8)),
         ("asynctp", lambda: case_asynctp(rank, world_size, strategy)),
+        ("mixed", lambda: case_mixed(rank, world_size, 12 if quick else 36) if strategy == "fused" else []),
         ("chunks", lambda: case_chunks(rank, world_size, strategy, shapes + llama[:1]) if strategy == "fused" else []),
         ("timing", lambda: case_timing(rank, world_size, strategy, llama, 10 if quick else 30)),
     ]
@@ -465,7 +488,7 @@ def main(argv=None) -> int:
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cases", nargs="+", default=None,
-                        help="run only these cases (shapes llama stress straggler graph asynctp chunks timing dead_peer)")
+                        help="run only these cases (shapes llama stress straggler graph asynctp mixed chunks timing dead_peer)")
     parser.add_argument("--timeout", type=float, default=500)
     parser.add_argument("--out", default="symm_1gpu.json")
     args = parser.parse_args(argv)

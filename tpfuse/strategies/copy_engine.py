@@ -23,6 +23,11 @@ gloo (the one-GPU bed).  Schedules, for rank r of W (``peers`` = r+1, r+2, ... m
                      then each owner's reduced chunk goes to its gather slot (READY2/DONE2)
                      and every rank pulls every chunk (side stream)
 
+The one-shot and two-shot paths keep separate workspaces, and the two-shot workspace holds its
+inboxes and its gather slot in fixed halves: every region then has one credit that covers every
+reader of it whatever the shapes of consecutive calls (mixing them in one buffer let a two-shot
+call wait for a DONE2 credit that the one-shot call before it never raised; found by the bench).
+
 Either way every rank's ``gemm_ar`` output is bitwise the same (one sum order, or one owner's
 sum copied).  Partials are rounded to the input dtype once and summed in float32, as in
 ``unfused``.  Per-chunk GEMMs are ``torch.matmul`` (cuBLAS).
@@ -199,7 +204,9 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
     c = new_output((m, n), dtype=a.dtype, device=a.device)
     peers = _peers(ctx)
     if ar_mode(m, n, a.element_size()) == "one_shot":
-        ws = symm.get_workspace(ctx, "gemm_ar", a.dtype, a.device, m * n * a.element_size())
+        # its own workspace: its slot is read in place by every peer (credit: DONE from all), a
+        # layout the two-shot workspace's credits do not protect
+        ws = symm.get_workspace(ctx, "gemm_ar_one_shot", a.dtype, a.device, m * n * a.element_size())
         breadcrumb("copy_engine gemm_ar (one-shot): computing the partial")
         ws.begin(ws.incoming("DONE", peers))
         with timeline.span("gemm", "GEMM", device=a.device):
@@ -212,8 +219,8 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
 
     bounds = _row_bounds(m, world_size)
     slot_rows = -(-m // world_size)
-    gather_at = world_size * slot_rows * n
-    ws = symm.get_workspace(ctx, "gemm_ar", a.dtype, a.device, (world_size + 1) * slot_rows * n * a.element_size())
+    ws = two_shot_workspace(ctx, a.dtype, a.device, slot_rows * n)
+    gather_at = two_shot_gather_offset(ws)
 
     def gathered(owner: int) -> torch.Tensor:
         lo, hi = bounds[owner]
@@ -225,6 +232,22 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
     gather_reduced(ws, peers, sources, bounds, gathered, c)
     _finish(ws, "gemm_ar", c)
     return c
+
+
+def two_shot_workspace(ctx: GroupContext, dtype: torch.dtype, device: torch.device, slot: int) -> symm.Workspace:
+    """The two-shot gemm_ar workspace (shared with ``fused``) for inbox slots of ``slot``
+    elements: the inboxes (W slots, written by the peers, credit DONE) in the first half of the
+    data region, this rank's gathered chunk (read by the peers, credit DONE2) in the second.
+    Fixed halves: a call of another shape never writes where a peer may still be reading the
+    previous call's gathered chunk."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return symm.get_workspace(ctx, "gemm_ar", dtype, device, 2 * (ctx.world_size * slot + 8) * element)
+
+
+def two_shot_gather_offset(ws: symm.Workspace) -> int:
+    """Element offset of the gather slot: the second half of the data region (16-byte aligned)."""
+    element = torch.empty((), dtype=ws.spec.dtype).element_size()
+    return (ws.spec.capacity // element // 2) // 8 * 8
 
 
 def reduce_inbox(ws: symm.Workspace, key: tuple, peers: list[int], sources: list[torch.Tensor],

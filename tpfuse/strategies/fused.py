@@ -297,8 +297,8 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
         return copy_engine.gemm_ar(a, b, ctx)
     bounds = _row_bounds(m, world_size)
     slot_rows = m // world_size
-    gather_at = world_size * slot_rows * n
-    ws = symm.get_workspace(ctx, "gemm_ar", a.dtype, a.device, (world_size + 1) * slot_rows * n * a.element_size())
+    ws = copy_engine.two_shot_workspace(ctx, a.dtype, a.device, slot_rows * n)   # copy_engine's layout and credits
+    gather_at = copy_engine.two_shot_gather_offset(ws)
     peers = [(rank + i) % world_size for i in range(1, world_size)]
     c = new_output((m, n), dtype=a.dtype, device=a.device)
 
