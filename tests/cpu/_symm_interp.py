@@ -10,7 +10,8 @@ import sys
 from tpfuse import symm
 from tpfuse.gemm import device
 
-KERNELS = ("tpfuse.kernels.gemm", "tpfuse.kernels.signals", "tpfuse.kernels.flags", "tpfuse.kernels.reduce")
+KERNELS = ("tpfuse.kernels.gemm", "tpfuse.kernels.signals", "tpfuse.kernels.tile_records", "tpfuse.kernels.flags",
+           "tpfuse.kernels.reduce")
 
 
 def _drop_kernels() -> None:

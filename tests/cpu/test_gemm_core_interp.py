@@ -31,7 +31,7 @@ CFG = gc.GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, 
 
 
 def _purge_kernels():
-    for name in ("tpfuse.kernels.gemm", "tpfuse.kernels.signals"):
+    for name in ("tpfuse.kernels.gemm", "tpfuse.kernels.signals", "tpfuse.kernels.tile_records"):
         sys.modules.pop(name, None)
     device.triton_modules.cache_clear()
 
