@@ -7,6 +7,7 @@ import contextlib
 import os
 import sys
 
+import tpfuse.kernels
 from tpfuse import symm
 from tpfuse.gemm import device
 
@@ -15,8 +16,11 @@ KERNELS = ("tpfuse.kernels.gemm", "tpfuse.kernels.signals", "tpfuse.kernels.tile
 
 
 def _drop_kernels() -> None:
+    # also the package's attribute: ``from ..kernels import gemm`` (triton_modules) takes it over
+    # sys.modules, so a module a compile test imported since would come back
     for name in KERNELS:
         sys.modules.pop(name, None)
+        vars(tpfuse.kernels).pop(name.rpartition(".")[2], None)
     device.triton_modules.cache_clear()
 
 
