@@ -7,15 +7,20 @@ import contextlib
 import os
 import sys
 
+import tpfuse.kernels
 from tpfuse import symm
 from tpfuse.gemm import device
 
-KERNELS = ("tpfuse.kernels.gemm", "tpfuse.kernels.signals", "tpfuse.kernels.flags", "tpfuse.kernels.reduce")
+KERNELS = ("tpfuse.kernels.gemm", "tpfuse.kernels.signals", "tpfuse.kernels.tile_records", "tpfuse.kernels.flags",
+           "tpfuse.kernels.reduce")
 
 
 def _drop_kernels() -> None:
+    # also the package's attribute: ``from ..kernels import gemm`` (triton_modules) takes it over
+    # sys.modules, so a module a compile test imported since would come back
     for name in KERNELS:
         sys.modules.pop(name, None)
+        vars(tpfuse.kernels).pop(name.rpartition(".")[2], None)
     device.triton_modules.cache_clear()
 
 

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed; the interpreter tests need it")
 
+import tpfuse.kernels  # noqa: E402
 from tpfuse import gemm as gc  # noqa: E402
 from tpfuse import testing  # noqa: E402
 from tpfuse.gemm import device, launch  # noqa: E402
@@ -31,8 +32,11 @@ CFG = gc.GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, 
 
 
 def _purge_kernels():
-    for name in ("tpfuse.kernels.gemm", "tpfuse.kernels.signals"):
+    # and the package's attributes: ``from ..kernels import gemm`` (triton_modules) takes them
+    # over sys.modules
+    for name in ("tpfuse.kernels.gemm", "tpfuse.kernels.signals", "tpfuse.kernels.tile_records"):
         sys.modules.pop(name, None)
+        vars(tpfuse.kernels).pop(name.rpartition(".")[2], None)
     device.triton_modules.cache_clear()
 
 

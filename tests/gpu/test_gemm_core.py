@@ -474,3 +474,77 @@ def test_tune_skips_a_config_that_does_not_compile(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="skipping config"):
         best, timings = gc.tune(a, b, configs=[too_big, SMALL], rep_ms=5)
     assert best == SMALL and [c for c, _ in timings] == [SMALL]
+
+
+# ---- per-tile timeline (matmul(tile_records=...)) --------------------------------------------
+# (kernel, config, hook): gemm_kernel nested, flattened and with stream-K, with and without each
+# hook; on sm_90 the Gluon kernel with each hook (its load warp reads start and wait done, its
+# store warp end)
+RECORDS = ([("gemm_kernel", c, h) for c in (BIG, FLAT) for h in ("none", "wait", "epilogue")]
+           + [("gemm_kernel", dataclasses.replace(BIG, stream_k=1), "none")]
+           + ([("gemm_ws_kernel", BIG, h) for h in ("wait", "epilogue")] if WS_GPU else []))
+RECORD_IDS = [f"{k}-{'sk' if c.stream_k else 'flat' if c.flatten else 'nested'}-{h}" for k, c, h in RECORDS]
+
+
+def _check_tile_records(rec, plan, waited):
+    """Each of the plan's tiles has its row, written by a program of the grid on an SM of this
+    GPU, with %globaltimer times start <= wait done (= start without a wait hook) <= end; rows
+    past the grid left at -1."""
+    torch.cuda.synchronize()
+    rows = rec[:plan.num_tiles].cpu()
+    assert rows[:, abi.REC_TILE].tolist() == list(range(plan.num_tiles)), "a tile without its row"
+    assert (rec[plan.num_tiles:] == -1).all()
+    program, sm = rows[:, abi.REC_PROGRAM], rows[:, abi.REC_SM]
+    assert ((program >= 0) & (program < plan.programs)).all()
+    assert ((sm >= 0) & (sm < torch.cuda.get_device_properties(0).multi_processor_count)).all()
+    start, wait, end = rows[:, abi.REC_START_NS], rows[:, abi.REC_WAIT_NS], rows[:, abi.REC_END_NS]
+    assert (start > 0).all() and ((start <= wait) & (wait <= end)).all()
+    assert waited or (wait == start).all()
+    assert end.max() - start.min() < 1_000_000_000, "one launch's tiles spread over more than a second"
+    if plan.kernel == "gemm_kernel" and not plan.config.flatten and not plan.sk_tiles:
+        for p in program.unique().tolist():   # a program runs its tiles one after the other
+            s, e = start[program == p].sort()[0], end[program == p].sort()[0]
+            assert (e[:-1] <= s[1:]).all(), f"program {p}: a tile started before the previous one ended"
+
+
+@pytest.mark.parametrize("kernel,config,hook", RECORDS, ids=RECORD_IDS)
+def test_tile_records_on_gpu(kernel, config, hook):
+    m, k, n, chunk_m = 8 * 512, 1024, 1536, 512
+    a, b, ref = _operands(m, k, n, torch.bfloat16, "weight_t", seed=70)
+    options = gc.GemmOptions(gluon=kernel == "gemm_ws_kernel")
+    signal = torch.full((8,), 4, dtype=torch.int32, device="cuda")
+    whole = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    signals = torch.zeros(8, dtype=torch.int32, device="cuda")
+
+    def call(generation, records):
+        kw = dict(config=config, options=options, tile_records=records)
+        if hook == "wait":
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            gc.matmul(a, b, out=out, tile_order="round", start_chunk=2,
+                      wait=gc.WaitSpec(signal, 4, chunk_m, timeout_ns=2_000_000_000), **kw)
+            return out
+        if hook == "epilogue":
+            whole.fill_(float("nan"))
+            dests = [whole[c * chunk_m:(c + 1) * chunk_m] for c in range(8)]
+            gc.matmul(a, b, tile_order="owner", start_chunk=3, **kw,
+                      epilogue=gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m))
+            torch.cuda.synchronize()
+            assert signals.tolist() == [generation] * 8
+            return whole.clone()
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        return gc.matmul(a, b, out=out, **kw)
+
+    plain = call(1, None)
+    assert gc.last_plan().kernel == kernel and not gc.last_plan().record_tiles, gc.last_plan().explain()
+    _assert_close(plain, ref, torch.bfloat16)
+    rec = gc.tile_records_for(m, n, config, device="cuda")
+    before = gc.launch_counts()
+    for generation in (2, 3):   # the JIT launch, then the direct one
+        rec.fill_(-1)
+        out = call(generation, rec)
+        plan = gc.last_plan()
+        assert plan.kernel == kernel and plan.record_tiles and bool(plan.sk_tiles) == bool(config.stream_k)
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain), "the records changed the result"
+        _check_tile_records(rec, plan, waited=hook == "wait")
+    assert gc.launch_counts().get("direct", 0) > before.get("direct", 0)

@@ -4,20 +4,22 @@ hooks on sm_90, ``tpfuse/kernels/gemm_ws.py``).
 ``matmul(a, b)`` computes ``a @ b`` with one persistent kernel; the fused strategies call the
 same function with hooks:
 
-==============  =====================================  ==========================================
-argument        shape / dtype                          meaning
-==============  =====================================  ==========================================
-``a``           ``[M, K]`` bf16/fp16/fp32, unit        left operand (the gathered input in AG)
-                column stride
-``b``           ``[K, N]`` same dtype, row-major or    right operand; ``weight.t()`` of an
-                column-major                           ``[N, K]`` weight works without a copy
-``out``         ``[M, N]`` same dtype                  result (ignored when ``epilogue`` is set)
-``wait``        :class:`WaitSpec`                      consumer hook: tile waits for its A chunks
-``epilogue``    :class:`EpilogueSpec`                  producer hook: tiles go to per-chunk
-                                                       destinations, chunks are signalled
-``num_sms``     int or None                            SM budget: caps the persistent grid
-``options``     :class:`GemmOptions` or None           launch-path switches (benchmarks, tests)
-==============  =====================================  ==========================================
+================  =====================================  ==========================================
+argument          shape / dtype                          meaning
+================  =====================================  ==========================================
+``a``             ``[M, K]`` bf16/fp16/fp32, unit        left operand (the gathered input in AG)
+                  column stride
+``b``             ``[K, N]`` same dtype, row-major or    right operand; ``weight.t()`` of an
+                  column-major                           ``[N, K]`` weight works without a copy
+``out``           ``[M, N]`` same dtype                  result (ignored when ``epilogue`` is set)
+``wait``          :class:`WaitSpec`                      consumer hook: tile waits for its A chunks
+``epilogue``      :class:`EpilogueSpec`                  producer hook: tiles go to per-chunk
+                                                         destinations, chunks are signalled
+``num_sms``       int or None                            SM budget: caps the persistent grid
+``options``       :class:`GemmOptions` or None           launch-path switches (benchmarks, tests)
+``tile_records``  int64 ``[>= num_tiles, 6]`` or     debug timeline: per tile, program, SM,
+                  None (:func:`tile_records_for`)        start / wait done / end (``abi.REC_*``)
+================  =====================================  ==========================================
 
 Communication chunks are ``chunk_m`` rows: chunk ``c`` is rows ``[c*chunk_m, min((c+1)*chunk_m, M))``
 and ``num_chunks = ceil(M / chunk_m)``. Tile orders: ``"grouped"`` (GROUP_M swizzle, best L2
@@ -34,14 +36,15 @@ launches, matmul) <- ``tune`` (tuning) <- this module.
 
 Nothing here touches a GPU or imports Triton at import time.
 """
-from ..kernels.abi import ERROR_WORDS, TILE_ORDERS
+from ..kernels.abi import ERROR_WORDS, TILE_ORDERS, TILE_RECORD_COLUMNS
 from .config import GemmConfig, GemmOptions, candidate_configs, default_config, stream_k_tiles
 from .hooks import EpilogueSpec, WaitSpec, check_error_word, new_error_word
-from .launch import LaunchPlan, clear_plans, last_plan, launch_counts, matmul
+from .launch import LaunchPlan, clear_plans, last_plan, launch_counts, matmul, tile_records_for
 from .tune import rerank_leaders, tune
 
 __all__ = [
     "matmul", "GemmConfig", "GemmOptions", "WaitSpec", "EpilogueSpec", "LaunchPlan", "last_plan",
     "launch_counts", "clear_plans", "default_config", "candidate_configs", "stream_k_tiles", "tune",
     "rerank_leaders", "check_error_word", "new_error_word", "TILE_ORDERS", "ERROR_WORDS",
+    "tile_records_for", "TILE_RECORD_COLUMNS",
 ]

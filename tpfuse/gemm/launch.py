@@ -26,7 +26,7 @@ from .config import DEFAULT_OPTIONS, SUPPORTED_DTYPES, GemmConfig, GemmOptions, 
 from .device import device_index, device_info, interpreting, num_sms, triton_modules, warn_once
 from .hooks import ERROR_WORDS, MAX_GENERATION, EpilogueSpec, WaitSpec, check_error_word, new_error_word, stacked_dests
 
-__all__ = ["matmul", "LaunchPlan", "last_plan", "launch_counts", "clear_plans", "TILE_ORDERS"]
+__all__ = ["matmul", "LaunchPlan", "last_plan", "launch_counts", "clear_plans", "tile_records_for", "TILE_ORDERS"]
 
 TILE_ORDERS = abi.TILE_ORDERS
 
@@ -43,7 +43,12 @@ class LaunchPlan:
     ``ws_block`` / ``ws_stages``. ``grid[0]``: persistent programs. ``epi_tma``: the epilogue
     hook's TMA descriptors (0: pointer stores; ``abi.EPI_TMA_STACKED``: one over stacked
     destinations). ``epi_count``: gemm_kernel's epilogue count (``abi.EPI_COUNT_*``; 0 without
-    the hook). ``sk_tiles``: tiles shared out by K-steps (stream-K)."""
+    the hook). ``sk_tiles``: tiles shared out by K-steps (stream-K).
+
+    The launched kernel's tile grid (the rows of ``matmul(tile_records=...)``): ``tile_shape``
+    (BLOCK_M, BLOCK_N: the config's, or the Gluon kernel's ``ws_block``), ``tile_grid``
+    (M-tiles, N-tiles), ``num_tiles``, and :meth:`tile_box` (tile id -> its rows and columns).
+    ``record_tiles``: the launch writes per-tile records (RECORD_TILES)."""
     m: int
     n: int
     k: int
@@ -65,12 +70,35 @@ class LaunchPlan:
     epi_count: int = 0
     ws_block: tuple = ()
     ws_stages: int = 0
+    record_tiles: bool = False
     reasons: tuple = ()
     constexprs: tuple = dataclasses.field(default=(), repr=False)   # gemm_kernel's, in signature order
 
     @property
     def programs(self) -> int:
         return self.grid[0]
+
+    @property
+    def tile_shape(self) -> tuple[int, int]:
+        """(BLOCK_M, BLOCK_N) of the launched kernel's tiles."""
+        return tuple(self.ws_block[:2]) if self.ws_block else (self.config.BLOCK_M, self.config.BLOCK_N)
+
+    @property
+    def tile_grid(self) -> tuple[int, int]:
+        """(M-tiles, N-tiles) of the launched kernel: tile ``t`` is M-tile ``t // tile_grid[1]``,
+        N-tile ``t % tile_grid[1]``; ``num_tiles`` is their product."""
+        bm, bn = self.tile_shape
+        return -(-self.m // bm), -(-self.n // bn)
+
+    def tile_box(self, tile: int) -> tuple[int, int, int, int]:
+        """``(row_lo, row_hi, col_lo, col_hi)`` of the output that tile ``tile`` (the row of a
+        tile record, ``abi.REC_TILE``) computes, clipped to M and N; its rows touch chunks
+        ``row_lo // chunk_m`` to ``(row_hi - 1) // chunk_m``."""
+        if not 0 <= tile < self.num_tiles:
+            raise ValueError(f"LaunchPlan.tile_box: tile={tile}; this plan has tiles 0..{self.num_tiles - 1}")
+        (bm, bn), grid_n = self.tile_shape, self.tile_grid[1]
+        pid_m, pid_n = divmod(tile, grid_n)
+        return pid_m * bm, min((pid_m + 1) * bm, self.m), pid_n * bn, min((pid_n + 1) * bn, self.n)
 
     def explain(self) -> str:
         """A few lines: the kernel, tile, grid, stores and counts, and the reasons behind them."""
@@ -87,6 +115,9 @@ class LaunchPlan:
             stores = ("pointer stores" if not self.epi_tma else "one TMA descriptor over stacked destinations"
                       if self.epi_tma == abi.EPI_TMA_STACKED else f"{self.epi_tma} TMA descriptors")
             lines.append(f"  epilogue hook: {stores}; count mode {self.epi_count}")
+        if self.record_tiles:
+            lines.append(f"  per-tile records: {self.num_tiles} rows, a {self.tile_grid[0]}x{self.tile_grid[1]} grid "
+                         f"of {self.tile_shape[0]}x{self.tile_shape[1]} tiles")
         lines += [f"  - {r}" for r in self.reasons]
         return "\n".join(lines)
 
@@ -116,6 +147,32 @@ def launch_counts() -> dict:
 def clear_plans() -> None:
     """Forget every plan (the next call of each signature decides again, e.g. after tuning)."""
     _PLANS.clear()
+
+
+def tile_records_for(m: int, n: int, config_or_plan: GemmConfig | LaunchPlan,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+    """An int64 ``[rows, abi.TILE_RECORD_COLUMNS]`` tensor of -1 for ``matmul(a [m, K], b [K, n],
+    ..., tile_records=)``.
+
+    With a :class:`LaunchPlan` (``last_plan()`` of a call of the same signature: records change
+    nothing a plan decides), ``rows = plan.num_tiles``. With the call's :class:`GemmConfig`,
+    enough rows for either kernel: its tiles, or, for a 128x256 config, the 128x128 tiles the
+    Gluon kernel may take instead (``ws_choice``); rows past ``last_plan().num_tiles`` then stay
+    -1."""
+    if isinstance(config_or_plan, LaunchPlan):
+        if (config_or_plan.m, config_or_plan.n) != (m, n):
+            raise ValueError(f"tile_records_for: the plan is for M={config_or_plan.m}, N={config_or_plan.n}, "
+                             f"not M={m}, N={n}; pass the plan of this call's shapes")
+        rows = config_or_plan.num_tiles
+    elif isinstance(config_or_plan, GemmConfig):
+        bm, bn = config_or_plan.BLOCK_M, config_or_plan.BLOCK_N
+        if (bm, bn) == (128, 256):
+            bn = 128
+        rows = -(-m // bm) * -(-n // bn)
+    else:
+        raise TypeError(f"tile_records_for: config_or_plan is {type(config_or_plan).__name__}; pass the call's "
+                        "GemmConfig (e.g. default_config(...)) or a LaunchPlan (last_plan())")
+    return torch.full((rows, abi.TILE_RECORD_COLUMNS), -1, dtype=torch.int64, device=device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,6 +234,24 @@ def _check_num_sms(num_sms):
     if num_sms < 1:
         raise ValueError(f"matmul: num_sms={num_sms}; need a positive int (SMs the persistent grid may "
                          "use) or None for the whole GPU")
+
+
+def _check_tile_records(t, plan, device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"matmul: tile_records must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype != torch.int64:
+        raise TypeError(f"matmul: tile_records.dtype={t.dtype}; need torch.int64 (tile_records_for() allocates it)")
+    cols = abi.TILE_RECORD_COLUMNS
+    if t.dim() != 2 or t.shape[1] != cols or t.shape[0] < plan.num_tiles:
+        gm, gn = plan.tile_grid if plan.num_tiles else (0, 0)
+        raise ValueError(f"matmul: tile_records is {tuple(t.shape)}; need [>= {plan.num_tiles}, {cols}]: a row "
+                         f"per tile of the {gm}x{gn} grid of {plan.tile_shape[0]}x{plan.tile_shape[1]} tiles "
+                         "(tile_records_for() allocates it)")
+    if t.device != device:
+        raise ValueError(f"matmul: tile_records is on {t.device}; need {device} (a's device)")
+    if not t.is_contiguous():
+        raise ValueError(f"matmul: tile_records has strides {t.stride()}; need a contiguous tensor (the kernel "
+                         f"writes row t at element t * {cols}); allocate it with tile_records_for()")
 
 
 def _tma_ok(device, a, b, out, b_kmajor) -> tuple[bool, str]:
@@ -282,7 +357,7 @@ def epilogue_tma_dests(epilogue, tma_store, num_chunks, block_m, options: GemmOp
 
 
 def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilogue, use_tma, num_sms_cap,
-               options) -> LaunchPlan:
+               options, record_tiles=False) -> LaunchPlan:
     b_kmajor = _check_operands(a, b, out)
     if tile_order not in TILE_ORDERS:
         raise ValueError(f"matmul: tile_order={tile_order!r}; choose one of {TILE_ORDERS}")
@@ -312,7 +387,7 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
     if not isinstance(cfg, GemmConfig):
         raise TypeError(f"matmul: config must be a GemmConfig, got {type(cfg).__name__}")
     common = dict(config=cfg, config_source=source, options=options, b_kmajor=b_kmajor, tile_order=tile_order,
-                  chunk_m=chunk_m or 1, num_chunks=num_chunks, start_chunk=start_chunk)
+                  chunk_m=chunk_m or 1, num_chunks=num_chunks, start_chunk=start_chunk, record_tiles=record_tiles)
     if m == 0 or n == 0 or k == 0:   # nothing to launch; matmul() handles these
         return LaunchPlan(m, n, k, kernel="none", grid=(0,), reasons=("empty M, N or K: no launch",), **common)
 
@@ -352,14 +427,16 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
                   TILE_ORDERS.index(tile_order), bool(use_tma), b_kmajor, c_dtype,
                   wait is not None, epilogue is not None, use_asm, cfg.flatten,
                   interpreting(), epilogue.align_elems if epilogue is not None else 0,
-                  sk_tiles > 0, epi_tma, cfg.tma_store, epi_count if epilogue is not None else 1)
+                  sk_tiles > 0, epi_tma, cfg.tma_store, epi_count if epilogue is not None else 1,
+                  record_tiles)
     capability = device_info(device_index(device))["capability"] if device.type == "cuda" else (0, 0)
     ws, why_ws = ws_choice(capability, a.dtype, cfg, epilogue, wait, epi_tma, use_asm, m, n, programs,
                            out_tma=bool(use_tma) and cfg.tma_store and epilogue is None, options=options)
     if epilogue is not None or wait is not None:
         reasons.append(why_ws)
     if ws:   # one program per SM or fewer, no more than tiles of the Gluon kernel's own tile
-        grid = (min(triton.cdiv(m, ws[0][0]) * triton.cdiv(n, ws[0][1]), programs), 1, 1)
+        num_tiles = triton.cdiv(m, ws[0][0]) * triton.cdiv(n, ws[0][1])
+        grid = (min(num_tiles, programs), 1, 1)
         sk_tiles = 0
     return LaunchPlan(m, n, k, kernel="gemm_ws_kernel" if ws else "gemm_kernel", use_tma=bool(use_tma), grid=grid,
                       use_asm=use_asm, num_tiles=num_tiles, sk_tiles=sk_tiles, epi_tma=epi_tma,
@@ -496,14 +573,15 @@ def _launch_gemm_kernel(plan: LaunchPlan, plan_key, args: list, device) -> None:
 
 def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, counters=None, signal_ptrs=None,
                generation=0, epi_descs=None, wait_signal=None, wait_gen=0, wait_timeout_ns=0,
-               err=None) -> None:
+               err=None, tile_records=None) -> None:
     """The Gluon kernel on ``a [M, K] @ b [K, N]`` (``b`` row-major or ``weight.t()``) into
     ``out``, or with ``dests`` (the epilogue hook) into one destination per chunk (``stacked``:
     consecutive row blocks of one tensor, ``epi_descs`` their descriptors), counting in
     ``counters`` and publishing ``generation`` to the int32 at each ``signal_ptrs[c]``. With
     ``wait_signal`` (the wait hook, into ``out``): the load warp waits before a tile's loads
     until ``wait_signal[c] >= wait_gen`` for every chunk ``c`` its rows touch, for at most
-    ``wait_timeout_ns``, recording a timeout in ``err``. :func:`matmul` validated everything."""
+    ``wait_timeout_ns``, recording a timeout in ``err``. ``tile_records``: the per-tile timeline
+    (RECORD_TILES). :func:`matmul` validated everything."""
     from ..kernels.gemm_ws import gemm_ws_kernel
     m, k = a.shape
     n = b.shape[1]
@@ -527,6 +605,7 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, cou
     epi = epi + [None] * (abi.MAX_TMA_DESTS - len(epi))
     tile_order_idx = TILE_ORDERS.index(plan.tile_order)
     wait = wait_signal is not None
+    record = tile_records is not None
     ints = (chunk_m, num_chunks, start_chunk, wait_gen, wait_timeout_ns, generation)
     # Everything the JIT specializes on (the descriptors' dtypes, blocks and layouts follow from
     # the dtype, block, b_kmajor and destinations; the hook ints and pointers are not
@@ -534,16 +613,17 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, cou
     c0 = dests[0] if epilogue else out
     spec = ("gemm_ws", a.device, a.dtype, c0.dtype, m, n, k, a.stride(), b.stride(), c0.stride(), bm, bn, bk,
             group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, sum(d is not None for d in epi),
-            wait, tuple(-2**31 <= x < 2**31 for x in ints),
+            wait, record, tuple(-2**31 <= x < 2**31 for x in ints),
             tuple(None if t is None else t.dtype for t in (wait_signal, err, counters, signal_ptrs)))
     full = [a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
-            wait_timeout_ns, err, counters, signal_ptrs, generation, *epi,
-            bm, bn, bk, group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, wait, abi.WS_NUM_WARPS]
+            wait_timeout_ns, err, counters, signal_ptrs, generation, *epi, tile_records,
+            bm, bn, bk, group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, wait, record,
+            abi.WS_NUM_WARPS]
     _launch_cached(spec, (grid, 1, 1), full, a.device, lambda: gemm_ws_kernel[(grid, )](
         a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen, wait_timeout_ns,
-        err, counters, signal_ptrs, generation, *epi,
+        err, counters, signal_ptrs, generation, *epi, tile_records,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages, TILE_ORDER=tile_order_idx,
-        B_KMAJOR=b_kmajor, EPILOGUE=epilogue, EPI_TMA=epi_tma, WAIT=wait,
+        B_KMAJOR=b_kmajor, EPILOGUE=epilogue, EPI_TMA=epi_tma, WAIT=wait, RECORD_TILES=record,
         num_warps=abi.WS_NUM_WARPS, maxnreg=abi.WS_MAXNREG), plan.options.direct_launch)
 
 
@@ -555,7 +635,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
            chunk_m: Optional[int] = None, start_chunk: int = 0,
            wait: Optional[WaitSpec] = None, epilogue: Optional[EpilogueSpec] = None,
            check: bool = True, use_tma: Optional[bool] = None, num_sms: Optional[int] = None,
-           options: Optional[GemmOptions] = None) -> Optional[torch.Tensor]:
+           options: Optional[GemmOptions] = None,
+           tile_records: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """``a [M, K] @ b [K, N]`` with the persistent Triton core.
 
     Returns ``out`` (allocated when None) or, with ``epilogue``, None (tiles went to the
@@ -566,6 +647,16 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
     ``num_sms``: an SM budget; the persistent grid is at most ``min(num_sms, what the config
     launches)`` programs (None: the whole GPU), so co-running kernels keep SMs free.
     ``options``: :class:`GemmOptions` (None: the defaults, the product).
+
+    ``tile_records`` (a debug timeline, off when None): an int64 ``[>= num_tiles,
+    abi.TILE_RECORD_COLUMNS]`` contiguous tensor on a's device (:func:`tile_records_for`);
+    row ``t`` of tile ``t`` of the launched kernel's grid (``last_plan().tile_grid``, not the
+    tile order) gets ``[tile, program, SM, start, wait done, end]`` (columns ``abi.REC_*``;
+    %globaltimer ns on CUDA, a per-program logical clock without inline PTX). Every row below
+    ``last_plan().num_tiles`` is written once per launch, the rest are left as they are; K = 0
+    launches nothing and writes none. Where the times are taken in each kernel:
+    docs/gemm_core.md, "Per-tile timeline". Without it, the kernels compile as if the mode
+    did not exist.
 
     Everything decided by shapes, strides, dtypes, config and options is validated once and
     cached (a :class:`LaunchPlan`, :func:`last_plan`); per call only the hook specs' buffers and
@@ -582,13 +673,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
                config, tile_order, chunk_m, start_chunk, wait is not None and wait.chunk_m,
                epilogue is not None and (epilogue.chunk_m, epilogue.align_elems, len(epilogue.dests),
                                          stacked_dests(epilogue)),
-               use_tma, num_sms, options, interpreting())
+               use_tma, num_sms, options, interpreting(), tile_records is not None)
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):   # not tensors / unhashable: full validation says why
         key, plan = None, None
     if plan is None:
         plan = _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilogue, use_tma, num_sms,
-                          options)
+                          options, tile_records is not None)
         if key is not None:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
@@ -606,6 +697,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
         raise ValueError("matmul: K=0 with hooks; nothing to compute, publish the chunks on the host instead")
 
     num_chunks = plan.num_chunks
+    if tile_records is not None:
+        _check_tile_records(tile_records, plan, device)
     if wait is not None:
         _check_generation(wait.generation, "wait.generation")
         s = wait.signal
@@ -634,10 +727,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
         if epilogue is not None:
             _launch_ws(plan, a, b, dests=epilogue.dests, stacked=plan.epi_tma == abi.EPI_TMA_STACKED,
                        counters=epilogue.counters, signal_ptrs=epilogue.signal_ptrs,
-                       generation=epilogue.generation, epi_descs=_epilogue_descriptors(epilogue, plan))
+                       generation=epilogue.generation, epi_descs=_epilogue_descriptors(epilogue, plan),
+                       tile_records=tile_records)
             return None
         _launch_ws(plan, a, b, out=out, wait_signal=wait.signal, wait_gen=wait.generation,
-                   wait_timeout_ns=wait.timeout_ns, err=err)
+                   wait_timeout_ns=wait.timeout_ns, err=err, tile_records=tile_records)
         if check:
             check_error_word(err, rank=wait.rank, timeout_ns=wait.timeout_ns)
         return out
@@ -668,7 +762,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
         epilogue.generation if epilogue else 0,
         *_epilogue_descriptor_args(epilogue, plan),
         *(_stream_k_buffers(plan, device) if plan.sk_tiles else (None, None)),
-        plan.sk_tiles,
+        plan.sk_tiles, tile_records,
     ]
     _launch_gemm_kernel(plan, key, args, device)
     if wait is not None and check:

@@ -43,7 +43,7 @@ def parse_spec(spec: str) -> GemmConfig | None:
 
 NOT_SPECIALIZED = {"chunk_m", "num_chunks", "start_chunk", "wait_gen", "wait_timeout", "stride_dm",
                    "epi_gen", "wait_signal", "err_ptr", "dest_offs", "signal_ptrs", "counters",
-                   "tile_counters"}
+                   "tile_counters", "tile_records"}
 
 
 def _signature(names, args: dict, cons: dict, aligned) -> tuple[dict, dict, dict]:
@@ -68,10 +68,12 @@ def _signature(names, args: dict, cons: dict, aligned) -> tuple[dict, dict, dict
 
 
 def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_order: int = 0,
-                   wait: bool = False, sk_tiles: int = 0, epi_tma: int = 0, epi_count: int = 1):
+                   wait: bool = False, sk_tiles: int = 0, epi_tma: int = 0, epi_count: int = 1,
+                   record_tiles: bool = False):
     """triton.compile of gemm_kernel for bf16 ``a[m, k] @ weight[n, k].t()`` (TMA path);
     ``epi_tma`` > 0: the epilogue hook stores through that many TMA descriptors (chunks of
-    ``m // epi_tma`` rows), or ``EPI_TMA_STACKED`` (9) through one over all of ``c``."""
+    ``m // epi_tma`` rows), or ``EPI_TMA_STACKED`` (9) through one over all of ``c``;
+    ``record_tiles``: the per-tile timeline on (RECORD_TILES)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -96,13 +98,14 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
                 **{f"epi_d{q}": TensorDescriptor.from_tensor(c if stacked else c[:max(m // epi_tma, 1)],
                                                             [bm, bn // cfg.EPI_SUBTILE])
                    if q < (1 if stacked else epi_tma) else None for q in range(8)},
-                ws=f32, tile_counters=i32, sk_tiles=sk_tiles)
+                ws=f32, tile_counters=i32, sk_tiles=sk_tiles,
+                tile_records=torch.empty(4, abi.TILE_RECORD_COLUMNS, dtype=torch.int64) if record_tiles else None)
     cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.GROUP_M, EPI_SUBTILE=cfg.EPI_SUBTILE,
                 TILE_ORDER=tile_order, USE_TMA=True, B_KMAJOR=True, C_DTYPE=tl.bfloat16, WAIT=wait,
                 EPILOGUE=epilogue, USE_ASM=True, FLATTEN=cfg.flatten,
                 DOT_FP32=False, DEST_ALIGNED=8 if epilogue else 0,
                 STREAM_K=bool(cfg.stream_k), EPI_TMA=epi_tma,
-                TMA_STORE=cfg.tma_store, EPI_COUNT=epi_count)
+                TMA_STORE=cfg.tma_store, EPI_COUNT=epi_count, RECORD_TILES=record_tiles)
     sig, attrs, constexprs = _signature(
         km.gemm_kernel.arg_names, args, cons,
         lambda name, v: name not in NOT_SPECIALIZED and (isinstance(v, torch.Tensor) or (isinstance(v, int) and v and v % 16 == 0)))
@@ -112,12 +115,13 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
 
 
 def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int = 3, epi_tma: int = -1,
-                      tile_order: int = 2, b_kmajor: bool = True, wait: bool = False):
+                      tile_order: int = 2, b_kmajor: bool = True, wait: bool = False, record_tiles: bool = False):
     """triton.compile of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py) for bf16
     ``a[m, k] @ b`` (``weight[n, k].t()`` or row-major ``[k, n]``) on sm_90, launched as
     tpfuse.gemm.launch launches it; ``epi_tma``: -1 no hook (plain output), else the epilogue hook through
     that many per-chunk descriptors (chunks of ``m // epi_tma`` rows) or, 9, one over stacked
-    destinations; ``wait``: the wait hook (without the epilogue hook)."""
+    destinations; ``wait``: the wait hook (without the epilogue hook); ``record_tiles``: the per-tile
+    timeline on (RECORD_TILES)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -141,9 +145,10 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
                 err_ptr=torch.empty(8, dtype=torch.int32) if wait else None,
                 counters=torch.empty(4, dtype=torch.int32) if hook else None,
                 signal_ptrs=torch.empty(4, dtype=torch.int64) if hook else None, epi_gen=1,
-                **{f"epi_d{q}": c_desc if q < descs else None for q in range(8)})
+                **{f"epi_d{q}": c_desc if q < descs else None for q in range(8)},
+                tile_records=torch.empty(4, abi.TILE_RECORD_COLUMNS, dtype=torch.int64) if record_tiles else None)
     cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, TILE_ORDER=tile_order,
-                B_KMAJOR=b_kmajor, EPILOGUE=hook, EPI_TMA=max(epi_tma, 0), WAIT=wait,
+                B_KMAJOR=b_kmajor, EPILOGUE=hook, EPI_TMA=max(epi_tma, 0), WAIT=wait, RECORD_TILES=record_tiles,
                 num_warps=abi.WS_NUM_WARPS)
     sig, attrs, constexprs = _signature(W.gemm_ws_kernel.arg_names, args, cons,
                                         lambda name, v: name in ("M", "N", "K") and v % 16 == 0)

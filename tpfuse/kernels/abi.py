@@ -38,3 +38,19 @@ MAX_POLLED_CHUNKS = 64
 # accumulator registers (128 x 256 fp32 over 256 threads) and the rest.
 WS_NUM_WARPS = 8
 WS_MAXNREG = 168
+
+# Per-tile timeline (matmul(tile_records=...); off by default, the kernels' RECORD_TILES
+# constexpr): an int64 [num_tiles, TILE_RECORD_COLUMNS] tensor, row t = tile t of the launched
+# kernel's tile grid, t = pid_m * ceil(N / BLOCK_N) + pid_n (rows [pid_m * BLOCK_M, ...) of the
+# output; not the position in the tile order). Columns:
+REC_TILE = 0        # t itself (a row still holding -1 was not written)
+REC_PROGRAM = 1     # the persistent program that ran the tile (tl.program_id(0))
+REC_SM = 2          # %smid of that program's SM; -1 without inline PTX
+REC_START_NS = 3    # before the tile's wait hook and main loop
+REC_WAIT_NS = 4     # after the wait hook returned (= REC_START_NS without a wait hook)
+REC_END_NS = 5      # after the tile's stores (gemm_ws_kernel: and its epilogue hook's count)
+TILE_RECORD_COLUMNS = 6
+# Times are %globaltimer nanoseconds with inline PTX; without it (TRITON_INTERPRET=1,
+# GemmOptions(signal_asm=False)) a logical clock per program: its i-th work item (tile, or
+# stream-K segment) reads 3 * i, 3 * i + 1, 3 * i + 2 at start, wait done and end.
+REC_CLOCK_STEPS = 3

@@ -39,6 +39,14 @@ Hooks (constexpr, compiled away when off):
   its MMAs, so the chunk is published most of a tile earlier (``_count_in_loop``).
   Destinations stacked as one tensor's rows store through one descriptor (EPI_TMA_STACKED).
 
+Per-tile timeline (``RECORD_TILES`` constexpr, compiled away when off; tile_records.py): tile
+``pid_m * num_pid_n + pid_n``'s row of ``tile_records`` gets its program, SM and the clock
+before its wait hook (start), after it (wait done) and after its stores were issued (end),
+written once after the stores. The epilogue hook counts and publishes a tile a tile later
+(above), so that falls in the next tile's span, or after the program's last one. A tile shared
+out by K-steps (stream-K) is recorded by the segment that completes and stores it. In a
+flattened loop (FLATTEN) the next tile's first loads are issued before this tile's end is read.
+
 Three granularities stay separate: CTA tile (BLOCK_M/N/K), epilogue subtile (EPI_SUBTILE
 column slices of the tile per store), communication chunk (chunk_m rows, num_chunks).
 
@@ -58,6 +66,7 @@ from .signals import (HANDOFF, bulk_writes_done, count_release_red, count_releas
                       cta_barrier_if, handoff_red,
                       poll_publish, poll_read, publish_handed_off, record_timeout, reset_and_publish,
                       wait_geq)
+from .tile_records import record_tile, tile_clock
 
 # EPI_COUNT=3 is taken with at most this many chunks (the end of a program checks them all at
 # once) and fewer tiles than this in all (a chunk's count must stay below its HANDOFF bit)
@@ -475,7 +484,7 @@ def _sum_segments(ws, q_first, q_last, first_slot, total_steps, num_progs, SUB_I
 @triton.jit(do_not_specialize=["chunk_m", "num_chunks", "start_chunk", "wait_gen", "wait_timeout",
                                "stride_dm", "epi_gen"],
             do_not_specialize_on_alignment=["wait_signal", "err_ptr", "dest_offs", "signal_ptrs",
-                                            "counters", "tile_counters"])
+                                            "counters", "tile_counters", "tile_records"])
 def gemm_kernel(
     a, b, c,                                   # tensor descriptors (USE_TMA) or pointers
     M, N, K,
@@ -493,6 +502,8 @@ def gemm_kernel(
     # stream-K: fp32 partials [programs, 2, BLOCK_M, BLOCK_N], int32 [num_tiles] zeros (tile
     # counters), and the number of tiles (the last ones of the order) shared out by K-steps
     ws, tile_counters, sk_tiles,
+    # per-tile timeline (RECORD_TILES): int64 [num_tiles, abi.TILE_RECORD_COLUMNS]
+    tile_records,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SUBTILE: tl.constexpr, TILE_ORDER: tl.constexpr, USE_TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, C_DTYPE: tl.constexpr,
@@ -500,6 +511,7 @@ def gemm_kernel(
     FLATTEN: tl.constexpr, DOT_FP32: tl.constexpr,
     DEST_ALIGNED: tl.constexpr, STREAM_K: tl.constexpr,
     EPI_TMA: tl.constexpr, TMA_STORE: tl.constexpr, EPI_COUNT: tl.constexpr,
+    RECORD_TILES: tl.constexpr,
 ):
     start_pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -534,10 +546,17 @@ def gemm_kernel(
         tile_id = work_id
         k_lo = 0
         k_hi = k_tiles
+        if RECORD_TILES:
+            step = (work_id - start_pid) // num_progs   # the logical clock's work item
+            t_start = tile_clock(step, 0, USE_ASM)
         off_m, off_n, c_lo, c_hi, status, verified = _tile_start(
             tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
             wait_timeout, err_ptr, status, verified, BLOCK_M, BLOCK_N, GROUP_M, TILE_ORDER, WAIT,
             EPILOGUE, USE_ASM)
+        if RECORD_TILES:
+            t_wait = t_start
+            if WAIT:
+                t_wait = tile_clock(step, 1, USE_ASM)
         # EPI_COUNT=4 counts the pending tiles (cnt_n of them, 0: none) inside this main loop
         acc, seen, sig = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk,
                                    stride_bn, pend_lo, cnt_n, poll_q, counters, signal_ptrs, BLOCK_M, BLOCK_N,
@@ -568,6 +587,9 @@ def gemm_kernel(
         _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
                    chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
                    DEST_ALIGNED, EPI_TMA)
+        if RECORD_TILES:
+            record_tile(tile_records, (off_m // BLOCK_M) * num_pid_n + off_n // BLOCK_N, t_start, t_wait,
+                        tile_clock(step, 2, USE_ASM), USE_ASM)
         if EPILOGUE:   # after the stores (see _carry)
             pend_lo = _carry(c_lo, USE_ASM)
             pend_hi = _carry(c_hi, USE_ASM)
@@ -605,16 +627,26 @@ def gemm_kernel(
         # loop): segment s is the part of tile first_idx + s in [lo, hi).
         first_idx = lo // k_tiles
         num_segs = tl.where(hi > lo, (hi - 1) // k_tiles - first_idx + 1, 0)
+        if RECORD_TILES:   # work items of this program's whole-tile loop (the logical clock)
+            whole_steps = (num_work - start_pid + num_progs - 1) // num_progs
         for seg in tl.range(0, num_segs, flatten=FLATTEN):
             sk_idx = first_idx + seg
             it = tl.maximum(lo, sk_idx * k_tiles)
             k_lo = it - sk_idx * k_tiles
             k_hi = tl.minimum(hi - sk_idx * k_tiles, k_tiles)
             tile_id = sk_first + sk_idx
+            if RECORD_TILES:
+                step = whole_steps + seg
+                t_start = tile_clock(step, 0, USE_ASM)
             off_m, off_n, c_lo, c_hi, status, verified = _tile_start(
                 tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk, wait_signal,
                 wait_gen, wait_timeout, err_ptr, status, verified, BLOCK_M, BLOCK_N, GROUP_M,
                 TILE_ORDER, WAIT, EPILOGUE, USE_ASM)
+            if RECORD_TILES:
+                t_wait = t_start
+                if WAIT:
+                    t_wait = tile_clock(step, 1, USE_ASM)
+                rec_row = (off_m // BLOCK_M) * num_pid_n + off_n // BLOCK_N
             acc, seen, sig = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak,
                                        stride_bk, stride_bn, pend_lo, pend_n, poll_q, counters,
                                        signal_ptrs, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32,
@@ -631,6 +663,8 @@ def gemm_kernel(
                 _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
                            chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
                        DEST_ALIGNED, EPI_TMA)
+                if RECORD_TILES:
+                    record_tile(tile_records, rec_row, t_start, t_wait, tile_clock(step, 2, USE_ASM), USE_ASM)
                 if EPILOGUE:
                     pend_lo = c_lo
                     pend_hi = c_hi
@@ -681,6 +715,9 @@ def gemm_kernel(
                         _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
                                         dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 1,
                                         C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
+                    if RECORD_TILES:   # the segment that completed the tile stands for it
+                        record_tile(tile_records, rec_row, t_start, t_wait, tile_clock(step, 2, USE_ASM),
+                                    USE_ASM)
     if EPILOGUE:
         if EPI_COUNT >= 3:
             _count_red(pend_lo, pend_hi, pend_n, counters, EPI_TMA, USE_ASM)

@@ -37,6 +37,14 @@ loads are async-proxy reads of rows a peer wrote); the MMA warps wait only for o
 out wait is recorded in the error word and the loads go on, so the kernel ends and the host
 raises TimeoutError. No stream-K: the host (tpfuse/gemm/launch.py, ``ws_choice``)
 takes this kernel for one hook at a time on those paths.
+
+Per-tile timeline (``RECORD_TILES``, tile_records.py): the load warp writes a tile's program,
+SM, start (before its wait) and wait done (after the wait and the proxy fence; = start without
+the wait hook); the store warp writes its end, after the staging buffer was read out by the TMA
+store and, with the epilogue hook, after the count (which waits for the TMA writes) and the
+chunk's publication if this tile completed it. The load warp runs up to STAGES K-steps ahead
+of the MMA warps, so a tile's start is when its loads begin to be issued, not when its MMAs do,
+and tiles of one program overlap in the records.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -48,6 +56,7 @@ from . import abi
 # timeout of a wait claims the error word as in gemm.py
 from .gemm import _tile_coords
 from .signals import record_timeout
+from .tile_records import record_end, record_start, tile_clock
 
 EPI_TMA_STACKED = gl.constexpr(abi.EPI_TMA_STACKED)
 
@@ -100,10 +109,10 @@ def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_p
 @gluon.jit
 def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr, WAIT: gl.constexpr):
+                    EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
-     wait_signal, wait_gen, wait_timeout, err_ptr) = p
+     wait_signal, wait_gen, wait_timeout, err_ptr, tile_records) = p
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
@@ -116,6 +125,8 @@ def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl
                                     BLOCK_M, GROUP_M, TILE_ORDER)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
+        if RECORD_TILES:
+            t_start = tile_clock(0, 0, True)
         if WAIT:
             # gemm.py's wait hook, here in the load warp: the MMA warps only ever wait for the
             # operands. A failed (timed-out) wait is recorded in the error word and the loads go
@@ -125,6 +136,11 @@ def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl
             status, verified = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr,
                                             status, verified)
             gl.inline_asm_elementwise(_PROXY_FENCE_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        if RECORD_TILES:
+            t_wait = t_start
+            if WAIT:
+                t_wait = tile_clock(0, 1, True)
+            record_start(tile_records, pid_m * num_pid_n + pid_n, t_start, t_wait, True)
         for ki in range(k_tiles):
             s = it % STAGES
             # stage s is free once the MMA warps have consumed its previous fill (a fresh
@@ -142,10 +158,10 @@ def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl
 @gluon.jit
 def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr, WAIT: gl.constexpr):
+                    EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
-     wait_signal, wait_gen, wait_timeout, err_ptr) = p
+     wait_signal, wait_gen, wait_timeout, err_ptr, tile_records) = p
     c_desc = epi_descs[0]
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -175,6 +191,8 @@ def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: g
                 sig = gl.load(signal_ptrs + cc)
                 gl.inline_asm_elementwise(_COUNT_ASM, "=r,l,r,r,l,r", [counters + cc, 1, total, sig, epi_gen],
                                           dtype=gl.int32, is_pure=False, pack=1)
+        if RECORD_TILES:
+            record_end(tile_records, pid_m * num_pid_n + pid_n, tile_clock(0, 2, True))
         tc += 1
     tma.store_wait(0)
 
@@ -182,10 +200,10 @@ def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: g
 @gluon.jit
 def _mma_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr, WAIT: gl.constexpr, num_warps: gl.constexpr):
+                    EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr, num_warps: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
-     wait_signal, wait_gen, wait_timeout, err_ptr) = p
+     wait_signal, wait_gen, wait_timeout, err_ptr, tile_records) = p
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
@@ -220,14 +238,14 @@ def _mma_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.
 # Per-call values (generations, chunk geometry) and the hook buffers are not specialized on, so
 # a new generation never compiles a new kernel.
 @gluon.jit(do_not_specialize=["chunk_m", "num_chunks", "start_chunk", "epi_gen", "wait_gen", "wait_timeout"],
-           do_not_specialize_on_alignment=["counters", "signal_ptrs", "wait_signal", "err_ptr"])
+           do_not_specialize_on_alignment=["counters", "signal_ptrs", "wait_signal", "err_ptr", "tile_records"])
 def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_chunk,
                    wait_signal, wait_gen, wait_timeout, err_ptr,
                    counters, signal_ptrs, epi_gen,
-                   epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7,
+                   epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7, tile_records,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                    STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr,
-                   EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, WAIT: gl.constexpr,
+                   EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr,
                    num_warps: gl.constexpr):
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -250,10 +268,12 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
         epi_descs = (c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc)
     p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
          M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
-         wait_signal, wait_gen, wait_timeout, err_ptr)
+         wait_signal, wait_gen, wait_timeout, err_ptr, tile_records)
     gl.warp_specialize([
         (_mma_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA,
-                          WAIT, num_warps)),
-        (_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, WAIT)),
-        (_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, WAIT)),
+                          WAIT, RECORD_TILES, num_warps)),
+        (_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, WAIT,
+                           RECORD_TILES)),
+        (_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA,
+                            WAIT, RECORD_TILES)),
     ], [1, 1], [40, 40])
