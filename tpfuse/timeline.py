@@ -100,6 +100,7 @@ class Recorder:
         self.rank = rank
         self._spans: list[tuple] = []  # (lane, name, start, end, chunk, tile), start/end: int ns or CUDA events
         self._raw: list[TimelineEvent] = []
+        self._tiles: list[tuple] = []   # (records, tile_shape, tile_grid, chunk_m, anchor stamp)
         self._cuda_ref: dict[int, tuple[torch.cuda.Event, int]] = {}  # device index -> (event, host ns)
 
     # -- stamps -------------------------------------------------------------------------------
@@ -160,6 +161,36 @@ class Recorder:
             tile = int(row[3]) if len(row) > 3 and row[3] >= 0 else None
             self.add_raw(lane, name, int(row[0]) + offset_ns, int(row[1]) + offset_ns, rank=rank, chunk=chunk, tile=tile)
 
+    def add_tile_records(self, records: torch.Tensor, plan, chunk_m: int, anchor) -> None:
+        """A GEMM's per-tile records (``tpfuse.gemm.matmul(tile_records=...)``, columns in
+        ``tpfuse/kernels/abi.py``) with its :class:`~tpfuse.gemm.LaunchPlan` (the tile grid) and
+        the stamp (:meth:`now`) taken just before the launch.  Read back in :meth:`events`: lane
+        ``"tiles chunk NN"`` per communication chunk (of the tile's first row), and ``"tile
+        waits"`` for the part of a tile spent in the wait hook.  The device clock
+        (``%globaltimer``) is placed on the host's by putting the earliest tile start at the
+        anchor (the launch's stream position): exact in durations, within a launch latency in
+        offset."""
+        self._tiles.append((records, tuple(plan.tile_shape), tuple(plan.tile_grid), int(chunk_m), anchor))
+
+    def _tile_events(self) -> list[TimelineEvent]:
+        from tpfuse.kernels import abi
+
+        out = []
+        for records, (bm, _), (_, grid_n), chunk_m, anchor in self._tiles:
+            rows = [r for r in records.cpu().tolist() if r[abi.REC_START_NS] >= 0 and r[abi.REC_TILE] >= 0]
+            if not rows:
+                continue
+            base = self._ns(anchor) - min(r[abi.REC_START_NS] for r in rows)
+            for r in rows:
+                tile = int(r[abi.REC_TILE])
+                chunk = (tile // grid_n) * bm // max(1, chunk_m)
+                start, wait, end = (int(r[c]) + base for c in (abi.REC_START_NS, abi.REC_WAIT_NS, abi.REC_END_NS))
+                out.append(TimelineEvent(self.rank, f"tiles chunk {chunk:02d}", f"tile {tile}", start, max(start, end),
+                                         chunk, tile))
+                if wait > start:
+                    out.append(TimelineEvent(self.rank, "tile waits", f"tile {tile}", start, wait, chunk, tile))
+        return out
+
     # -- results ------------------------------------------------------------------------------
     def _ns(self, stamp) -> int:
         if isinstance(stamp, int):
@@ -174,7 +205,7 @@ class Recorder:
             torch.cuda.synchronize(index)
         out = [TimelineEvent(self.rank, lane, name, self._ns(s), self._ns(e), chunk, tile)
                for lane, name, s, e, chunk, tile in self._spans]
-        return sorted(out + self._raw, key=lambda ev: (ev.start_ns, ev.lane))
+        return sorted(out + self._raw + self._tile_events(), key=lambda ev: (ev.start_ns, ev.lane))
 
 
 @contextlib.contextmanager
@@ -218,7 +249,8 @@ def to_chrome_trace(events: list[TimelineEvent], *, meta: dict[str, Any] | None 
     return {"traceEvents": trace, "displayTimeUnit": "ns", "otherData": dict(meta or {})}
 
 
-_COLORS = {"call": "#bbbbbb", "gemm": "#4c72b0", "copy": "#55a868", "wait": "#c44e52", "reduce": "#8172b2"}
+_COLORS = {"call": "#bbbbbb", "gemm": "#4c72b0", "copy": "#55a868", "wait": "#c44e52", "reduce": "#8172b2",
+           "tiles": "#6b8fc7", "tile": "#e08a8c"}   # "tiles chunk NN", "tile waits": first word
 
 
 def _pyplot():
@@ -275,7 +307,7 @@ def draw(events: list[TimelineEvent], path: str | Path, *, title: str = "") -> P
         for y, (rank, lane) in enumerate(rows):
             spans = [ev for ev in mine if ev.rank == rank and ev.lane == lane]
             bars = [((ev.start_ns - t0) / 1e3, max((ev.end_ns - ev.start_ns) / 1e3, span_us * 2e-3)) for ev in spans]
-            ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=_COLORS.get(lane, "#937860"), edgecolor="black",
+            ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=_COLORS.get(lane, _COLORS.get(lane.split()[0], "#937860")), edgecolor="black",
                            linewidth=0.3)
             for ev, (x, w) in zip(spans, bars):
                 if ev.chunk is not None and w > span_us * 0.03:
