@@ -6,7 +6,9 @@
 
 ``m`` is the full M; ``n`` and ``k`` are this rank's local sizes (as the ops take them).
 ``plan`` predicts every strategy ("unfused", "ring", "copy_engine", "fused") with the pipeline
-simulator (``tpfuse.model.simulate``), each at its best chunk count, and picks the fastest.
+simulator (``tpfuse.model.simulate``), each with the chunking it runs (fused ag_gemm's pieces per
+rank from ``tpfuse.model.knobs.fused_ag_chunks_per_rank``, the function fused dispatches with),
+and picks the fastest.
 ``choose`` is what ``strategy="auto"`` calls on every op call: the same, restricted to the
 strategies the environment can run, cached, and with measured times from the tuning cache
 (``record_measurement``) overriding predictions.
@@ -32,9 +34,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from tpfuse.model import cost
+from tpfuse.model import cost, knobs
 from tpfuse.model.hardware import HardwareProfile, get_profile
-from tpfuse.model.simulate import OPS, STRATEGIES, SimResult, default_comm_sms, draw_timeline, simulate
+from tpfuse.model.simulate import OPS, STRATEGIES, SimResult, built_num_chunks, draw_timeline, simulate
 from tpfuse import strategies
 
 # A strategy other than unfused is chosen on model predictions alone only if it is predicted at
@@ -49,8 +51,6 @@ __all__ = [
     "record_measurement",
     "tuning_cache_path",
     "canonical_dtype",
-    "chunk_candidates",
-    "comm_sms_candidates",
     "tp_sizes",
     "add_plan_arguments",
     "run_plan_cli",
@@ -96,18 +96,23 @@ def _validate(op, m, n, k, world_size, dtype, hardware) -> tuple[str, HardwarePr
 class Plan:
     """The planner's decision for one op call shape, with every candidate's prediction.
 
-    ``predicted_ms``: strategy -> ms (its best chunk count); ``chunks``: strategy -> that count.
+    ``predicted_ms``: strategy -> ms; ``chunks``: strategy -> the communication chunks it runs
+    with (along the full M: copy_engine and fused one per rank, W x ``chunks_per_rank`` for
+    fused ag_gemm; gemm_ar one-shot 1).
     ``breakdown``: ``gemm_ms`` (the whole local GEMM alone) and ``comm_ms`` (the collective alone
-    on the op's dtype by its fastest transport -- NCCL, copy engine or communication SMs; not what
+    on the op's dtype by its fastest transport -- NCCL, copy engine or the fused GEMM's SM stores; not what
     tpfuse's unfused pays, which reduces bf16/fp16 partials in fp32 plus two cast passes; both
     strategy-independent, ``comm_ms`` 0 at world_size 1; no strategy is predicted below
     ``max(gemm_ms, comm_ms)``), ``model_ms`` = ``fill_ms`` + ``steady_ms`` + ``drain_ms`` (the
     chosen strategy's simulated pipeline on its critical rank; equal to its ``predicted_ms`` unless
     that was measured) and ``exposed_comm_ms`` (prediction minus GEMM alone).
     ``cuda_graph``: planned for graph replay (no host costs) instead of eager calls.
-    ``modelled_ms``: strategies not in this build, predicted for show (``plan(modelled=True)``).  ``comm_sms``: SMs the fused kernel gives to
-    communication (0 for other strategies).  ``measured``: strategies whose time came from the
-    tuning cache instead of the model.
+    ``modelled_ms``: strategies not in this build, predicted for show (``plan(modelled=True)``).
+    ``num_sms``: the chosen strategy's persistent GEMM grid (fused:
+    ``tpfuse.model.knobs.fused_sm_budget``, every SM; 0 for the others).  ``chunks_per_rank``:
+    pieces each rank's shard is cut into (fused ag_gemm: ``knobs.fused_ag_chunks_per_rank``,
+    what fused dispatches with; 1 otherwise).  ``measured``: strategies whose time came from
+    the tuning cache instead of the model.
     """
 
     op: str
@@ -119,7 +124,7 @@ class Plan:
     world_size: int
     dtype: str
     hardware: str
-    comm_sms: int
+    num_sms: int
     predicted_ms: Mapping[str, float] = field(compare=False)
     chunks: Mapping[str, int] = field(compare=False)
     breakdown: Mapping[str, float] = field(compare=False)
@@ -127,6 +132,7 @@ class Plan:
     reason: str = ""
     cuda_graph: bool = False
     modelled_ms: Mapping[str, float] = field(default_factory=dict, compare=False)
+    chunks_per_rank: int = 1
 
     @property
     def chunk_m(self) -> int:
@@ -154,6 +160,12 @@ class Plan:
                  chunk_m=self.chunk_m, speedup=self.speedup, bound=self.bound)
         return d
 
+    def _pieces(self) -> str:
+        if self.world_size == 1 or strategies.model(self.strategy).kind != "pipeline" or self.op == "gemm_ar":
+            return ""
+        c = self.chunks_per_rank
+        return f"; {c} piece{'s' if c > 1 else ''} per rank"
+
     def explain(self) -> str:
         """Why this strategy: the shape, the two costs it overlaps, every candidate's time."""
         b = self.breakdown
@@ -161,7 +173,7 @@ class Plan:
         lines = [
             f"{self.op} m={self.m} n={self.n} k={self.k} world_size={self.world_size} {self.dtype} "
             f"on {self.hardware}: chose {self.strategy!r} with {self.num_chunks} chunk(s) "
-            f"(chunk_m={self.chunk_m}), {self.predicted_ms[self.strategy]:.4f} ms vs unfused "
+            f"(chunk_m={self.chunk_m}{self._pieces()}), {self.predicted_ms[self.strategy]:.4f} ms vs unfused "
             f"{self.predicted_ms['unfused']:.4f} ms ({self.speedup:.2f}x).",
             f"  GEMM alone {b['gemm_ms']:.4f} ms, {coll} alone {b['comm_ms']:.4f} ms "
             f"({'no communication' if self.bound == 'none' else self.bound + '-bound'}); "
@@ -179,68 +191,40 @@ class Plan:
         return "\n".join(lines)
 
 
-def chunk_candidates(op: str, strategy: str, m: int, world_size: int) -> tuple[int, ...]:
-    """Chunk counts the planner tries for a strategy (ring: W steps; unfused: 1).
-
-    Finer chunks must keep >= 16 rows: the smallest bf16 MMA tile height (wgmma m64 split over
-    a warpgroup's 4 warps), below which a chunk pads its tile anyway."""
-    w = world_size
-    kind = strategies.model(strategy).kind   # the strategy's schedule (tpfuse/strategies/)
-    if kind == "collective" or w == 1:
-        return (1,)
-    if kind == "ring":
-        return (w,)
-    if op == "gemm_ar":
-        return tuple(c for c in (1, 2, 4, 8, 16) if c == 1 or m // c >= 16)
-    # At most MAX_CHUNKS chunks in all (always at least one per shard): every chunk pays a latency
-    # and, in eager mode, host calls, which ate the gain of finer chunks at W = 8 in the model;
-    # at W = 72 the W shards already are fine chunks (and the planner stays fast).
-    shard = max(1, m // w)
-    return tuple(w * s for s in (1, 2, 4, 8) if s == 1 or (shard // s >= 16 and w * s <= MAX_CHUNKS))
-
-
-MAX_CHUNKS = 64
-
-
-def comm_sms_candidates(strategy: str, hw: HardwareProfile) -> tuple[int, ...]:
-    """SMs a persistent kernel may give to communication: fewer slow the link, more slow the GEMM."""
-    if strategies.model(strategy).comm_path != "sm":
-        return (0,)
-    top = default_comm_sms(hw)
-    return tuple(sorted({max(1, top // 4), max(1, top // 2), top}))
-
-
-def _simulate(op, strategy, m, n, k, w, dtype, hw, num_chunks, comm_sms=0, cuda_graph=False,
-              fast=False) -> SimResult:
+def _simulate(op, strategy, m, n, k, w, dtype, hw, num_chunks, cuda_graph=False, fast=False) -> SimResult:
     return simulate(op, strategy, m=m, n=n, k=k, world_size=w, dtype=dtype, hw=hw,
-                    num_chunks=num_chunks, comm_sms=comm_sms or None, cuda_graph=cuda_graph, fast=fast)
+                    num_chunks=num_chunks, cuda_graph=cuda_graph, fast=fast)
+
+
+def _num_sms(strategy: str, w: int, hw: HardwareProfile) -> int:
+    """The persistent GEMM grid the strategy runs (fused: every SM on a multi-GPU machine)."""
+    sched = strategies.model(strategy)
+    persistent = sched.kind == "pipeline" and not sched.separate_kernels
+    return knobs.fused_sm_budget(hw, w) if persistent and w > 1 else 0
 
 
 @functools.lru_cache(maxsize=4096)
 def _best_per_strategy(op, m, n, k, w, dtype, hw: HardwareProfile, strategy, cuda_graph=False,
-                       ) -> tuple[float, int, int, SimResult]:
-    """(ms, num_chunks, comm_sms, result) of the strategy's best configuration; ties go to the
-    configuration tried first (fewer chunks, fewer communication SMs).  Replays rank 0 only
+                       ) -> tuple[float, int, SimResult]:
+    """(ms, num_chunks, result) of the strategy as it runs: the chunking it is built with
+    (``simulate.built_num_chunks``: fused ag_gemm's pieces per rank come from the same
+    ``knobs.fused_ag_chunks_per_rank`` that fused dispatches with).  Replays one rank
     (``simulate(fast=True)``): ranks are symmetric without skew."""
-    best = None
-    for sms in comm_sms_candidates(strategy, hw):
-        for nc in chunk_candidates(op, strategy, m, w):
-            res = _simulate(op, strategy, m, n, k, w, dtype, hw, nc, sms, cuda_graph, fast=True)
-            if best is None or res.makespan_ms < best[0] - 1e-12:
-                best = (res.makespan_ms, nc, sms, res)
-    return best
+    nc = built_num_chunks(op, strategy, m=m, n=n, k=k, world_size=w, dtype=dtype, hw=hw, cuda_graph=cuda_graph)
+    res = _simulate(op, strategy, m, n, k, w, dtype, hw, nc, cuda_graph, fast=True)
+    return res.makespan_ms, nc, res
 
 
 def _comm_alone_ms(op, m, n, k, w, dtype, hw: HardwareProfile) -> float:
     """The collective alone on ``dtype`` data by its fastest transport: NCCL (measured at this W
-    where the profile has it), copy engine, or the SMs the fused kernel may use.  Strategy-
+    where the profile has it), copy engine, or SM stores by the fused GEMM's grid.  Strategy-
     independent and a floor for all of them: unfused and ring move fp32 partials for bf16/fp16
     reductions (more bytes, plus casts), copy_engine/fused move the op's dtype."""
     if w <= 1 or m <= 0:
         return 0.0
     return min(cost.collective_ms(op, m, n, k, w, dtype, hw),
                cost.p2p_collective_ms(op, m, n, k, w, dtype, hw, "ce"),
-               cost.p2p_collective_ms(op, m, n, k, w, dtype, hw, "sm", num_sms=default_comm_sms(hw)))
+               cost.p2p_collective_ms(op, m, n, k, w, dtype, hw, "sm", num_sms=knobs.fused_sm_budget(hw, w)))
 
 
 def _reason(op, strategy, w, predicted, gemm_ms, comm_ms, measured, margin_kept=False, *,
@@ -263,8 +247,8 @@ def _reason(op, strategy, w, predicted, gemm_ms, comm_ms, measured, margin_kept=
                 "A measurement in the tuning cache (tpfuse.plan.record_measurement) overrides this.")
     if strategy == "unfused":
         return (f"{where}no overlapped strategy is predicted faster{src} for {mode}: the {comm_ms:.4f} ms "
-                "of communication is too small to pay for per-chunk latencies, extra launches, smaller "
-                "GEMMs and SMs taken by communication.")
+                "of communication is too small to pay for per-chunk latencies, flags, extra launches and "
+                "smaller GEMMs.")
     exposed = min(comm_ms, max(0.0, predicted[strategy] - gemm_ms))
     hidden = comm_ms - exposed
     saved = predicted["unfused"] - predicted[strategy]
@@ -314,10 +298,9 @@ def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str
                      and not (multi_node and s not in _NCCL_STRATEGIES))
     gemm_ms = cost.gemm_time_ms(m, n, k, dtype, hw) if m > 0 else 0.0
     comm_ms = _comm_alone_ms(op, m, n, k, w, dtype, hw)
-    predicted, chunks, results, sms = {}, {}, {}, {}
+    predicted, chunks, results = {}, {}, {}
     for s in candidates:
-        ms, nc, sms[s], res = _best_per_strategy(op, m, n, k, w, dtype, hw, s, cuda_graph)
-        predicted[s], chunks[s], results[s] = ms, nc, res
+        predicted[s], chunks[s], results[s] = _best_per_strategy(op, m, n, k, w, dtype, hw, s, cuda_graph)
     modelled_ms = {s: _best_per_strategy(op, m, n, k, w, dtype, hw, s, cuda_graph)[0] for s in modelled}
     used = tuple(s for s in candidates if s in measured)
     for s in used:
@@ -339,8 +322,10 @@ def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str
     breakdown = {"gemm_ms": gemm_ms, "comm_ms": comm_ms if w > 1 else 0.0,
                  "model_ms": res.makespan_ms, "fill_ms": crit.fill, "steady_ms": crit.steady,
                  "drain_ms": crit.drain, "exposed_comm_ms": max(0.0, predicted[chosen] - gemm_ms)}
+    sched = strategies.model(chosen)
+    per_rank = chunks[chosen] // w if sched.kind == "pipeline" and op != "gemm_ar" and w > 1 else 1
     return Plan(op=op, strategy=chosen, num_chunks=chunks[chosen], m=m, n=n, k=k, world_size=w,
-                dtype=dtype, hardware=hw.name, comm_sms=sms[chosen],
+                dtype=dtype, hardware=hw.name, num_sms=_num_sms(chosen, w, hw), chunks_per_rank=per_rank,
                 predicted_ms=predicted, chunks=chunks, breakdown=breakdown, measured=used,
                 reason=_reason(op, chosen, w, predicted, gemm_ms, comm_ms, used, margin_kept,
                                empty=empty, multi_node=multi_node, cuda_graph=cuda_graph),
@@ -687,7 +672,7 @@ def run_plan_cli(args: argparse.Namespace) -> int:
         for i, (name, p) in enumerate(rows):
             path = out if len(rows) == 1 else out.with_name(f"{out.stem}-{name}{out.suffix or '.png'}")
             res = _simulate(p.op, p.strategy, p.m, p.n, p.k, p.world_size, p.dtype, hw, p.num_chunks,
-                            p.comm_sms, p.cuda_graph)
+                            p.cuda_graph)
             draw_timeline(res, path, title=f"{name}: {p.strategy}, {p.num_chunks} chunks, "
                           f"{p.predicted_ms[p.strategy]:.3f} ms predicted on {hw.name} "
                           f"(unfused {p.predicted_ms['unfused']:.3f} ms)")

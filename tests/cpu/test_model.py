@@ -53,7 +53,12 @@ def test_device_name_mapping_and_detect_without_cuda():
     import torch
 
     if not torch.cuda.is_available():
-        assert detect().name == "cpu-gloo"
+        assert detect().name == "cpu-gloo" and detect(torch.device("cuda", 0)).name == "cpu-gloo"
+    # a device name (what fused passes, or torch.cuda.get_device_name's), a CPU device
+    assert detect("NVIDIA H200") is detect("NVIDIA H200") is get_profile("h200")
+    assert detect(torch.device("cpu")).name == detect("cpu").name == "cpu-gloo"
+    with pytest.raises(TypeError, match="detect: expected None, a torch.device"):
+        detect(2.5)
 
 
 def test_packaged_calibration_applies(tmp_path):
@@ -178,14 +183,42 @@ def test_unfused_reduces_fp32_partials(op):
 
 
 # --- simulator vs closed forms ------------------------------------------------------------------
-@pytest.mark.parametrize("num_chunks", [1, 4, 8])
-@pytest.mark.parametrize("shape", [(4096, 8192, 3584), (512, 16384, 13312)])
-def test_gemm_ar_fused_matches_two_stage_closed_form(shape, num_chunks):
+@pytest.mark.parametrize("shape", [(16384, 7168, 8192), (16384, 768, 8192), (8192, 256, 8192)])
+def test_fused_ag_one_piece_per_rank_closed_form(shape):
+    """W = 2, one piece per rank, CUDA graph: the two local copies (publish, gathered buffer),
+    then the local half of the one GEMM while the peer's shard is pulled, then the peer's half:
+    T = fill + max(GEMM / 2, pull) + GEMM / 2 (GEMM-bound: fill + GEMM; comm-bound: fill +
+    pull + GEMM / 2)."""
     m, n, k = shape
-    res = simulate("gemm_ar", "fused", m=m, n=n, k=k, world_size=4, dtype="bf16", hw=UNIFORM,
-                   num_chunks=num_chunks, cuda_graph=True)
-    (t_g,), (t_c,) = set(_durations(res, "gemm")), set(_durations(res, "comm"))
-    assert res.makespan_ms == pytest.approx(cost.two_stage_pipeline_ms(t_g, t_c, num_chunks))
+    res = simulate("ag_gemm", "fused", m=m, n=n, k=k, world_size=2, dtype="bf16", hw=H200, num_chunks=2,
+                   cuda_graph=True)
+    core = cost.core_gemm_time_ms(m, n, k, "bf16", H200, hook="wait")
+    assert sum(_durations(res, "gemm", "gemm")) == pytest.approx(core)
+    (pull,) = _durations(res, "comm")
+    assert pull == pytest.approx(cost.transfer_time_ms(m // 2 * k * 2, "ce", H200))
+    fill = 2 * cost.copy_time_ms(m // 2 * k * 2, H200)
+    assert res.makespan_ms == pytest.approx(fill + max(core / 2, pull) + core / 2)
+    assert res.makespan_ms >= max(core, pull)
+
+
+def test_fused_rs_exposes_the_last_peer_chunks_stores():
+    """fused gemm_rs: one launch in owner order (rank + 1 first, own rows last); the epilogue's
+    stores to the peers trail the bands' compute, so what is exposed after the GEMM is the
+    store backlog beyond the own chunk's compute; READY after the launch, then the reduce."""
+    w = 4
+    for n, k in ((8192, 3584), (8192, 256)):   # GEMM-bound, then store-bound
+        res = simulate("gemm_rs", "fused", m=16384, n=n, k=k, world_size=w, dtype="bf16", hw=H200,
+                       cuda_graph=True)
+        tiles = [t for t in res.tasks if t.rank == 0 and t.kind == "gemm"]
+        stores = [t for t in res.tasks if t.rank == 0 and t.engine == "comm"]
+        assert {t.chunk for t in stores} == {1, 2, 3}             # to every peer, never to itself
+        assert [t.chunk for t in tiles][0] == 1 and tiles[-1].chunk == 0  # owner order, own last
+        (red,) = [t for t in res.tasks if t.rank == 0 and t.kind == "reduce"]
+        assert red.start == pytest.approx(max(tiles[-1].end, max(t.end for t in stores)))
+        shard_bytes = 16384 // w * n * 2
+        assert sum(t.duration for t in stores) >= (w - 1) * shard_bytes / (H200.link_sm_max_gbps * 1e9) * 1e3
+        assert red.duration == pytest.approx(cost.reduce_time_ms((w + 1) * shard_bytes, H200))
+    assert max(t.end for t in stores) > tiles[-1].end  # store-bound: the backlog is the tail
 
 
 @pytest.mark.parametrize("w", [2, 4, 8])
@@ -217,43 +250,74 @@ def test_world_size_one_is_the_gemm(op, strategy):
 
 
 @pytest.mark.parametrize("hw", [H200, get_profile("h200", calibration=False)], ids=["calibrated", "leads"])
-def test_interior_optimum_in_chunk_count(hw):
-    """alpha > 0: more chunks shrink the exposed last chunk but add a latency per chunk.
-    The shape (K = 8192, N = 1536 per rank) is near the GEMM/transfer balance, where the
-    chunk count matters (on a clearly GEMM-bound shape the first few counts tie)."""
-    shape = dict(m=16384, n=1536, k=8192, world_size=8, dtype="bf16")
-    times = [simulate("ag_gemm", "fused", hw=hw, num_chunks=8 * s, **shape).makespan_ms
-             for s in (1, 2, 4, 8, 16)]
+def test_interior_optimum_in_pieces_per_rank(hw):
+    """fused ag_gemm, CUDA graph: more pieces per rank let the GEMM start on a peer's first
+    piece earlier (a shorter drain) but every piece pays a copy latency, so on a shape near the
+    GEMM/transfer balance (K = 8192, N = 1536 per rank) the best count is interior."""
+    shape = dict(m=16384, n=1536, k=8192, world_size=8, dtype="bf16", cuda_graph=True)
+    times = [simulate("ag_gemm", "fused", hw=hw, num_chunks=8 * s, **shape).makespan_ms for s in (1, 2, 4, 8, 16)]
     best = times.index(min(times))
     assert 0 < best < len(times) - 1, times
-    assert min(times[0], times[-1]) > 1.01 * times[best], times
-    no_alpha = dataclasses.replace(hw, alpha_sm_us=0.0)
+    assert times[-1] > 1.01 * times[best], times
+    no_alpha = dataclasses.replace(hw, alpha_ce_us=0.0)
     flat = [simulate("ag_gemm", "fused", hw=no_alpha, num_chunks=8 * s, **shape).makespan_ms
             for s in (1, 2, 4, 8, 16)]
     assert all(f <= t for f, t in zip(flat, times))
-    assert flat.index(min(flat)) >= best  # the latency is what stops finer chunking
+    assert flat.index(min(flat)) >= best  # the latency is what stops finer pieces
 
 
 def test_rank_stats_add_up_and_skew_delays():
-    base = simulate("gemm_rs", "fused", m=16384, n=8192, k=3584, world_size=4, dtype="bf16",
-                    hw=H200, num_chunks=8)
+    base = simulate("gemm_rs", "fused", m=16384, n=8192, k=3584, world_size=4, dtype="bf16", hw=H200)
     for r in base.ranks:
         assert r.fill + r.steady + r.drain == pytest.approx(r.total)
         assert r.backlog >= 0 and r.gemm_busy > 0 and r.comm_busy > 0
     late = simulate("gemm_rs", "fused", m=16384, n=8192, k=3584, world_size=4, dtype="bf16",
-                    hw=H200, num_chunks=8, skew_ms=(0.0, 0.5, 0.0, 0.0))
+                    hw=H200, skew_ms=(0.0, 0.5, 0.0, 0.0))
     assert late.makespan_ms >= base.makespan_ms + 0.4  # the late rank's own work ends later
     # rank 0 is the late rank's last peer in owner order: it waits for that partial to reduce
     assert late.ranks[0].total > base.ranks[0].total
 
 
-def test_credits_bound_in_flight_chunks():
-    free = simulate("gemm_rs", "copy_engine", m=16384, n=8192, k=3584, world_size=4, dtype="bf16",
-                    hw=H200, num_chunks=16)
-    one = simulate("gemm_rs", "copy_engine", m=16384, n=8192, k=3584, world_size=4, dtype="bf16",
-                   hw=H200, num_chunks=16, num_slots=1)
-    assert one.makespan_ms >= free.makespan_ms
-    assert one.ranks[0].backlog <= 1
+def _issued(res, prefix):
+    return [t for t in res.tasks if t.rank == 0 and t.engine == "host" and t.label.startswith(f"issue {prefix}")]
+
+
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs"])
+def test_host_launches_as_built(op):
+    """Eager: copy_engine issues one cuBLAS GEMM per chunk (W), each a host call of host_call_us;
+    fused issues ONE GEMM launch (the core's host_core_call_us) whatever the pieces; both issue
+    every copy and flag from the host too.  A CUDA graph drops them all."""
+    w = 8
+    shape = dict(m=16384, n=7168, k=8192, world_size=w, dtype="bf16", hw=H200)
+    ce = simulate(op, "copy_engine", **shape)
+    gemms = _issued(ce, "GEMM")
+    assert len(gemms) == w and {t.duration for t in gemms} == {H200.host_call_us * 1e-3}
+    pieces = 2 * w if op == "ag_gemm" else None
+    fu = simulate(op, "fused", **shape, num_chunks=pieces)
+    (launch,) = _issued(fu, "tiles")
+    assert launch.duration == pytest.approx(H200.host_core_call_us * 1e-3)
+    copies = _issued(fu, "pull") if op == "ag_gemm" else []
+    assert len(copies) == ((w - 1) * 2 if op == "ag_gemm" else 0)
+    for res in (ce, fu):
+        host = sum(t.duration for t in res.tasks if t.rank == 0 and t.engine == "host")
+        graph = simulate(op, res.strategy, **shape, num_chunks=res.num_chunks, cuda_graph=True)
+        assert not [t for t in graph.tasks if t.engine == "host" and t.duration > 0]
+        assert host > H200.host_op_us * 1e-3 and graph.makespan_ms <= res.makespan_ms
+
+
+def test_only_fused_ag_has_a_chunk_knob():
+    shape = dict(m=4096, n=1024, k=1024, world_size=4, dtype="bf16", hw=H200)
+    assert simulate("gemm_rs", "copy_engine", **shape, num_chunks=4).num_chunks == 4
+    with pytest.raises(ValueError, match="copy_engine runs ag_gemm with 4 chunk"):
+        simulate("ag_gemm", "copy_engine", **shape, num_chunks=8)
+    with pytest.raises(ValueError, match="fused runs gemm_rs with 4 chunk"):
+        simulate("gemm_rs", "fused", **shape, num_chunks=8)
+    assert simulate("ag_gemm", "fused", **shape, num_chunks=8).num_chunks == 8
+    # gemm_ar: copy_engine one-shot up to 1 MiB of output, else two-shot; fused two-shot when W | M
+    assert simulate("gemm_ar", "copy_engine", **dict(shape, m=128)).num_chunks == 1
+    assert simulate("gemm_ar", "copy_engine", **shape).num_chunks == 4
+    assert simulate("gemm_ar", "fused", **dict(shape, m=128)).num_chunks == 4
+    assert simulate("gemm_ar", "fused", **dict(shape, m=130)).num_chunks == 1   # copy_engine's path
 
 
 def test_simulate_validates():
@@ -266,7 +330,7 @@ def test_simulate_validates():
 
 
 def test_timeline_png(tmp_path):
-    res = simulate("ag_gemm", "copy_engine", m=4096, n=7168, k=8192, world_size=4, dtype="bf16",
+    res = simulate("ag_gemm", "fused", m=4096, n=7168, k=8192, world_size=4, dtype="bf16",
                    hw=H200, num_chunks=8, skew_ms=(0.0, 0.02, 0.0, 0.01))
     out = tmp_path / "timeline.png"
     draw_timeline(res, out)
@@ -321,13 +385,31 @@ def test_every_strategy_pays_the_eager_host_model_and_graphs_drop_it(op, strateg
 @pytest.mark.parametrize("graph", [False, True])
 def test_symmetric_replay_equals_the_full_one(op, strategy, graph):
     w = 4
-    chunks = None if strategy in ("unfused", "ring") else 2 * w
-    shape = dict(m=4096, n=7168, k=2048, world_size=w, dtype="bf16", hw=H200, num_chunks=chunks, cuda_graph=graph)
-    full = simulate(op, strategy, **shape)
-    fast = simulate(op, strategy, **shape, fast=True)
-    assert fast.makespan_ms == pytest.approx(full.makespan_ms, rel=1e-12)
-    assert fast.fill_ms == pytest.approx(full.fill_ms) and fast.drain_ms == pytest.approx(full.drain_ms)
-    assert len(fast.tasks) < len(full.tasks) / (w - 1)
+    chunks = 2 * w if (strategy, op) == ("fused", "ag_gemm") else None
+    for m in (4096, 128):   # shards a multiple of the fused tile height, and one tile for all
+        shape = dict(m=m, n=7168, k=2048, world_size=w, dtype="bf16", hw=H200, num_chunks=chunks,
+                     cuda_graph=graph)
+        full = simulate(op, strategy, **shape)
+        fast = simulate(op, strategy, **shape, fast=True)
+        assert fast.makespan_ms == pytest.approx(full.makespan_ms, rel=1e-12)
+        assert fast.fill_ms == pytest.approx(full.fill_ms) and fast.drain_ms == pytest.approx(full.drain_ms)
+        assert len(fast.tasks) < len(full.tasks) / (w - 1)
+        chunks = None if m == 4096 else chunks
+
+
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs"])
+def test_symmetric_replay_of_unaligned_shards_is_the_straddling_rank(op):
+    """Shards of 200 rows: rank r's first M-tile (128 rows) straddles rank r-1's rows (which fused
+    ag_gemm pulls last), so the ranks differ; the fast replay follows rank 1 (straddling), never
+    rank 0 (aligned, the optimistic one).  Exact for ag_gemm, whose only cross-rank waits are
+    the peers' READY at the start; gemm_rs also waits for the peers' (differently cut) GEMMs."""
+    shape = dict(m=800, n=7168, k=8192, world_size=4, dtype="bf16", hw=H200, cuda_graph=True)
+    full = simulate(op, "fused", **shape)
+    fast = simulate(op, "fused", **shape, fast=True)
+    if op == "ag_gemm":
+        assert fast.ranks[0].total == pytest.approx(full.ranks[1].total, rel=1e-9)
+        assert fast.ranks[0].total > full.ranks[0].total
+    assert fast.makespan_ms == pytest.approx(full.makespan_ms, rel=0.02)
 
 
 def test_nccl_fit_reads_the_bench_rows_of_today_once_per_cell():
@@ -338,3 +420,65 @@ def test_nccl_fit_reads_the_bench_rows_of_today_once_per_cell():
     rows = comm_rows_from_bench({"rows": [dict(row, strategy="unfused", ms=0.3), dict(row, strategy="ring", ms=0.2),
                                           dict(row, cell="other", comm_ms=None)]})
     assert [(r.name, r.kind, r.ms) for r in rows] == [("8b-prefill-fc1-tp2", "all_gather", 0.1)]
+
+
+# --- the fused GEMM core's calibration and the chunk knob (tpfuse/model/knobs.py) ----------------
+def _core_rows():
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    return json.loads((root / "gemm_core_h200.json").read_text())["rows"]
+
+
+def test_core_gemm_calibration_reproduces_its_measurements():
+    """The core's hooked time (cuBLAS / core_gemm_rel * (1 + rel) + us) against what
+    benchmarks/gemm_core.py measured with the hooks on, from the measured cuBLAS time of the same
+    shape, on the shapes the fused GEMM runs (full M: training, prefill, decode)."""
+    assert "gemm_core_h200.json" in H200.source("core_gemm_rel") and H200.source("host_core_call_us")
+    for hook, key, worst in (("wait", "wait_graph_ms", 0.15), ("epilogue", "epilogue_graph_ms", 0.25)):
+        rel, us = getattr(H200, f"core_{hook}_rel"), getattr(H200, f"core_{hook}_us")
+        errs = sorted(abs((r["cublas_graph_ms"] / H200.core_gemm_rel * (1 + rel) + us * 1e-3) / r[key] - 1)
+                      for r in _core_rows() if r["phase"] in ("train", "prefill", "decode"))
+        assert len(errs) == 18 and errs[len(errs) // 2] < 0.05 and errs[-1] < worst, (hook, errs)
+    # the model: never faster than the cuBLAS model of the same shape, hooks never free
+    for shape in ((16384, 7168, 8192), (128, 8192, 3584)):
+        cublas = cost.gemm_time_ms(*shape, "bf16", H200)
+        plain = cost.core_gemm_time_ms(*shape, "bf16", H200)
+        assert cublas < plain <= cost.core_gemm_time_ms(*shape, "bf16", H200, hook="wait")
+        assert plain < cost.core_gemm_time_ms(*shape, "bf16", H200, hook="epilogue")
+
+
+def test_sm_budget_matches_the_strategy():
+    from tpfuse.model.knobs import fused_sm_budget
+    assert fused_sm_budget(H200, 8) == H200.sm_count == 132
+    assert fused_sm_budget(H200, 4, shared_gpu=True) == 26 and fused_sm_budget(132, 1, shared_gpu=True) == 132
+    # a smaller grid is never faster
+    args = dict(m=16384, n=7168, k=8192, world_size=8, dtype="bf16", hw=H200, cuda_graph=True)
+    assert simulate("ag_gemm", "fused", **args, num_sms=26).makespan_ms > simulate("ag_gemm", "fused", **args).makespan_ms
+
+
+def test_chunk_knob():
+    import time
+    from tpfuse.model.knobs import FUSED_TILE_M, fused_ag_chunks_per_rank, piece_candidates
+
+    # equal pieces of >= 128 rows (the fused GEMM's tile height) only
+    assert piece_candidates(255) == (1,) and piece_candidates(384) == (1, 2) and piece_candidates(512) == (1, 2, 4)
+    assert piece_candidates(258) == (1, 2) and piece_candidates(1030) == (1, 2)   # 1030 / 4 is not whole
+    knob = fused_ag_chunks_per_rank
+    # small M: every piece would split a tile -> 1
+    for m_shard in (1, 16, 64, 128, 200, 255):   # no candidate but 1
+        assert knob(m_shard, 7168, 8192, 8, "bf16", H200) == 1
+        assert knob(m_shard, 7168, 8192, 8, "bf16", H200, cuda_graph=True) == 1
+    assert knob(0, 7168, 8192, 8, "bf16", H200) == 1 and knob(4096, 7168, 8192, 1, "bf16", H200) == 1
+    # a GEMM-bound shape: the local chunk hides the first pull, one piece per rank
+    assert knob(2048, 7168, 8192, 8, "bf16", H200, cuda_graph=True) == 1
+    # near the GEMM/transfer balance, without host time: pieces shorten the drain
+    c = knob(2048, 1536, 8192, 8, "bf16", H200, cuda_graph=True)
+    assert c in (2, 4) and 2048 // c >= FUSED_TILE_M
+    # deterministic, the same for a torch dtype and a profile name, and fast uncached
+    import torch
+    assert knob(2048, 1536, 8192, 8, torch.bfloat16, "h200", cuda_graph=True) == c
+    knob.cache_clear()
+    t0 = time.perf_counter()
+    for w in (2, 4, 8):
+        knob(16384 // w, 1536 * 8 // w, 8192, w, "bf16", H200)
+    assert (time.perf_counter() - t0) / 3 < 0.005 * 4   # < 5 ms a call alone; 4x slack on a shared box

@@ -403,3 +403,40 @@ def test_cli_timeline_without_matplotlib_is_an_error(capsys, monkeypatch):
                  "--timeline", "x.png"]) == 2
     err = capsys.readouterr().err
     assert "--timeline needs matplotlib" in err and err.count("\n") == 1, err
+
+
+# --- issues 20.4 / 22.6: fused's pieces per rank come from the knob fused dispatches with ---------
+@pytest.mark.parametrize("graph", [False, True])
+def test_plan_predicts_fused_with_the_knobs_pieces(graph):
+    from tpfuse.model import knobs
+    from tpfuse.model.simulate import simulate
+
+    hw = get_profile("h200")
+    cells = [(c.m, c.n, c.k, c.world_size) for c in workload_matrix(world_sizes=(2, 8), models=("8b", "70b"))
+             if c.op == "ag_gemm"] + [(16384, 1536, 8192, 8)]
+    seen = set()
+    for m, n, k, w in cells:
+        p = plan("ag_gemm", m=m, n=n, k=k, world_size=w, dtype="bf16", hardware=hw, cuda_graph=graph)
+        c = knobs.fused_ag_chunks_per_rank(m // w, n, k, w, "bf16", hw, cuda_graph=graph)
+        assert p.chunks["fused"] == w * c, (m, n, k, w)
+        res = simulate("ag_gemm", "fused", m=m, n=n, k=k, world_size=w, dtype="bf16", hw=hw, num_chunks=w * c,
+                       cuda_graph=graph, fast=True)
+        assert p.predicted_ms["fused"] == res.makespan_ms
+        seen.add(c)
+    assert seen == ({1, 2} if graph else {1})   # eager: every piece costs host calls too
+    # chosen: the Plan reports the pieces, explain() says so
+    q = choose("ag_gemm", m=16384, n=1536, k=8192, world_size=8, dtype="bf16", hardware=hw,
+               candidates=("fused",), cuda_graph=graph)
+    assert q.strategy == "fused" and q.num_chunks == 8 * q.chunks_per_rank and q.num_sms == hw.sm_count
+    per = q.chunks_per_rank
+    assert f"{per} piece{'s' if per > 1 else ''} per rank" in q.explain()
+
+
+def test_copy_engine_and_fused_chunking_is_what_runs():
+    for op in ("ag_gemm", "gemm_rs"):
+        p = plan(op, m=16384, n=7168, k=8192, world_size=8)
+        assert p.chunks["copy_engine"] == 8 and p.chunks["fused"] % 8 == 0
+    # gemm_ar: copy_engine one-shot (one chunk) up to 1 MiB of output; fused always two-shot when W | M
+    small = plan("gemm_ar", m=64, n=4096, k=1792, world_size=8)
+    assert small.chunks["copy_engine"] == 1 and small.chunks["fused"] == 8
+    assert plan("gemm_ar", m=128, n=8192, k=3584, world_size=8).chunks["copy_engine"] == 8

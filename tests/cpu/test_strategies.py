@@ -9,7 +9,6 @@ from tpfuse import _checks, strategies
 from tpfuse._dist import GroupContext
 from tpfuse.model import simulate
 from tpfuse.model.hardware import get_profile
-from tpfuse.plan import chunk_candidates, comm_sms_candidates
 
 
 def _ctx(backend="gloo"):
@@ -70,11 +69,14 @@ def test_a_new_strategy_module_must_declare_its_model():
 
 
 def test_schedules_drive_the_planner_and_the_simulator():
-    assert chunk_candidates("ag_gemm", "ring", 4096, 4) == (4,)
-    assert chunk_candidates("ag_gemm", "unfused", 4096, 4) == (1,)
-    assert len(chunk_candidates("ag_gemm", "copy_engine", 4096, 4)) > 1
     hw = get_profile("h200")
-    assert comm_sms_candidates("copy_engine", hw) == (0,) and comm_sms_candidates("fused", hw)[-1] > 0
+    shape = dict(m=4096, n=1024, k=1024, world_size=4, dtype="bf16", hw=hw)
+    assert simulate.built_num_chunks("ag_gemm", "ring", **shape) == 4
+    assert simulate.built_num_chunks("ag_gemm", "unfused", **shape) == 1
+    # copy_engine moves one chunk per rank; fused ag_gemm cuts each shard into the knob's pieces
+    assert simulate.built_num_chunks("gemm_rs", "copy_engine", **shape) == 4
+    assert simulate.built_num_chunks("ag_gemm", "fused", **shape) % 4 == 0
+    assert strategies.model("fused").comm_path == "ce" and not strategies.model("fused").separate_kernels
     with pytest.raises(ValueError, match="Schedule.kind='tree'"):
         simulate.Schedule("tree")
     with pytest.raises(ValueError, match="unknown strategy 'zigzag'"):

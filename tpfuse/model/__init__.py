@@ -2,7 +2,8 @@
 
 ``hardware``: profiles with sourced numbers and calibration overrides; ``cost``: GEMM roofline with
 a shape-dependent efficiency curve and alpha-beta transfers; ``simulate``: a discrete-event replay
-of one fused op on W ranks.  Nothing here needs a GPU.
+of one fused op on W ranks; ``knobs``: the fused strategy's per-shape choices (pieces per rank, SM
+budget), which dispatch and the planner share.  Nothing here needs a GPU.
 """
 
 from tpfuse.model.hardware import HardwareProfile, detect, get_profile

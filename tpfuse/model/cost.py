@@ -40,6 +40,7 @@ __all__ = [
     "TILE_SHAPES",
     "SPLIT_K",
     "gemm_time_ms",
+    "core_gemm_time_ms",
     "gemm_tflops",
     "gemm_memory_time_ms",
     "transfer_time_ms",
@@ -55,6 +56,8 @@ __all__ = [
     "unfused_collective_parts",
     "p2p_collective_ms",
     "reduce_time_ms",
+    "copy_time_ms",
+    "peer_reduce_time_ms",
     "two_stage_pipeline_ms",
 ]
 
@@ -126,6 +129,21 @@ def _gemm_time_ms(m, n, k, dtype, hw, sms, hbm_share, launch) -> float:
     return best * 1e3 + (hw.gemm_launch_us * 1e-3 if launch else 0.0)
 
 
+def core_gemm_time_ms(m: int, n: int, k: int, dtype: str, hw: HardwareProfile, *,
+                      hook: str | None = None, num_sms: int | None = None) -> float:
+    """One launch of tpfuse's persistent Triton GEMM core (``tpfuse.gemm.matmul``) on
+    ``[m, k] @ [k, n]``, device time, launch included: the cuBLAS model of the same shape over
+    the core's measured efficiency ``hw.core_gemm_rel``, times ``1 + rel`` plus ``us`` of its
+    hook (``"wait"``: fused ag_gemm's per-chunk waits in round order; ``"epilogue"``: fused
+    gemm_rs' per-chunk stores in owner order; None: plain).  ``num_sms``: the persistent grid."""
+    if hook not in (None, "wait", "epilogue"):
+        raise ValueError(f"hook: {hook!r}; use None, 'wait' or 'epilogue'")
+    rel, us = {None: (0.0, 0.0), "wait": (hw.core_wait_rel, hw.core_wait_us),
+               "epilogue": (hw.core_epilogue_rel, hw.core_epilogue_us)}[hook]
+    t = gemm_time_ms(m, n, k, dtype, hw, num_sms=num_sms)
+    return t / hw.core_gemm_rel * (1.0 + rel) + (us * 1e-3 if m > 0 and n > 0 else 0.0)
+
+
 def gemm_memory_time_ms(m: int, n: int, k: int, dtype: str, hw: HardwareProfile) -> float:
     """The HBM floor of a GEMM: A, B and C each moved once at the achievable bandwidth."""
     return DTYPE_BYTES[dtype] * (m * k + k * n + m * n) / (hw.hbm_gbps * 1e9 * hw.hbm_eff) * 1e3
@@ -184,6 +202,22 @@ def reduce_time_ms(num_bytes_moved: float, hw: HardwareProfile, *, launch: bool 
         return 0.0
     t = num_bytes_moved / (hw.hbm_gbps * 1e9 * hw.hbm_eff) * 1e3
     return t + (hw.gemm_launch_us * 1e-3 if launch else 0.0)
+
+
+def copy_time_ms(num_bytes: float, hw: HardwareProfile) -> float:
+    """A copy of ``num_bytes`` within one GPU's memory (read and write at HBM speed, one launch)."""
+    return reduce_time_ms(2 * num_bytes, hw)
+
+
+def peer_reduce_time_ms(num_bytes_moved: float, peer_bytes: float, hw: HardwareProfile) -> float:
+    """A reduction kernel that moves ``num_bytes_moved`` in all, ``peer_bytes`` of them read from
+    peers' memory in place (SM loads over the link, every SM): the slower of HBM and the link,
+    plus one launch (copy_engine's one-shot gemm_ar)."""
+    if num_bytes_moved <= 0:
+        return 0.0
+    hbm = reduce_time_ms(num_bytes_moved, hw, launch=False)
+    link = transfer_time_ms(peer_bytes, "sm", hw, num_sms=hw.sm_count)
+    return max(hbm, link) + hw.gemm_launch_us * 1e-3
 
 
 def nccl_bytes_per_rank(kind: str, total_bytes: float, world_size: int) -> float:
@@ -290,26 +324,26 @@ def unfused_collective_parts(op: str, m: int, n: int, k: int, world_size: int, d
 def p2p_collective_ms(op: str, m: int, n: int, k: int, world_size: int, dtype: str,
                       hw: HardwareProfile, path: Path, *, num_sms: int | None = None) -> float:
     """The collective of ``op`` done alone over peer-to-peer ``path`` (symmetric memory), the way
-    the simulator's copy_engine/fused schedules move it: AG pulls the W-1 peer shards; RS pushes
-    W-1 partial shards then the owner reduces; AR the better of one-shot (pull all, reduce) and
-    two-shot (RS + AG).  Reductions run in-kernel for ``sm``, as a separate launch otherwise."""
+    copy_engine and fused move it, without the GEMMs: AG pulls the W-1 peer shards; RS sends
+    W-1 partial shards, then the owner's reduce kernel reads its W inbox slots; AR the better of
+    one-shot (every rank reads every partial in place while it reduces) and two-shot (RS, then
+    the reduced shards gathered).  A floor for both strategies (they pay every piece of it on
+    their critical path, plus flags and host time)."""
     w = world_size
     if w <= 1 or m <= 0:
         return 0.0
     elt = DTYPE_BYTES[dtype]
     shard = m // w
-    launch = path != "sm"
     if op == "ag_gemm":
         return (w - 1) * transfer_time_ms(shard * k * elt, path, hw, num_sms=num_sms)
+    rs = ((w - 1) * transfer_time_ms(shard * n * elt, path, hw, num_sms=num_sms)
+          + reduce_time_ms((w + 1) * shard * n * elt, hw))
     if op == "gemm_rs":
-        return ((w - 1) * transfer_time_ms(shard * n * elt, path, hw, num_sms=num_sms)
-                + reduce_time_ms((w + 1) * shard * n * elt, hw, launch=launch))
+        return rs
     if op == "gemm_ar":
         nbytes = m * n * elt
-        one_shot = (transfer_time_ms((w - 1) * nbytes, path, hw, num_sms=num_sms)
-                    + reduce_time_ms((w + 1) * nbytes, hw, launch=launch))
-        two_shot = (2 * transfer_time_ms((w - 1) * nbytes / w, path, hw, num_sms=num_sms)
-                    + reduce_time_ms((w + 1) * nbytes / w, hw, launch=launch))
+        one_shot = peer_reduce_time_ms((w + 1) * nbytes, (w - 1) * nbytes, hw)
+        two_shot = rs + (w - 1) * transfer_time_ms(shard * n * elt, path, hw, num_sms=num_sms)
         return min(one_shot, two_shot)
     raise ValueError(f"op: unknown op {op!r}; use 'ag_gemm', 'gemm_rs' or 'gemm_ar'")
 

@@ -111,6 +111,20 @@ class HardwareProfile:
     # per call on one H200, 2026-12-01, 2000 calls).
     host_op_us: float = 25.0
     host_call_us: float = 12.0
+    # tpfuse's persistent Triton GEMM core (``tpfuse.gemm.matmul``: the fused strategy's one GEMM
+    # launch per op) against cuBLAS on the same shape, kernel time (CUDA-graph replays):
+    #   core = cuBLAS model / core_gemm_rel * (1 + core_<hook>_rel) + core_<hook>_us
+    # with the wait hook (fused ag_gemm: "round" tile order, per-chunk waits) or the epilogue hook
+    # (fused gemm_rs/gemm_ar: "owner" order, tiles stored to per-chunk destinations).
+    # ``host_core_call_us``: host time of one such launch (torch.matmul's is host_call_us).  The
+    # defaults are the H200 measurements (calibration/h200.json names the files and fields); on
+    # other GPUs they are leads.
+    core_gemm_rel: float = 0.983
+    core_wait_rel: float = 0.0
+    core_wait_us: float = 2.4
+    core_epilogue_rel: float = 0.004
+    core_epilogue_us: float = 10.8
+    host_core_call_us: float = 42.0
     # A group larger than the NVLink domain spans hosts: NCCL over the network (lead: one
     # 400 Gb/s NDR InfiniBand NIC per GPU, ~90 % achieved by NCCL).
     link_internode_gbps: float = 45.0
@@ -407,21 +421,40 @@ def profile_for_device_name(device_name: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _detect(device: str | None) -> HardwareProfile:
-    import torch
-
-    if not torch.cuda.is_available():
-        return get_profile("cpu-gloo")
-    device_name = torch.cuda.get_device_name(device)
+def _profile_for_gpu(device_name: str) -> HardwareProfile:
     name = profile_for_device_name(device_name)
     if name is None:
         warnings.warn(f"tpfuse: no hardware profile for GPU {device_name!r}; using 'h100' numbers, "
-                      "predictions will be rough (add a profile or a calibration file)", stacklevel=3)
+                      "predictions will be rough (add a profile or a calibration file)", stacklevel=4)
         name = "h100"
     return get_profile(name)
 
 
+@functools.lru_cache(maxsize=None)
+def _detect_index(index: int) -> HardwareProfile:
+    import torch
+
+    return _profile_for_gpu(torch.cuda.get_device_name(index))
+
+
+@functools.lru_cache(maxsize=None)
+def _detect_name(device_name: str) -> HardwareProfile:
+    return _profile_for_gpu(device_name)
+
+
 def detect(device: Any = None) -> HardwareProfile:
-    """Profile of the GPU ``device`` (default: current), or ``cpu-gloo`` without CUDA. Cached."""
-    return _detect(None if device is None else str(device))
+    """Profile of a GPU: ``device`` is None (the current CUDA device), a ``torch.device``, an
+    index, ``"cuda"`` / ``"cuda:1"``, or a GPU name as ``torch.cuda.get_device_name`` reports it
+    (``"NVIDIA H200"``; needs no CUDA).  A CPU device, or no CUDA at all, gives ``cpu-gloo``.
+    Cached per GPU: a repeat costs about a microsecond (what ``fused`` pays at dispatch)."""
+    import torch
+
+    if isinstance(device, str) and not device.lower().startswith(("cuda", "cpu")):
+        return _detect_name(device)
+    if device is not None and not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"detect: expected None, a torch.device, an index or a device name, got "
+                        f"{type(device).__name__} {device!r}")
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return get_profile("cpu-gloo")
+    return _detect_index(torch.cuda.current_device() if dev.index is None else dev.index)
