@@ -109,7 +109,7 @@ class Plan:
     ``cuda_graph``: planned for graph replay (no host costs) instead of eager calls.
     ``modelled_ms``: strategies not in this build, predicted for show (``plan(modelled=True)``).
     ``num_sms``: the chosen strategy's persistent GEMM grid (fused:
-    ``tpfuse.model.knobs.fused_sm_budget``, every SM; 0 for the others).  ``chunks_per_rank``:
+    ``tpfuse.model.knobs.fused_sm_budget``, every SM but one; 0 for the others).  ``chunks_per_rank``:
     pieces each rank's shard is cut into (fused ag_gemm: ``knobs.fused_ag_chunks_per_rank``,
     what fused dispatches with; 1 otherwise).  ``measured``: strategies whose time came from
     the tuning cache instead of the model.

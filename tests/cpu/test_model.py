@@ -449,7 +449,8 @@ def test_core_gemm_calibration_reproduces_its_measurements():
 
 def test_sm_budget_matches_the_strategy():
     from tpfuse.model.knobs import fused_sm_budget
-    assert fused_sm_budget(H200, 8) == H200.sm_count == 132
+    # every SM but one (the side stream's flag kernels need one while the GEMM's tiles spin)
+    assert fused_sm_budget(H200, 8) == H200.sm_count - 1 == 131 and fused_sm_budget(H200, 1) == 132
     assert fused_sm_budget(H200, 4, shared_gpu=True) == 26 and fused_sm_budget(132, 1, shared_gpu=True) == 132
     # a smaller grid is never faster
     args = dict(m=16384, n=7168, k=8192, world_size=8, dtype="bf16", hw=H200, cuda_graph=True)

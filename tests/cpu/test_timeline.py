@@ -101,3 +101,29 @@ def test_ring_records_its_steps(rank_pool):
             assert len(copies) == world_size - 1 and all(e.end_ns >= e.start_ns for e in copies)
             assert len([e for e in events if e.lane == "wait"]) == world_size - 1
             assert len([e for e in events if e.lane == "reduce"]) == (world_size - 1 if op == "gemm_rs" else 0)
+
+
+def test_tile_records_become_chunk_lanes_and_waits_anchored_at_the_launch():
+    """Recorder.add_tile_records: one span per written row (lane of its chunk), its wait part in
+    "tile waits", unwritten rows (-1) dropped, the earliest tile start placed at the anchor."""
+    import types
+
+    from tpfuse import timeline
+    from tpfuse.kernels import abi
+
+    rec = timeline.Recorder(rank=3)
+    records = torch.full((6, abi.TILE_RECORD_COLUMNS), -1, dtype=torch.int64)
+    # a 3 x 2 grid of 64 x 64 tiles over 192 rows, chunks of 96 rows: tile t's rows start at (t // 2) * 64
+    for t, (start, wait, end) in {0: (1000, 1000, 1500), 3: (1100, 1400, 1900), 5: (1200, 1700, 2500)}.items():
+        records[t, abi.REC_TILE], records[t, abi.REC_START_NS] = t, start
+        records[t, abi.REC_WAIT_NS], records[t, abi.REC_END_NS] = wait, end
+    plan = types.SimpleNamespace(tile_shape=(64, 64), tile_grid=(3, 2))
+    rec.add_tile_records(records, plan, 96, anchor=50_000)
+    evs = rec.events()
+    tiles = {ev.tile: ev for ev in evs if ev.lane.startswith("tiles")}
+    waits = {ev.tile: ev for ev in evs if ev.lane == "tile waits"}
+    assert sorted(tiles) == [0, 3, 5] and sorted(waits) == [3, 5]     # tile 0 did not wait
+    assert tiles[0].start_ns == 50_000 and tiles[5].end_ns - tiles[5].start_ns == 1300
+    assert [tiles[t].chunk for t in (0, 3, 5)] == [0, 0, 1]            # rows 0, 64, 128 -> chunks 0, 0, 1
+    assert tiles[5].lane == "tiles chunk 01" and waits[3].end_ns - waits[3].start_ns == 300
+    assert all(ev.rank == 3 for ev in evs)

@@ -204,12 +204,30 @@ def case_timing(rank, world_size, strategy, cells, reps):
             for s in ("fused", "copy_engine"):
                 _call(op, s, prob, rank)                     # warm-up: workspace, JIT
                 row[f"{s}_ms"] = _time_ms(lambda s=s: _call(op, s, prob, rank), reps)
-            with timeline.recording(rank) as rec:
-                _call(op, "fused", prob, rank)
-            spans = {}
-            for ev in rec.events():
-                spans[ev.lane] = spans.get(ev.lane, 0.0) + (ev.end_ns - ev.start_ns) / 1e6
-            row["fused_spans_ms"] = {lane: round(v, 4) for lane, v in sorted(spans.items())}
+            events = []
+            for s in ("fused", "copy_engine"):   # one recorded call each (a panel each in the picture)
+                torch.cuda.synchronize()
+                dist.barrier()
+                with timeline.recording(rank) as rec:
+                    with rec.span("call", f"{s} {op}", device=_dev()):
+                        _call(op, s, prob, rank)
+                got = rec.events()
+                events += [ev.to_dict() for ev in got]
+                if s == "fused":
+                    spans, tiles, waited = {}, 0.0, 0.0
+                    for ev in got:
+                        ms = (ev.end_ns - ev.start_ns) / 1e6
+                        if ev.lane.startswith("tiles"):
+                            tiles += ms
+                        elif ev.lane == "tile waits":
+                            waited += ms
+                        else:
+                            spans[ev.lane] = spans.get(ev.lane, 0.0) + ms
+                    row["fused_spans_ms"] = {lane: round(v, 4) for lane, v in sorted(spans.items())}
+                    row["fused_tiles"] = sum(ev.lane.startswith("tiles") for ev in got)
+                    row["fused_tile_wait_share"] = round(waited / tiles, 4) if tiles else None
+            if (rows, k, n) == tuple(cells[0]):
+                row["_events"] = events
             dist.barrier()
             if rank == 0:   # alone on the GPU
                 if op == "ag_gemm":
@@ -482,6 +500,23 @@ def aggregate(rows: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
+def _write_timeline(events: list[dict], out: str, world_size: int) -> None:
+    """The timing case's recorded calls (first Llama cell, every rank): Chrome-trace JSON and,
+    with matplotlib, a PNG next to ``out`` (bed_timeline_w<W>.json / .png)."""
+    from tpfuse import timeline
+
+    evs = [timeline.TimelineEvent.from_dict(e) for e in events]
+    base = os.path.join(os.path.dirname(os.path.abspath(out)), f"bed_timeline_w{world_size}")
+    with open(base + ".json", "w") as f:
+        json.dump(timeline.to_chrome_trace(evs, meta={"note": "one-GPU bed (MPS): not multi-GPU timings",
+                                                     "world_size": world_size}), f)
+    try:
+        timeline.draw(evs, base + ".png", title=f"one-GPU bed, W = {world_size} processes on one H200 "
+                                                 "(not multi-GPU timings)")
+    except RuntimeError as exc:   # no matplotlib
+        print(f"timeline PNG not drawn: {exc}", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -534,6 +569,9 @@ def main(argv=None) -> int:
                 if len(ds) != 1:
                     rows.append(dict(case="ar_bitwise", op="gemm_ar", strategy=strategy, world_size=world_size,
                                      dtype=key[2], shape=list(key[1]), passed=False, calls=1))
+            events = [ev for row in rows for ev in row.pop("_events", [])]
+            if events:
+                _write_timeline(events, args.out, world_size)
             all_rows.extend(rows)
             bad = [r for r in rows if not r.get("passed")]
             print(f"W={world_size} {strategy}: {len(rows) - len(bad)}/{len(rows)} rows passed "

@@ -41,14 +41,15 @@ _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16"
 
 def fused_sm_budget(hw: HardwareProfile | int, world_size: int, *, shared_gpu: bool = False) -> int:
     """Programs of the fused persistent GEMM, as ``tpfuse.strategies.fused.sm_budget`` chooses
-    them: every SM of ``hw`` (a profile or an SM count), except when the group's processes share
-    one GPU (``shared_gpu``: the bed, ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``): then
-    ``SMs // (W + 1)`` each, at least 1, so that W spinning grids leave SMs for the same-device
-    copies they wait for."""
+    them: every SM of ``hw`` (a profile or an SM count) but one, which the side stream's flag
+    kernels need while the GEMM's tiles spin on the chunks those kernels let through, except
+    when the group's processes share one GPU (``shared_gpu``: the bed,
+    ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``): then ``SMs // (W + 1)`` each, at least 1,
+    so that W spinning grids leave SMs for the same-device copies they wait for."""
     sms = hw if isinstance(hw, int) else hw.sm_count
     if shared_gpu and world_size > 1:
         return max(1, sms // (world_size + 1))
-    return sms
+    return max(1, sms - 1) if world_size > 1 else sms
 
 
 def piece_candidates(m_shard: int) -> tuple[int, ...]:

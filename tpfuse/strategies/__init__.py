@@ -77,7 +77,8 @@ _MODEL_ONLY = (
                  "copy-engine peer copies (no SMs taken) overlapped with per-chunk GEMMs",
                  _symmetric_memory_not_built("copy_engine")),
     StrategyInfo("fused", 30, simulate.PERSISTENT_KERNEL,
-                 "one persistent kernel whose communication SMs overlap its GEMM tiles",
+                 "copy-engine pulls waited on per chunk by one persistent GEMM (AG); one GEMM whose epilogue "
+                 "stores partials into their owners' buffers (RS, AR)",
                  _symmetric_memory_not_built("fused")),
 )
 

@@ -4,8 +4,10 @@
   ``copy_engine`` (side stream: wait for the peer's READY flag, ``copy_``, then the chunk's
   *arrival* word = 1 by ``stream_write_value32``, a stream memory operation), while ONE
   persistent GEMM (``tpfuse.gemm.matmul`` with a wait hook, tile order "round" from this rank's
-  chunk) starts on the local chunk and waits per tile only for the chunks its A rows touch.
-  SMs never move data.
+  chunk), launched before the pulls are issued, starts on the local chunk and waits per tile
+  only for the chunks its A rows touch.  SMs never move data.  Each shard may be cut into
+  several pieces (``FusedOptions.chunks_per_rank``, else the planner's choice per shape): a
+  chunk may then straddle two shards, and its word is set after the last copy touching it.
 * ``gemm_rs`` (producer-side fusion): ONE persistent GEMM in owner order ((rank + 1) first)
   whose epilogue stores every finished tile straight into its owner's inbox slot (peer memory)
   (peer memory); after the launch this rank raises READY on every owner (the generation from
@@ -71,17 +73,24 @@ def set_options(options: FusedOptions) -> None:
     _OPTIONS[0] = options
 
 
+def _shared_gpu() -> bool:
+    return os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1"
+
+
 def sm_budget(device: torch.device, world_size: int) -> int:
-    """Programs of the fused GEMM: every SM, except when the group's processes share one GPU
-    (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, the one-GPU bed): then 1/(W+1) of the SMs
-    each, so that W spinning grids leave SMs for the same-device copies they wait on (H200, W = 4:
-    24-32 programs each worked, the full grid timed out)."""
+    """Programs of the fused GEMM: every SM but one -- the side stream's flag kernels (a wait on
+    a peer's READY before each pull) need an SM while the GEMM's tiles spin on the chunks those
+    pulls deliver, so a grid on every SM could wait forever -- except when the group's processes
+    share one GPU (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, the one-GPU bed): then 1/(W+1)
+    of the SMs each, so that W spinning grids leave SMs for the same-device copies they wait on
+    (H200, W = 4: 24-32 programs each worked, the full grid timed out).  The rule is
+    :func:`tpfuse.model.knobs.fused_sm_budget`, which the planner models."""
+    from tpfuse.model.knobs import fused_sm_budget
+
     if _OPTIONS[0].num_sms is not None:
         return _OPTIONS[0].num_sms
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1" and world_size > 1:
-        return max(1, sms // (world_size + 1))
-    return sms
+    return fused_sm_budget(sms, world_size, shared_gpu=_shared_gpu())
 
 
 def why_unavailable(ctx: GroupContext, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -154,9 +163,18 @@ def _gemm_error(ws: symm.Workspace) -> torch.Tensor:
 def chunks_per_rank(m_shard: int, n: int, k: int, world_size: int, dtype: torch.dtype,
                     device: torch.device) -> int:
     """Pieces each rank's shard is cut into for ``ag_gemm`` (the communication chunk is
-    ``ceil(m_shard / pieces)`` rows): the pinned :class:`FusedOptions` value, else 1."""
+    ``ceil(m_shard / pieces)`` rows): the pinned :class:`FusedOptions` value, else the planner's
+    choice for this shape and GPU (:func:`tpfuse.model.knobs.fused_ag_chunks_per_rank`: 1, 2 or
+    4, by simulating this schedule; cached per shape), which ``tpfuse.plan`` reports."""
     pinned = _OPTIONS[0].chunks_per_rank
-    return max(1, min(pinned if pinned is not None else 1, m_shard))
+    if pinned is not None:
+        return max(1, min(pinned, m_shard))
+    from tpfuse.model.hardware import detect
+    from tpfuse.model.knobs import fused_ag_chunks_per_rank
+
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return fused_ag_chunks_per_rank(m_shard, n, k, world_size, dtype, detect(device), cuda_graph=capturing,
+                                    num_sms=sm_budget(device, world_size) if device.type == "cuda" else None)
 
 
 def _ag_pieces(rank: int, world_size: int, m_shard: int, chunk_m: int) -> list[tuple[int, int, int, int, bool]]:
@@ -178,8 +196,26 @@ def _ag_pieces(rank: int, world_size: int, m_shard: int, chunk_m: int) -> list[t
     return [tuple(p) for p in pieces]
 
 
+def _gemm(name: str, chunk_m: int, a: torch.Tensor, b: torch.Tensor, **kwargs) -> None:
+    """``tpfuse.gemm.matmul(a, b, **kwargs)``; while a timeline records (not under capture),
+    also its span and its per-tile records (``tile_records``)."""
+    from tpfuse.gemm import last_plan, matmul
+    from tpfuse.kernels.abi import TILE_RECORD_COLUMNS
+
+    rec = timeline.current()
+    if rec is None or torch.cuda.is_current_stream_capturing():
+        matmul(a, b, **kwargs)
+        return
+    tiles = -(-a.shape[0] // 64) * -(-b.shape[1] // 64)   # enough rows for the smallest tile (64x64)
+    records = torch.full((tiles, TILE_RECORD_COLUMNS), -1, dtype=torch.int64, device=a.device)
+    start = rec.now(a.device)
+    matmul(a, b, tile_records=records, **kwargs)
+    rec.add_span("gemm", name, start, rec.now(a.device))
+    rec.add_tile_records(records, last_plan(), chunk_m, start)
+
+
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[torch.Tensor, torch.Tensor]:
-    from tpfuse.gemm import WaitSpec, matmul
+    from tpfuse.gemm import WaitSpec
 
     world_size, rank = ctx.world_size, ctx.rank
     m_shard, k = a_shard.shape
@@ -207,7 +243,15 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
     for src, _, _, chunk, last in pieces:
         if src == rank and last:
             _set_word(arrived, chunk)
-    side.wait_stream(main)
+    published = torch.cuda.Event()
+    published.record(main)
+    # The GEMM is launched before the pulls are issued, so its local tiles start while the host
+    # is still issuing them; its grid leaves an SM for the side stream's flag kernels (sm_budget).
+    wait = WaitSpec(signal=arrived, generation=1, chunk_m=chunk_m, timeout_ns=int(symm.timeout_s() * 1e9),
+                    max_spins=max(1, int(symm.timeout_s() * 1000)), error=error, rank=rank)
+    _gemm("fused GEMM (waits per chunk)", chunk_m, a_full, b, out=c, tile_order="round",
+          start_chunk=rank * m_shard // chunk_m, wait=wait, check=False, num_sms=sm_budget(dev, world_size))
+    side.wait_event(published)
     with torch.cuda.stream(side):
         waited = set()
         for src, lo, hi, chunk, last in pieces:
@@ -223,12 +267,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
             if last:
                 _set_word(arrived, chunk)
         ws.signal(ws.outgoing("DONE", peers))
-    wait = WaitSpec(signal=arrived, generation=1, chunk_m=chunk_m, timeout_ns=int(symm.timeout_s() * 1e9),
-                    max_spins=max(1, int(symm.timeout_s() * 1000)), error=error, rank=rank)
-    with timeline.span("gemm", "fused GEMM (waits per chunk)", device=dev):
-        matmul(a_full, b, out=c, tile_order="round", start_chunk=rank * m_shard // chunk_m, wait=wait,
-               check=False, num_sms=sm_budget(dev, world_size))
-    arrived.zero_()
+    arrived.zero_()   # after the GEMM (main stream), which ends only once every word was set
     main.wait_stream(side)
     a_full.record_stream(side)
     _finish(ws, "ag_gemm", error, c, a_full)
@@ -245,7 +284,7 @@ def _fused_partials(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, ws: sym
     chunk, and the last of those lands at the end of some rank's GEMM either way.  (A per-chunk
     relay kernel was tried: it started its bounded wait before the first call's JIT compile of
     the GEMM had finished and timed out.)"""
-    from tpfuse.gemm import EpilogueSpec, matmul
+    from tpfuse.gemm import EpilogueSpec
 
     rank, world_size, n = ctx.rank, ctx.world_size, b.shape[1]
     chunk_m = bounds[0][1] - bounds[0][0]
@@ -262,9 +301,8 @@ def _fused_partials(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, ws: sym
         dests = [ws.data(owner, (slot_rows, n), offset=rank * slot_rows * n) for owner in range(world_size)]
         spec = EpilogueSpec.from_tensors(dests, sent, generation=1, chunk_m=chunk_m)
         ws.state[key] = spec
-    with timeline.span("gemm", "fused GEMM (epilogue to owners)", device=a.device):
-        matmul(a, b, tile_order="owner", start_chunk=(rank + 1) % world_size, epilogue=spec,
-               num_sms=sm_budget(a.device, world_size))
+    _gemm("fused GEMM (epilogue to owners)", chunk_m, a, b, tile_order="owner", start_chunk=(rank + 1) % world_size,
+          epilogue=spec, num_sms=sm_budget(a.device, world_size))
     _local_words(ws, "sent", world_size).zero_()
     ws.signal(ws.outgoing("READY", [(rank + i) % world_size for i in range(1, world_size)]))
     return [inbox(rank, src) for src in range(world_size)]
