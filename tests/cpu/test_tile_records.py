@@ -257,3 +257,17 @@ def test_offline_ws_kernel_reads_the_clock_only_with_records(hook, timer_off, ti
     from tpfuse.gemm.offline import sass_of
     _, res = sass_of(on.asm["cubin"])
     assert "LOCAL:0" in res and "STACK:0" in res and on.metadata.shared <= 232448
+
+
+@pytest.mark.parametrize("hook", ["none", "wait", "epilogue"])
+def test_offline_stream_k_compiles_with_records(hook):
+    """Stream-K with records on compiles (its loop already had a ``t_start``: the tile's first
+    K-step; a record time of the same name redefined it with another type, which the GPU run of
+    tests/gpu/test_gemm_core.py::test_tile_records_on_gpu caught) and reads the clock only with
+    records."""
+    compile_kernel, _ = _offline()
+    cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, stream_k=1)
+    kw = {"none": {}, "wait": dict(wait=True, tile_order=1), "epilogue": dict(epilogue=True, tile_order=2)}[hook]
+    off = compile_kernel(1024, 1024, 4096, cfg, sk_tiles=16, **kw)
+    on = compile_kernel(1024, 1024, 4096, cfg, sk_tiles=16, record_tiles=True, **kw)
+    assert _reads(on.asm["ptx"])[0] > _reads(off.asm["ptx"])[0] and _reads(on.asm["ptx"])[1] >= 1

@@ -548,15 +548,15 @@ def gemm_kernel(
         k_hi = k_tiles
         if RECORD_TILES:
             step = (work_id - start_pid) // num_progs   # the logical clock's work item
-            t_start = tile_clock(step, 0, USE_ASM)
+            rec_t0 = tile_clock(step, 0, USE_ASM)
         off_m, off_n, c_lo, c_hi, status, verified = _tile_start(
             tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
             wait_timeout, err_ptr, status, verified, BLOCK_M, BLOCK_N, GROUP_M, TILE_ORDER, WAIT,
             EPILOGUE, USE_ASM)
         if RECORD_TILES:
-            t_wait = t_start
+            rec_tw = rec_t0
             if WAIT:
-                t_wait = tile_clock(step, 1, USE_ASM)
+                rec_tw = tile_clock(step, 1, USE_ASM)
         # EPI_COUNT=4 counts the pending tiles (cnt_n of them, 0: none) inside this main loop
         acc, seen, sig = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk,
                                    stride_bn, pend_lo, cnt_n, poll_q, counters, signal_ptrs, BLOCK_M, BLOCK_N,
@@ -588,7 +588,7 @@ def gemm_kernel(
                    chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
                    DEST_ALIGNED, EPI_TMA)
         if RECORD_TILES:
-            record_tile(tile_records, (off_m // BLOCK_M) * num_pid_n + off_n // BLOCK_N, t_start, t_wait,
+            record_tile(tile_records, (off_m // BLOCK_M) * num_pid_n + off_n // BLOCK_N, rec_t0, rec_tw,
                         tile_clock(step, 2, USE_ASM), USE_ASM)
         if EPILOGUE:   # after the stores (see _carry)
             pend_lo = _carry(c_lo, USE_ASM)
@@ -637,15 +637,15 @@ def gemm_kernel(
             tile_id = sk_first + sk_idx
             if RECORD_TILES:
                 step = whole_steps + seg
-                t_start = tile_clock(step, 0, USE_ASM)
+                rec_t0 = tile_clock(step, 0, USE_ASM)
             off_m, off_n, c_lo, c_hi, status, verified = _tile_start(
                 tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk, wait_signal,
                 wait_gen, wait_timeout, err_ptr, status, verified, BLOCK_M, BLOCK_N, GROUP_M,
                 TILE_ORDER, WAIT, EPILOGUE, USE_ASM)
             if RECORD_TILES:
-                t_wait = t_start
+                rec_tw = rec_t0
                 if WAIT:
-                    t_wait = tile_clock(step, 1, USE_ASM)
+                    rec_tw = tile_clock(step, 1, USE_ASM)
                 rec_row = (off_m // BLOCK_M) * num_pid_n + off_n // BLOCK_N
             acc, seen, sig = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak,
                                        stride_bk, stride_bn, pend_lo, pend_n, poll_q, counters,
@@ -664,7 +664,7 @@ def gemm_kernel(
                            chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
                        DEST_ALIGNED, EPI_TMA)
                 if RECORD_TILES:
-                    record_tile(tile_records, rec_row, t_start, t_wait, tile_clock(step, 2, USE_ASM), USE_ASM)
+                    record_tile(tile_records, rec_row, rec_t0, rec_tw, tile_clock(step, 2, USE_ASM), USE_ASM)
                 if EPILOGUE:
                     pend_lo = c_lo
                     pend_hi = c_hi
@@ -716,7 +716,7 @@ def gemm_kernel(
                                         dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 1,
                                         C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
                     if RECORD_TILES:   # the segment that completed the tile stands for it
-                        record_tile(tile_records, rec_row, t_start, t_wait, tile_clock(step, 2, USE_ASM),
+                        record_tile(tile_records, rec_row, rec_t0, rec_tw, tile_clock(step, 2, USE_ASM),
                                     USE_ASM)
     if EPILOGUE:
         if EPI_COUNT >= 3:

@@ -4,8 +4,7 @@
   ``copy_engine`` (side stream: wait for the peer's READY flag, ``copy_``, then the chunk's
   *arrival* word = 1 by ``stream_write_value32``, a stream memory operation), while ONE
   persistent GEMM (``tpfuse.gemm.matmul`` with a wait hook, tile order "round" from this rank's
-  chunk), launched before the pulls are issued, starts on the local chunk and waits per tile
-  only for the chunks its A rows touch.  SMs never move data.  Each shard may be cut into
+  chunk) starts on the local chunk and waits per tile only for the chunks its A rows touch.  SMs never move data.  Each shard may be cut into
   several pieces (``FusedOptions.chunks_per_rank``, else the planner's choice per shape): a
   chunk may then straddle two shards, and its word is set after the last copy touching it.
 * ``gemm_rs`` (producer-side fusion): ONE persistent GEMM in owner order ((rank + 1) first)
@@ -243,15 +242,10 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
     for src, _, _, chunk, last in pieces:
         if src == rank and last:
             _set_word(arrived, chunk)
-    published = torch.cuda.Event()
-    published.record(main)
-    # The GEMM is launched before the pulls are issued, so its local tiles start while the host
-    # is still issuing them; its grid leaves an SM for the side stream's flag kernels (sm_budget).
-    wait = WaitSpec(signal=arrived, generation=1, chunk_m=chunk_m, timeout_ns=int(symm.timeout_s() * 1e9),
-                    max_spins=max(1, int(symm.timeout_s() * 1000)), error=error, rank=rank)
-    _gemm("fused GEMM (waits per chunk)", chunk_m, a_full, b, out=c, tile_order="round",
-          start_chunk=rank * m_shard // chunk_m, wait=wait, check=False, num_sms=sm_budget(dev, world_size))
-    side.wait_event(published)
+    # The pulls are issued before the GEMM is launched: a launch first, with the side stream's
+    # kernels issued after it, timed out in the bed when their first call's JIT compile outlasted
+    # the GEMM's bounded spins (docs/ops.md, tried and not kept).
+    side.wait_stream(main)
     with torch.cuda.stream(side):
         waited = set()
         for src, lo, hi, chunk, last in pieces:
@@ -267,6 +261,10 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
             if last:
                 _set_word(arrived, chunk)
         ws.signal(ws.outgoing("DONE", peers))
+    wait = WaitSpec(signal=arrived, generation=1, chunk_m=chunk_m, timeout_ns=int(symm.timeout_s() * 1e9),
+                    max_spins=max(1, int(symm.timeout_s() * 1000)), error=error, rank=rank)
+    _gemm("fused GEMM (waits per chunk)", chunk_m, a_full, b, out=c, tile_order="round",
+          start_chunk=rank * m_shard // chunk_m, wait=wait, check=False, num_sms=sm_budget(dev, world_size))
     arrived.zero_()   # after the GEMM (main stream), which ends only once every word was set
     main.wait_stream(side)
     a_full.record_stream(side)
