@@ -27,7 +27,7 @@ __all__ = ["FUSED_TILE_M", "PIECES_PER_RANK", "MIN_PIECE_GAIN", "fused_sm_budget
            "fused_ag_chunks_per_rank"]
 
 # Rows of the fused GEMM's CTA tile: BLOCK_M of 28 of the 30 tuned configs in
-# benchmarks/results/gemm_core_h200.json (rows[].config.BLOCK_M; 64 for the two 8B decode shapes).
+# benchmarks/results/gemm_core_h200_2026-12-01_run21.json (rows[].config.BLOCK_M; 64 for the two 8B decode shapes).
 # A tile waits for every piece its rows touch, so pieces shorter than this split tiles for nothing.
 FUSED_TILE_M = 128
 PIECES_PER_RANK = (1, 2, 4)
