@@ -7,8 +7,8 @@ exactly the same values, so a plan describes what runs.
 ================================  ======================================================  ============
 function                          what                                                    where used
 ================================  ======================================================  ============
-:func:`fused_sm_budget`           programs of the persistent GEMM: every SM, except on    dispatch,
-                                  one GPU shared by W processes (the bed): SMs // (W+1)   simulator
+:func:`fused_sm_budget`           programs of the persistent GEMM: every SM but one,      dispatch,
+                                  or SMs // (W+1) on one GPU shared by W processes        simulator
 :func:`fused_ag_chunks_per_rank`  c, the pieces each rank's shard is cut into for fused   dispatch,
                                   ag_gemm (one arrival word per piece): the fastest of    planner
                                   {1, 2, 4} in the simulator; >1 only where every piece
