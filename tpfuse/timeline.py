@@ -319,9 +319,14 @@ def draw(events: list[TimelineEvent], path: str | Path, *, title: str = "") -> P
     axes[-1, 0].set_xlabel("us from the first event of the panel")
     if title:
         fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Lay out, write ``fig`` as a PNG at ``path`` (its folder created), close it."""
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path

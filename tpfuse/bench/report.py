@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tpfuse.timeline import save_figure
+
 __all__ = ["require_matplotlib", "draw_speedups", "to_markdown"]
 
 
@@ -73,12 +75,7 @@ def draw_speedups(result: dict, path: str | Path) -> Path:
     meta = result["meta"]
     ax.set_title(f"tpfuse bench: {meta['device']}, {meta['processes']} processes, {meta['mode']}", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def to_markdown(title: str, table: list[list[str]], meta: dict, notes: dict[str, str] | None = None) -> str:
