@@ -241,3 +241,33 @@ def test_timed_rounds_interleaves_and_never_repeats_an_input_back_to_back():
     timed = calls[3:]  # after one warm-up call each
     assert [name for name, _ in timed] == ["a", "b", "c"] * 3
     assert [c for _, c in timed] == list(range(9))  # with n input copies, call c takes copy c % n
+
+
+def test_a_cell_that_fails_on_a_rank_becomes_null_rows_and_the_bench_goes_on(pool):
+    """A cell whose job raises on some rank (the bed's gemm_ar TimeoutError of 2026-12-01 ended
+    the whole run) gives rows with every measured field null and the rank's exception as the
+    reason, is listed in meta.cells_failed, and the next cells still run."""
+    from tpfuse.bench import common
+    from tpfuse.spawn import RankError
+
+    class FirstCellFails:
+        def __init__(self, pool):
+            self.inner, self.world_size, self.rank, self.cells = common._PoolRanks(pool), pool.world_size, 0, 0
+
+        def run(self, fn, *args, timeout=600.0):
+            if fn.__name__ == "cell_job":
+                self.cells += 1
+                if self.cells == 1:
+                    raise RankError({1: "Traceback (most recent call last):\n  ...\nTimeoutError: rank 1 waited 10 s\n"})
+            return self.inner.run(fn, *args, timeout=timeout)
+
+    result = run_bench(quick_config(phases=("decode",), iters=2, warmup=1), ranks=FirstCellFails(pool))
+    failed = [r for r in result["rows"] if r["cell"] == "8b-decode-fc1-tp2"]
+    assert [r["strategy"] for r in failed] == ["auto"]
+    for r in failed:
+        assert tuple(r) == ROW_FIELDS and r["ms"] is None and r["graph_ms"] is None
+        assert r["reasons"]["ms"] == "the cell failed: rank 1: TimeoutError: rank 1 waited 10 s"
+        check_nulls_have_reasons(r, MEASURED)
+    assert result["meta"]["cells_failed"] == {"8b-decode-fc1-tp2": "rank 1: TimeoutError: rank 1 waited 10 s"}
+    later = [r for r in result["rows"] if r["cell"] == "8b-decode-fc2-tp2"]
+    assert later and all(r["ms"] is not None and r["ms"] > 0 for r in later)

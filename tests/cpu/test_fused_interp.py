@@ -160,6 +160,12 @@ def test_fused_options_chunks_per_rank_is_checked_and_pinned():
         fused.FusedOptions(chunks_per_rank=0)
     with pytest.raises(ValueError, match="chunks_per_rank"):
         fused.FusedOptions(chunks_per_rank=True)
+    # unpinned: the planner's knob for this shape (what tpfuse.plan reports)
+    from tpfuse.model.hardware import detect
+    from tpfuse.model.knobs import fused_ag_chunks_per_rank
+    for m_shard in (37, 4096, 16384):
+        want = fused_ag_chunks_per_rank(m_shard, 1536, 8192, 8, torch.float16, detect(torch.device("cpu")))
+        assert fused.chunks_per_rank(m_shard, 1536, 8192, 8, torch.float16, torch.device("cpu")) == want
     fused.set_options(fused.FusedOptions(num_sms=2, chunks_per_rank=4))
     try:
         assert fused.chunks_per_rank(37, 8, 8, 2, torch.float16, torch.device("cpu")) == 4

@@ -160,7 +160,9 @@ def _ops(args: argparse.Namespace) -> int:
             print(f"--png: not written: {exc}", file=sys.stderr)
     if args.timeline:
         _write_timeline(result, args.timeline)
-    return 0
+    for cell, why in meta.get("cells_failed", {}).items():
+        print(f"tpfuse bench: cell {cell} failed ({why}); its rows are null with that reason", file=sys.stderr)
+    return 1 if meta.get("cells_failed") else 0
 
 
 def _write_timeline(result: dict, path: str) -> None:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import tpfuse
 from tpfuse.bench import common
 from tpfuse.bench.workloads import Workload, scaled_down, workload_matrix
+from tpfuse.spawn import RankError
 
 __all__ = ["BenchConfig", "ROW_FIELDS", "run_bench", "format_rows", "write_result", "quick_config"]
 
@@ -266,6 +267,32 @@ def timeline_job(rank: int, world_size: int, job: _CellJob) -> list[dict]:
 # --------------------------------------------------------------------------------------------
 
 
+def _first_failure(exc: RankError) -> str:
+    """The exception line of the first failing rank's traceback (e.g. ``TimeoutError: ...``)."""
+    rank = min(exc.failures)
+    lines = [ln.strip() for ln in exc.failures[rank].strip().splitlines() if ln.strip()]
+    return f"rank {rank}: {(lines or ['?'])[-1]}"[:300]
+
+
+def _failed_cell_rows(w: Workload, strategies, reason: str, predicted: dict[str, float], dtype: str) -> list[dict]:
+    """Rows of a cell whose job raised: every measured field null with ``reason``."""
+    rows = []
+    for s in strategies:
+        row = {"cell": w.name, "model": w.model, "phase": w.phase, "gemm": w.gemm, "op": w.op, "m": w.m, "n": w.n,
+               "k": w.k, "world_size": w.world_size, "dtype": dtype, "strategy": s, "resolved": None}
+        reasons = {}
+        for field in ROW_FIELDS:
+            if field == "ms" or field.endswith(("_ms", "_us", "efficiency")) or field.startswith("speedup"):
+                row[field] = None
+                reasons[field] = f"the cell failed: {reason}"
+        row["predicted_ms"] = predicted.get(s)
+        if row["predicted_ms"] is not None:
+            reasons.pop("predicted_ms")
+        row["reasons"] = reasons
+        rows.append({k: row[k] for k in ROW_FIELDS})
+    return rows
+
+
 def _median_of(per_rank: list[dict], name: str, key: str = "times") -> tuple[float | None, str | None]:
     entries = [r["variants"][name] for r in per_rank]
     if any("reason" in e for e in entries):
@@ -366,6 +393,8 @@ def run_bench(config: BenchConfig, progress=None, ranks=None, on_cell=None) -> d
     rows: list[dict] = []
     events: list[dict] = []
     not_runnable: dict[str, str] = {}  # strategies this group/device/dtype cannot run, and why
+    failed: dict[str, str] = {}       # cells whose job raised on a rank, and why
+    names = config.strategies         # a failed cell's rows: the strategies of the cells before it
     opened = contextlib.nullcontext(_as_ranks(ranks)) if ranks is not None else common.open_ranks(setup)
     with opened as pool:
         for i, w in enumerate(cells):
@@ -373,8 +402,16 @@ def run_bench(config: BenchConfig, progress=None, ranks=None, on_cell=None) -> d
                 progress(i, len(cells), w.name)
             job = _CellJob(w, config.strategies, config.iters, config.warmup, dtype, setup.mode, config.graph,
                            progress=progress is not None)
-            per_rank = pool.run(cell_job, job, timeout=1800)
             p = tpfuse.plan(w.op, m=w.m, n=w.n, k=w.k, world_size=w.world_size, dtype=dtype, hardware=hw)
+            try:
+                per_rank = pool.run(cell_job, job, timeout=1800)
+            except RankError as exc:   # e.g. a strategy's TimeoutError: record it, go on with the next cell
+                failed[w.name] = _first_failure(exc)
+                if progress is not None:
+                    print(f"  {w.name}: FAILED: {failed[w.name]}", file=sys.stderr, flush=True)
+                rows += _failed_cell_rows(w, names or ("auto",), failed[w.name], dict(p.predicted_ms), dtype)
+                continue
+            names = per_rank[0]["strategies"]
             rows += _rows_for_cell(w, per_rank, dict(p.predicted_ms), dtype)
             not_runnable.update(per_rank[0].get("unavailable", {}))
             if on_cell is not None and i + 1 < len(cells):
@@ -391,6 +428,7 @@ def run_bench(config: BenchConfig, progress=None, ranks=None, on_cell=None) -> d
         if r["ms"] is None:
             skipped.setdefault(r["strategy"], r["reasons"]["ms"])
     meta["complete"] = True
+    meta["cells_failed"] = failed
     meta["strategies_not_run"] = skipped
     meta["strategies_not_runnable"] = not_runnable
     result = {"meta": meta, "rows": rows}
