@@ -31,6 +31,7 @@ import contextlib
 import json
 import math
 import sys
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -185,6 +186,7 @@ def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
     from tpfuse._dist import group_context
     from tpfuse.ops import resolve_strategy
 
+    started = time.monotonic()   # progress lines say the seconds since
     w = job.workload
     device = torch.device("cuda", torch.cuda.current_device()) if job.mode != "cpu-gloo" else torch.device("cpu")
     dtype = _DTYPES[job.dtype]
@@ -212,9 +214,9 @@ def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
         variants["@asynctp"] = asynctp
 
     # Keys: strategy names, and "@"-prefixed baselines (never a strategy name).
-    def say(step: str) -> None:
+    def say(step: str) -> None:   # with the seconds since the cell began: where a long run spends them
         if job.progress and rank == 0:
-            print(f"  {w.name}: {step}", file=sys.stderr, flush=True)
+            print(f"  {w.name}: {step} (+{time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
 
     out: dict[str, dict] = {}
     working = {}

@@ -4,12 +4,13 @@
   ``copy_engine`` (side stream: wait for the peer's READY flag, ``copy_``, then the chunk's
   *arrival* word = 1 by ``stream_write_value32``, a stream memory operation), while ONE
   persistent GEMM (``tpfuse.gemm.matmul`` with a wait hook, tile order "round" from this rank's
-  chunk) starts on the local chunk and waits per tile only for the chunks its A rows touch.  SMs never move data.  Each shard may be cut into
-  several pieces (``FusedOptions.chunks_per_rank``, else the planner's choice per shape): a
-  chunk may then straddle two shards, and its word is set after the last copy touching it.
+  chunk) starts on the local chunk and waits per tile only for the chunks its A rows touch.
+  SMs never move data.  Each shard may be cut into several pieces
+  (``FusedOptions.chunks_per_rank``, else the planner's choice per shape): a chunk may then
+  straddle two shards, and its word is set after the last copy touching it.
 * ``gemm_rs`` (producer-side fusion): ONE persistent GEMM in owner order ((rank + 1) first)
-  whose epilogue stores every finished tile straight into its owner's inbox slot (peer memory)
-  (peer memory); after the launch this rank raises READY on every owner (the generation from
+  whose epilogue stores every finished tile straight into its owner's inbox slot (peer
+  memory); after the launch this rank raises READY on every owner (the generation from
   device memory); the owner reduces its W inbox slots in float32 in rank order (the
   ``copy_engine`` reduce) after its READY flags.
 * ``gemm_ar``: the fused ``gemm_rs`` schedule over near-equal row chunks, then the gather of the
