@@ -313,11 +313,15 @@ def test_only_fused_ag_has_a_chunk_knob():
     with pytest.raises(ValueError, match="fused runs gemm_rs with 4 chunk"):
         simulate("gemm_rs", "fused", **shape, num_chunks=8)
     assert simulate("ag_gemm", "fused", **shape, num_chunks=8).num_chunks == 8
-    # gemm_ar: copy_engine one-shot up to 1 MiB of output, else two-shot; fused two-shot when W | M
+    # gemm_ar: one-shot up to 1 MiB of output (fused takes copy_engine's), else two-shot (fused's
+    # own when W | M, else copy_engine's)
     assert simulate("gemm_ar", "copy_engine", **dict(shape, m=128)).num_chunks == 1
     assert simulate("gemm_ar", "copy_engine", **shape).num_chunks == 4
-    assert simulate("gemm_ar", "fused", **dict(shape, m=128)).num_chunks == 4
-    assert simulate("gemm_ar", "fused", **dict(shape, m=130)).num_chunks == 1   # copy_engine's path
+    assert simulate("gemm_ar", "fused", **dict(shape, m=128)).num_chunks == 1
+    one_shot = simulate("gemm_ar", "copy_engine", **dict(shape, m=128), cuda_graph=True).makespan_ms
+    assert simulate("gemm_ar", "fused", **dict(shape, m=128), cuda_graph=True).makespan_ms == one_shot
+    assert simulate("gemm_ar", "fused", **shape).num_chunks == 4
+    assert simulate("gemm_ar", "fused", **dict(shape, m=4098)).num_chunks == 4   # copy_engine's two-shot
 
 
 def test_simulate_validates():

@@ -436,7 +436,9 @@ def test_copy_engine_and_fused_chunking_is_what_runs():
     for op in ("ag_gemm", "gemm_rs"):
         p = plan(op, m=16384, n=7168, k=8192, world_size=8)
         assert p.chunks["copy_engine"] == 8 and p.chunks["fused"] % 8 == 0
-    # gemm_ar: copy_engine one-shot (one chunk) up to 1 MiB of output; fused always two-shot when W | M
+    # gemm_ar: one-shot (one chunk) up to 1 MiB of output, fused taking copy_engine's; above it
+    # two-shot (fused's own when W | M)
     small = plan("gemm_ar", m=64, n=4096, k=1792, world_size=8)
-    assert small.chunks["copy_engine"] == 1 and small.chunks["fused"] == 8
-    assert plan("gemm_ar", m=128, n=8192, k=3584, world_size=8).chunks["copy_engine"] == 8
+    assert small.chunks["copy_engine"] == 1 and small.chunks["fused"] == 1
+    big = plan("gemm_ar", m=128, n=8192, k=3584, world_size=8)
+    assert big.chunks["copy_engine"] == 8 and big.chunks["fused"] == 8

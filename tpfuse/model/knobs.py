@@ -23,8 +23,8 @@ from typing import Any
 
 from tpfuse.model.hardware import HardwareProfile, get_profile
 
-__all__ = ["FUSED_TILE_M", "PIECES_PER_RANK", "MIN_PIECE_GAIN", "fused_sm_budget", "piece_candidates",
-           "fused_ag_chunks_per_rank"]
+__all__ = ["FUSED_TILE_M", "PIECES_PER_RANK", "MIN_PIECE_GAIN", "ONE_SHOT_MAX_BYTES", "ar_one_shot",
+           "fused_sm_budget", "piece_candidates", "fused_ag_chunks_per_rank"]
 
 # Rows of the fused GEMM's CTA tile: BLOCK_M of 28 of the 30 tuned configs in
 # benchmarks/results/gemm_core_h200_2026-12-01_run21.json (rows[].config.BLOCK_M; 64 for the two 8B decode shapes).
@@ -34,6 +34,18 @@ PIECES_PER_RANK = (1, 2, 4)
 # More pieces only when predicted at least this much faster: every piece costs a copy, an
 # arrival word and their host calls, which the model only estimates (leads, no measurement).
 MIN_PIECE_GAIN = 0.01
+
+# gemm_ar of copy_engine and fused reads every peer's whole partial in place (one-shot) up to
+# this many output bytes, and reduce-scatters + gathers above it.  A lead, not a measurement:
+# one-shot moves W times the bytes but has one flag round trip instead of two; it is measured
+# only once a multi-GPU run is.
+ONE_SHOT_MAX_BYTES = 1 << 20
+
+
+def ar_one_shot(m: int, n: int, element_size: int) -> bool:
+    """Whether a symmetric-memory gemm_ar of output [m, n] takes the one-shot path."""
+    return m * n * element_size <= ONE_SHOT_MAX_BYTES
+
 
 _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
            "float32": "fp32", "fp32": "fp32", "float": "fp32"}

@@ -278,12 +278,14 @@ def _check(op, world_size, num_chunks):
 
 
 def _ar_path(sched: Schedule, m: int, n: int, w: int, dtype: str) -> str:
-    """The gemm_ar path a symmetric-memory strategy takes: "one_shot" / "two_shot"
-    (copy_engine's, by ``copy_engine.ar_mode``) or "fused" (fused's RS + gather, M % W == 0)."""
+    """The gemm_ar path a symmetric-memory strategy takes: "one_shot" for small outputs
+    (:func:`tpfuse.model.knobs.ar_one_shot`; fused too takes copy_engine's), else "fused"
+    (fused's RS + gather, M % W == 0) or copy_engine's "two_shot"."""
+    if knobs.ar_one_shot(m, n, cost.DTYPE_BYTES[dtype]):
+        return "one_shot"
     if not sched.separate_kernels and m % w == 0:
         return "fused"
-    from tpfuse.strategies.copy_engine import ONE_SHOT_MAX_BYTES
-    return "one_shot" if m * n * cost.DTYPE_BYTES[dtype] <= ONE_SHOT_MAX_BYTES else "two_shot"
+    return "two_shot"
 
 
 def built_num_chunks(op: str, strategy: str, *, m: int, n: int, k: int, world_size: int, dtype: str,

@@ -46,6 +46,7 @@ import torch
 
 from tpfuse import symm, timeline
 from tpfuse._dist import GroupContext, breadcrumb, new_output
+from tpfuse.model import knobs
 from tpfuse.strategies.ring import _row_bounds
 
 __all__ = ["NAME", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar", "ar_mode", "gather_reduced"]
@@ -53,10 +54,8 @@ __all__ = ["NAME", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar", "ar_mode"
 NAME = "copy_engine"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# gemm_ar reads every peer's whole partial in place (one-shot) up to this many output bytes, and
-# reduce-scatters + gathers above it.  A lead, not a measurement: one-shot moves W times the
-# bytes but has one flag round trip instead of two; it is measured only once a multi-GPU run is.
-ONE_SHOT_MAX_BYTES = 1 << 20
+# gemm_ar's one-shot limit (output bytes), shared with fused and the planner's model
+ONE_SHOT_MAX_BYTES = knobs.ONE_SHOT_MAX_BYTES
 
 
 def why_unavailable(ctx: GroupContext, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -193,7 +192,7 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
 
 def ar_mode(m: int, n: int, element_size: int) -> str:
     """``"one_shot"`` or ``"two_shot"`` for a gemm_ar output of [m, n] (agreed on every rank)."""
-    return "one_shot" if m * n * element_size <= ONE_SHOT_MAX_BYTES else "two_shot"
+    return "one_shot" if knobs.ar_one_shot(m, n, element_size) else "two_shot"
 
 
 def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:

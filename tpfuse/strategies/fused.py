@@ -13,8 +13,10 @@
   memory); after the launch this rank raises READY on every owner (the generation from
   device memory); the owner reduces its W inbox slots in float32 in rank order (the
   ``copy_engine`` reduce) after its READY flags.
-* ``gemm_ar``: the fused ``gemm_rs`` schedule over near-equal row chunks, then the gather of the
-  reduced chunks as in ``copy_engine``'s two-shot path.
+* ``gemm_ar``: the fused ``gemm_rs`` schedule over equal row chunks, then the gather of the
+  reduced chunks as in ``copy_engine``'s two-shot path; outputs up to 1 MiB take
+  ``copy_engine``'s one-shot path (every rank reads all partials in place and sums them in
+  float32 in rank order), as does an M that W does not divide.
 
 The arrival words (and the epilogue hook's per-chunk words) are this rank's own (one producer, one consumer, in stream order): they
 hold 1 while a call runs and are reset to 0 on the compute stream after the GEMM, before the
@@ -329,8 +331,11 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
 def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
     m, n, k = a.shape[0], b.shape[1], a.shape[1]
     world_size, rank = ctx.world_size, ctx.rank
-    if world_size == 1 or m * n * k == 0 or m % world_size:
-        # the epilogue hook needs chunks of one height: uneven M takes copy_engine's two-shot path
+    one_shot = copy_engine.ar_mode(m, n, a.element_size()) == "one_shot"
+    if world_size == 1 or m * n * k == 0 or m % world_size or one_shot:
+        # small outputs: copy_engine's one-shot (the GEMM must finish before any rank can read
+        # its partial, so there is nothing to fuse); uneven M: its two-shot path (the epilogue
+        # hook needs chunks of one height)
         return copy_engine.gemm_ar(a, b, ctx)
     bounds = _row_bounds(m, world_size)
     slot_rows = m // world_size
