@@ -371,13 +371,7 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = 
 
     M must be divisible by W.  bf16/fp16 partials are summed in float32, then rounded once.
     """
-    if torch.compiler.is_compiling():
-        ctx, chosen = _traced("gemm_rs", a, b, group, strategy)
-        return torch.ops.tpfuse.gemm_rs(a, b, ctx.group_name, chosen)
-    call = _prepare("gemm_rs", a, b, group, strategy)
-    if _direct(a, b):
-        return call.module.gemm_rs(a, b, call.ctx)
-    return torch.ops.tpfuse.gemm_rs(a, b, call.ctx.group_name, call.strategy)
+    return _reduce_op("gemm_rs", a, b, group, strategy)
 
 
 def gemm_ar(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *, strategy: str = "auto"):
@@ -391,10 +385,16 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = 
 
     bf16/fp16 partials are summed in float32, then rounded once.
     """
+    return _reduce_op("gemm_ar", a, b, group, strategy)
+
+
+def _reduce_op(op: str, a: torch.Tensor, b: torch.Tensor, group, strategy: str) -> torch.Tensor:
+    """gemm_rs / gemm_ar: traced -> the custom op with the strategy fixed at trace time; eager ->
+    validate and decide, then the strategy directly (or through the custom op, see _direct)."""
     if torch.compiler.is_compiling():
-        ctx, chosen = _traced("gemm_ar", a, b, group, strategy)
-        return torch.ops.tpfuse.gemm_ar(a, b, ctx.group_name, chosen)
-    call = _prepare("gemm_ar", a, b, group, strategy)
+        ctx, chosen = _traced(op, a, b, group, strategy)
+        return getattr(torch.ops.tpfuse, op)(a, b, ctx.group_name, chosen)
+    call = _prepare(op, a, b, group, strategy)
     if _direct(a, b):
-        return call.module.gemm_ar(a, b, call.ctx)
-    return torch.ops.tpfuse.gemm_ar(a, b, call.ctx.group_name, call.strategy)
+        return getattr(call.module, op)(a, b, call.ctx)
+    return getattr(torch.ops.tpfuse, op)(a, b, call.ctx.group_name, call.strategy)

@@ -22,7 +22,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -56,6 +56,21 @@ class RankSetup:
     backend: str  # "gloo" | "nccl"
     mode: str  # one of MODES
     num_gpus: int
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}   # what the benches time
+
+
+def setup_and_dtype(world_size: int, device: str, bed: int, dtype: str, ranks=None) -> tuple[RankSetup, str]:
+    """:func:`plan_ranks` (the world size of ``ranks`` when an open set is reused) and the dtype
+    name to time: ``"auto"`` is bf16 on GPU, fp32 on CPU."""
+    setup = plan_ranks(world_size, device, bed)
+    if ranks is not None:
+        setup = replace(setup, world_size=ranks.world_size)
+    dtype = dtype if dtype != "auto" else ("bf16" if setup.device_type == "cuda" else "fp32")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not benchmarked; use bf16, fp16 or fp32")
+    return setup, dtype
 
 
 def plan_ranks(world_size: int, device: str, bed: int) -> RankSetup:

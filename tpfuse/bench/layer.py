@@ -38,7 +38,7 @@ __all__ = ["LayerConfig", "run_layer_bench", "format_layer_rows", "LAYER_ROW_FIE
 
 LAYER_ROW_FIELDS = ("variant", "strategy", "resolved", "model", "tokens", "hidden", "ffn", "world_size", "dtype",
                     "ms", "tokens_per_s_per_rank", "speedup_vs_unfused", "speedup_vs_asynctp", "reasons")
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPES = common.DTYPES
 
 
 @dataclass(frozen=True)
@@ -218,12 +218,7 @@ def layer_job(rank: int, world_size: int, job: _LayerJob) -> dict:
 
 def run_layer_bench(cfg: LayerConfig, progress=None, ranks=None) -> dict:
     """Run the block variants on the ranks; returns ``{"meta", "rows"}``."""
-    setup = common.plan_ranks(cfg.world_size, cfg.device, cfg.bed)
-    if ranks is not None:
-        setup = replace(setup, world_size=ranks.world_size)
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if setup.device_type == "cuda" else "fp32")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype: {dtype!r} is not benchmarked; use bf16, fp16 or fp32")
+    setup, dtype = common.setup_and_dtype(cfg.world_size, cfg.device, cfg.bed, cfg.dtype, ranks)
     tokens, hidden, ffn = _sizes(cfg, setup.world_size)
     meta = common.bench_meta(setup, dtype=dtype, config=asdict(cfg), tokens=tokens, hidden=hidden, ffn=ffn,
                              timing="one step = forward + backward (input and weight grads); barrier before "

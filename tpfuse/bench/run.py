@@ -97,7 +97,7 @@ class _CellJob:
     progress: bool = False   # rank 0 prints each step of the cell on stderr (long GPU runs)
 
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPES = common.DTYPES
 
 
 def _copies(w: Workload, rank: int, device: torch.device, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -379,12 +379,7 @@ def run_bench(config: BenchConfig, progress=None, ranks=None, on_cell=None) -> d
     ``RankPool`` of the right kind) to reuse instead of starting new ones.  ``on_cell(result)``
     after every cell: the cells so far, ``meta["complete"]`` False (the CLI writes it, so a run
     cut short keeps what it measured)."""
-    setup = common.plan_ranks(config.world_size, config.device, config.bed)
-    if ranks is not None:
-        setup = replace(setup, world_size=ranks.world_size)
-    dtype = config.dtype if config.dtype != "auto" else ("bf16" if setup.device_type == "cuda" else "fp32")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype: {dtype!r} is not benchmarked; use bf16, fp16 or fp32")
+    setup, dtype = common.setup_and_dtype(config.world_size, config.device, config.bed, config.dtype, ranks)
     cells = _cells(config, setup.world_size)
     hw = _hardware(config, setup)
     meta = common.bench_meta(setup, hardware_profile=hw.name, dtype=dtype,
