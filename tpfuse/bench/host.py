@@ -2,6 +2,7 @@
 the host beyond calling its strategy directly.
 
     python -m tpfuse.bench.host [--device cuda] [--calls 2000] [--json out.json]
+    python -m tpfuse.bench.host --bed 2 --strategies copy_engine fused --calls 200   # MPS first
 
 (starts a one-rank process group when none is initialized; under ``torchrun`` it uses the
 group it finds).  Or from code::
@@ -113,6 +114,10 @@ def measure_host_overhead(op: str = "gemm_ar", *, strategy: str = "unfused", m: 
         "bare_us": bare,
         "matmul_us": lambda: torch.matmul(a, b),
     }
+    reasons = {}
+    if w > 1 and dev.type == "cuda" and ctx.backend == "gloo":   # the one-GPU bed
+        del variants["bare_us"]
+        reasons["bare_us"] = "a gloo group cannot carry CUDA tensors (the one-GPU bed)"
     with torch.no_grad():
         for fn in variants.values():
             for _ in range(warmup):
@@ -122,6 +127,7 @@ def measure_host_overhead(op: str = "gemm_ar", *, strategy: str = "unfused", m: 
             for key, fn in variants.items():
                 samples[key].append(_per_call_us(fn, calls, sync))
     row = {key: statistics.median(v) for key, v in samples.items()}
+    row.update({key: None for key in reasons}, reasons=reasons)
     row["overhead_us"] = row["tpfuse_us"] - row["direct_us"]
     row["dispatcher_us"] = row["custom_op_us"] - row["direct_us"]
     row.update(op=op, strategy=strategy, m=m, n=n, k=k, dtype=str(dtype).removeprefix("torch."),
@@ -140,25 +146,66 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=256)
     parser.add_argument("--k", type=int, default=256)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--bed", type=int, default=0, metavar="W",
+                        help="W processes on cuda:0 with a gloo group (the one-GPU bed, for copy_engine/fused; "
+                             "start MPS first): host times only, not multi-GPU timings")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    if args.bed:
+        try:
+            return _main_bed(args)
+        except ValueError as exc:   # a request this machine cannot run: one line, not a traceback
+            print(f"python -m tpfuse.bench.host: {exc}", file=sys.stderr)
+            return 2
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo", rank=0, world_size=1)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     rows = [measure_host_overhead(op, strategy=s, m=args.m, n=args.n, k=args.k, dtype=dtype,
-                                  device=args.device, calls=args.calls)
+                                  device=args.device, calls=args.calls, rounds=args.rounds)
             for op in args.ops for s in args.strategies]
     if dist.get_rank() == 0:
-        for r in rows:
-            print(f"{r['op']:8s} {r['strategy']:8s} tpfuse {r['tpfuse_us']:7.2f} us  direct {r['direct_us']:7.2f}  "
-                  f"overhead {r['overhead_us']:6.2f}  custom op {r['custom_op_us']:7.2f}  bare {r['bare_us']:7.2f}  "
-                  f"matmul {r['matmul_us']:6.2f}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+        _report(rows, args.json, {"mode": "one rank", "backend": dist.get_backend()})
     return 0
+
+
+def _bed_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
+    return [measure_host_overhead(op, strategy=s, m=args.m, n=args.n, k=args.k, dtype=torch.bfloat16,
+                                  device="cuda", calls=args.calls, rounds=args.rounds, warmup=10)
+            for op in args.ops for s in args.strategies]
+
+
+def _main_bed(args: argparse.Namespace) -> int:
+    """Every rank measures; the row kept per (op, strategy) is the slowest rank's (by tpfuse_us)."""
+    from tpfuse.bench import common
+
+    setup = common.plan_ranks(args.bed, "cuda", args.bed)
+    with common.open_ranks(setup) as ranks:
+        per_rank = ranks.run(_bed_rows, args, timeout=1800)
+    rows = [max(cands, key=lambda r: r["tpfuse_us"]) for cands in zip(*per_rank)]
+    _report(rows, args.json, {"mode": "one-gpu-bed", "backend": "gloo", "mps": common.mps_running(),
+                              "note": "W processes share cuda:0: host times per eager call, not multi-GPU timings"})
+    return 0
+
+
+def _report(rows: list[dict], path: str | None, meta: dict) -> None:
+    def us(v: float | None) -> str:
+        return "      -" if v is None else f"{v:7.2f}"
+
+    for r in rows:
+        print(f"{r['op']:8s} {r['strategy']:11s} W={r['world_size']} tpfuse {us(r['tpfuse_us'])} us  direct "
+              f"{us(r['direct_us'])}  overhead {us(r['overhead_us'])}  custom op {us(r['custom_op_us'])}  "
+              f"bare {us(r['bare_us'])}  matmul {us(r['matmul_us'])}", flush=True)
+    if path:
+        import datetime
+
+        meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "device": rows[0]["device_name"] if rows else None, "torch": torch.__version__,
+                "command": " ".join(["python -m tpfuse.bench.host", *sys.argv[1:]]), **meta}
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
