@@ -123,20 +123,24 @@ def _debug_setting() -> str | None:
     return os.environ.get("TPFUSE_DEBUG")
 
 
-def agreement_enabled(ctx: GroupContext) -> bool:
+def agreement_enabled(ctx: GroupContext, data_device_type: str | None = None) -> bool:
     """Whether every call (not only the first of each signature) runs an agreement round.
 
     ``TPFUSE_DEBUG=1`` forces it on, ``TPFUSE_DEBUG=0`` off (every rank must see the same
-    setting).  Unset: on for CPU backends (gloo, where a store round costs little next to a CPU
-    GEMM), off for NCCL.  Never for world size 1 or under torch.compile tracing.  With it off,
-    the first call of each new signature still runs one round (the always-on guard).
+    setting).  Unset: on when the group's collectives and the call's data (``data_device_type``,
+    when given) are on the CPU (gloo with CPU tensors, where a store round costs little next to
+    a CPU GEMM), off otherwise: for NCCL, and for CUDA tensors on a gloo group (the one-GPU bed,
+    where the round cost ~0.43 ms per call against ~0.5 ms for the whole symmetric-memory call,
+    ``python -m tpfuse.bench.host --bed 2``).  Never for world size 1 or under torch.compile
+    tracing.  With it off, the first call of each new signature still runs one round (the
+    always-on guard).
     """
     if ctx.world_size == 1 or torch.compiler.is_compiling():
         return False
     setting = _debug_setting()
     if setting is not None:
         return setting not in ("0", "", "false", "False")
-    return ctx.device_type != "cuda"
+    return ctx.device_type != "cuda" and data_device_type in (None, "cpu")
 
 
 # An agreement round waits this many times TPFUSE_TIMEOUT_S (the bound of the device-side waits,

@@ -234,7 +234,7 @@ class _ParallelLinear(nn.Module):
         if torch.compiler.is_compiling():
             x2d = self._flatten(x, local_in)
             return x2d, traced_strategy(op, self.strategy, a(x2d), b, ctx)
-        if not _checks.agreement_enabled(ctx):
+        if not _checks.agreement_enabled(ctx, getattr(getattr(x, "device", None), "type", None)):
             try:
                 x2d = self._flatten(x, local_in)
                 a_t = a(x2d)

@@ -292,7 +292,7 @@ def _prepare_slow(op, a, b, group, strategy, return_gathered, key) -> _Call:
             sig = _checks.call_signature(op, strategy, a, b, return_gathered)
         except (TypeError, ValueError) as exc:
             error = exc
-    per_call = _checks.agreement_enabled(ctx)
+    per_call = _checks.agreement_enabled(ctx, getattr(getattr(a, "device", None), "type", None))
     if error is not None:
         _checks.agree(ctx, op, error, None)  # posts the error (world size > 1) and raises
     if per_call and (ctx.group, ctx.world_size, ctx.backend, sig.fields) in _DECISIONS:

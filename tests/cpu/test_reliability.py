@@ -378,3 +378,23 @@ def test_layer_bad_input_on_one_rank_raises_on_every_rank_at_once(pools, mode):
                                                                      timeout=JOB_TIMEOUT)):
         assert kind == "ValueError", (rank, kind, text)
         assert seconds < 10, f"rank {rank} waited {seconds:.1f} s: {text}"
+
+
+@pytest.mark.parametrize("backend, data, setting, expected", [
+    ("gloo", "cpu", None, True),      # CPU GEMMs: a store round is cheap next to them
+    ("gloo", None, None, True),       # no data device given: the group's rule
+    ("gloo", "cuda", None, False),    # the one-GPU bed: ~0.43 ms a round against a ~0.5 ms call
+    ("nccl", "cuda", None, False),
+    ("gloo", "cuda", "1", True),      # TPFUSE_DEBUG wins either way
+    ("nccl", "cuda", "1", True),
+    ("gloo", "cpu", "0", False),
+])
+def test_per_call_round_default_follows_the_data_device(monkeypatch, backend, data, setting, expected):
+    from types import SimpleNamespace
+
+    from tpfuse import _checks
+
+    monkeypatch.setattr(_checks, "_debug_setting", lambda: setting)
+    ctx = SimpleNamespace(world_size=2, device_type="cuda" if backend == "nccl" else "cpu")
+    assert _checks.agreement_enabled(ctx, data) is expected
+    assert _checks.agreement_enabled(SimpleNamespace(world_size=1, device_type=ctx.device_type), data) is False
