@@ -224,7 +224,7 @@ class _ParallelLinear(nn.Module):
                          x: torch.Tensor) -> tuple[torch.Tensor, str]:
         """Validate ``x``, then resolve the concrete strategy of the op that ``(a, b)`` stand for.
 
-        In eager mode, with the cross-rank agreement check on (gloo by default, or
+        In eager mode, with the cross-rank agreement check on (CPU tensors on gloo by default, or
         ``TPFUSE_DEBUG=1``), a bad input on any rank raises on every rank before any
         communication.  Under ``torch.compile`` only local checks run (they become guards) and
         the strategy is fixed at trace time.

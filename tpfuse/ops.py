@@ -11,8 +11,8 @@ K and N are this rank's local sizes.  Each op is also a ``torch.library`` custom
 ``torch.compile`` traces it as one node and CUDA graphs can capture it.  Eager calls with nothing
 for the dispatcher to do (no autograd, no dispatch mode, not tracing) call the strategy directly.
 
-Per call: one dict lookup of the call shape (and, with ``TPFUSE_DEBUG=1``/gloo, one agreement
-round).  Per new call shape: validation.  Per new agreed signature and group: one agreement round
+Per call: one dict lookup of the call shape (and, with ``TPFUSE_DEBUG=1`` or CPU tensors on
+gloo, one agreement round).  Per new call shape: validation.  Per new agreed signature and group: one agreement round
 that checks the agreed fields on every rank and decides the strategy for the whole group
 (:func:`group_decision`).  docs/ops.md has the details.
 """

@@ -173,7 +173,7 @@ def count_release_red(counter_ptr, n, USE_ASM: tl.constexpr):
     With USE_ASM it is the CTA's last thread's ``red.release.gpu``: no register waits for the
     round trip. A returning atomic does not do: inside the tile loop ptxas waits for its result
     register at the loop's next iteration, whenever the result is read (on the H200 ~1 us per
-    tile, most of the epilogue hook's cost; ``benchmarks/results/probes_2026-11-30d``)."""
+    tile, most of the epilogue hook's cost; a probe of 2026-11-30, in git history)."""
     count_release_red_if(1, counter_ptr, n, USE_ASM)
 
 
