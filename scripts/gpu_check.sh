@@ -10,6 +10,8 @@
 #     spread in the per-shape hook overheads, git history of BENCHMARKS.md);
 #     CALIB_LIMIT_S (default 300): of the calibration;
 #   it writes its JSON after every shape, so a capped run keeps the shapes it finished.
+#   PACK=1: at the end, pack everything under $OUT into $OUT/gpu_check.tgz and leave only that
+#     (for a runner that brings back only a few files).
 #   STEPS: the steps to run (default all: gpu_tests symm_bed bench_bed demo demo_large bench
 #     host_overhead gemm_bench calibrate). All of them take ~25 min on one H200, more than one
 #     device call (10 min): split them, e.g. STEPS="gpu_tests symm_bed" then STEPS=gemm_bench.
@@ -65,3 +67,7 @@ if [ "${1:-}" != "quick" ]; then
 fi
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"
+if [ "${PACK:-0}" = 1 ]; then
+  packed=$(mktemp "${TMPDIR:-/tmp}/gpu_check.XXXXXX") && tar czf "$packed" -C "$OUT" . \
+    && find "$OUT" -mindepth 1 -delete && mv "$packed" "$OUT/gpu_check.tgz" && echo "packed into $OUT/gpu_check.tgz"
+fi
