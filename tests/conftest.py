@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from tpfuse.spawn import RankPool
 
 # Every rank of the test pools poisons fresh outputs (NaN) and runs the cross-rank agreement check.
 TEST_RANK_ENV = {"TPFUSE_POISON": "1", "TPFUSE_DEBUG": "1"}
+
+
+def caught_then_probe(rank: int, call) -> tuple[tuple[str, str] | None, float]:
+    """On a rank: ``call()``, catching ``TypeError``/``ValueError`` as (type name, message) or None;
+    then a real all_reduce, which must still work.  Returns (caught, the probe's sum)."""
+    try:
+        call()
+    except (TypeError, ValueError) as exc:
+        caught = (type(exc).__name__, str(exc))
+    else:
+        caught = None
+    probe = torch.full((1,), float(rank))
+    dist.all_reduce(probe)
+    return caught, probe.item()
 
 
 class _Pools:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import tpfuse
 from tpfuse import testing
+from conftest import caught_then_probe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 # (rows per rank, K, N): odd, prime-ish sizes, a larger odd one, and empty M.
@@ -203,16 +204,7 @@ BAD_CASES = {
 
 
 def raise_on_bad_input(rank, world_size, case):
-    try:
-        _bad_call(case, rank, world_size)()
-    except (TypeError, ValueError) as exc:
-        caught = (type(exc).__name__, str(exc))
-    else:
-        caught = None
-    # The group must still work: a real collective right after.
-    probe = torch.full((1,), float(rank))
-    dist.all_reduce(probe)
-    return caught, probe.item()
+    return caught_then_probe(rank, _bad_call(case, rank, world_size))   # the group must still work
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CASES))

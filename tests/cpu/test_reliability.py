@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import tpfuse
 from tpfuse.spawn import RankPool
-from conftest import TEST_RANK_ENV
+from conftest import TEST_RANK_ENV, caught_then_probe
 
 JOB_TIMEOUT = 30  # s; the process group's own timeout in these pools is 120 s
 
@@ -193,15 +193,7 @@ ONE_RANK_CASES = {
 
 
 def one_rank_bad_input(rank, world_size, case, salt):
-    try:
-        _one_rank_bad(case, rank, world_size, salt)()
-    except (TypeError, ValueError) as exc:
-        caught = (type(exc).__name__, str(exc))
-    else:
-        caught = None
-    probe = torch.full((1,), float(rank))
-    dist.all_reduce(probe)
-    return caught, probe.item()
+    return caught_then_probe(rank, _one_rank_bad(case, rank, world_size, salt))
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
