@@ -12,9 +12,9 @@ K and N are this rank's local sizes.  Each op is also a ``torch.library`` custom
 for the dispatcher to do (no autograd, no dispatch mode, not tracing) call the strategy directly.
 
 Per call: one dict lookup of the call shape (and, with ``TPFUSE_DEBUG=1`` or CPU tensors on
-gloo, one agreement round).  Per new call shape: validation.  Per new agreed signature and group: one agreement round
-that checks the agreed fields on every rank and decides the strategy for the whole group
-(:func:`group_decision`).  docs/ops.md has the details.
+gloo, one agreement round).  Per new call shape: validation.  Per new agreed signature and
+group: one agreement round that checks the agreed fields on every rank and decides the strategy
+for the whole group (:func:`group_decision`).  docs/ops.md has the details.
 """
 
 from __future__ import annotations

@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                              "start MPS first): host times only, not multi-GPU timings")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    args.command = " ".join(["python -m tpfuse.bench.host", *(sys.argv[1:] if argv is None else argv)])
     if args.bed:
         try:
             return _main_bed(args)
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                                   device=args.device, calls=args.calls, rounds=args.rounds)
             for op in args.ops for s in args.strategies]
     if dist.get_rank() == 0:
-        _report(rows, args.json, {"mode": "one rank", "backend": dist.get_backend()})
+        _report(rows, args.json, {"command": args.command, "mode": "one rank", "backend": dist.get_backend()})
     return 0
 
 
@@ -185,7 +186,8 @@ def _main_bed(args: argparse.Namespace) -> int:
     with common.open_ranks(setup) as ranks:
         per_rank = ranks.run(_bed_rows, args, timeout=1800)
     rows = [max(cands, key=lambda r: r["tpfuse_us"]) for cands in zip(*per_rank)]
-    _report(rows, args.json, {"mode": "one-gpu-bed", "backend": "gloo", "mps": common.mps_running(),
+    _report(rows, args.json, {"command": args.command, "mode": "one-gpu-bed", "backend": "gloo",
+                              "mps": common.mps_running(),
                               "note": "W processes share cuda:0: host times per eager call, not multi-GPU timings"})
     return 0
 
@@ -202,8 +204,7 @@ def _report(rows: list[dict], path: str | None, meta: dict) -> None:
         import datetime
 
         meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "device": rows[0]["device_name"] if rows else None, "torch": torch.__version__,
-                "command": " ".join(["python -m tpfuse.bench.host", *sys.argv[1:]]), **meta}
+                "device": rows[0]["device_name"] if rows else None, "torch": torch.__version__, **meta}
         with open(path, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
