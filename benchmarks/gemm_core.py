@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from tpfuse import gemm as gc  # noqa: E402
 from tpfuse.kernels import abi  # noqa: E402
 

@@ -16,7 +16,7 @@
 #     host_overhead gemm_bench calibrate). All of them take ~25 min on one H200, more than one
 #     device call (10 min): split them, e.g. STEPS="gpu_tests symm_bed" then STEPS=gemm_bench.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-$PWD/.out}
 mkdir -p "$OUT"
 PY=${PY:-python3}

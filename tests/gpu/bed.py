@@ -528,7 +528,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=500)
     parser.add_argument("--out", default="symm_1gpu.json")
     args = parser.parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src"))
     from tpfuse.spawn import RankPool
 
     all_rows = []
