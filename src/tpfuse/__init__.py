@@ -12,8 +12,8 @@ from tpfuse import autograd as _autograd  # noqa: F401  (registers the custom op
 from tpfuse.ops import ag_gemm, gemm_ar, gemm_rs
 from tpfuse.plan import Plan, plan  # binds tpfuse.plan to the function; the module stays importable
 from tpfuse import nn  # noqa: E402  (tpfuse.nn.ColumnParallelLinear / RowParallelLinear)
-from tpfuse.symm import check_workspaces, release_workspaces
+from tpfuse.symm import check_workspaces, release_workspaces, synchronize
 
 __version__ = "0.1.0"
 __all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "plan", "Plan", "nn", "release_workspaces", "check_workspaces",
-           "__version__"]
+           "synchronize", "__version__"]

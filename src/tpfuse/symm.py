@@ -25,11 +25,20 @@ a slot that peers read only after every peer returned its credit for the previou
 (``DONE[peer] >= gen - 1``).  "Remote visible" is the READY flag written after the copy; "local
 source reusable" is the credit.
 
-Bounded waits: every wait spins at most ``timeout_s()`` seconds (``TPFUSE_TIMEOUT_S``, default
-10), then records who waited for whom in the error word and exits.  An eager call checks the
-word before it returns (one host sync) and raises ``TimeoutError``; the workspace is then
-*broken* and every later call raises until :func:`release_workspaces`.  A captured call cannot
-check: it fills its outputs with NaN instead, and :func:`check_workspaces` raises afterwards.
+Bounded waits and errors, with no device sync on the call path (DESIGN.md §3; docs/ops.md,
+"How errors surface"): every wait spins at most ``timeout_s()`` seconds (``TPFUSE_TIMEOUT_S``,
+default 10), then records who waited for whom in the workspace's error word (device memory,
+layout in tpfuse/kernels/abi.py) and in its host-visible mirror (pinned memory,
+:class:`tpfuse.watchdog.HostRecord`).  A set word means *broken*: every later kernel of the
+workspace returns from its waits at once, signals nothing, and the outputs of the call that
+timed out and of every call queued after it are NaN (eager calls and graph replays alike).  The
+host learns of it without synchronizing: the next call on the group raises ``TimeoutError``
+(:func:`get_workspace` reads the mirrors), :func:`synchronize` waits for the GPU and raises, and
+the watchdog thread logs one line.  Calls then raise until :func:`release_workspaces`.
+
+Host syncs: only where a workspace is created or grown (allocation and rendezvous, the first
+call of a capacity) and the first call of each shape (its flag and pointer tables are copied to
+the device once); every other eager call returns without waiting for the GPU.
 
 Capacity grows (to the next power of two) when a call needs more; the sizes come from fields
 every rank agrees on (M, K for ag_gemm; M, N for gemm_rs/gemm_ar), so every rank grows at the
@@ -45,10 +54,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tpfuse import watchdog
+from tpfuse.kernels import abi
 from tpfuse.kernels.abi import ERROR_WORDS
 
 __all__ = [
-    "Workspace", "WorkspaceSpec", "get_workspace", "release_workspaces", "check_workspaces",
+    "Workspace", "WorkspaceSpec", "get_workspace", "release_workspaces", "check_workspaces", "synchronize",
     "timeout_s", "FLAG_WORDS", "WAIT_KINDS",
 ]
 
@@ -58,14 +69,10 @@ _REGIONS = ("READY", "DONE", "READY2", "DONE2")
 MAX_WORLD_SIZE = FLAG_WORDS // len(_REGIONS)
 _MIN_CAPACITY = 1 << 20            # bytes: small calls share one allocation instead of growing often
 
-# Codes of the waits (error word [1]) and what a timeout of each means, in the user's words.
-WAIT_KINDS = {
-    1: ("credit", "to finish reading this rank's buffer from the previous call"),
-    2: ("ready", "to publish its data for this call"),
-    3: ("credit", "to finish reading this rank's gather buffer from the previous call"),
-    4: ("ready", "to publish its reduced rows for this call"),
-}
-WAIT_CREDIT, WAIT_READY, WAIT_CREDIT2, WAIT_READY2 = 1, 2, 3, 4
+# Codes of the waits (error word abi.ERR_WHAT) and what a timeout of each means, in the user's words.
+WAIT_KINDS = watchdog.WAIT_KINDS
+WAIT_CREDIT, WAIT_READY, WAIT_CREDIT2, WAIT_READY2 = abi.WAIT_CREDIT, abi.WAIT_READY, abi.WAIT_CREDIT2, abi.WAIT_READY2
+_POISON_PROGRAMS = 64              # grid of the NaN fill (a grid-stride loop once it fills)
 
 
 @functools.lru_cache(maxsize=1)
@@ -127,6 +134,11 @@ class Workspace:
         self.flags = [b[:FLAG_BYTES].view(torch.int32) for b in buffers]
         self.gen = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
+        # the host-visible mirror of the error word; the word carries its address (abi.ERR_MIRROR)
+        self.host = watchdog.HostRecord.allocate(device, op=spec.op, group=spec.group_name, rank=spec.rank,
+                                                 timeout_s=timeout_s())
+        self.error.view(torch.int64)[abi.ERR_MIRROR // 2] = self.host.address
+        watchdog.watch(self.host)
         self.broken: str | None = None
         self.calls = 0                      # host count of begun calls (messages only)
         self._tables: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -162,17 +174,19 @@ class Workspace:
             self._views[key] = view
         return view
 
-    def flag_table(self, region: str, entries: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def flag_table(self, region: str | tuple[str, ...], entries: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Device int64 tables for the flag kernels: byte addresses of ``region[index]`` in rank
-        ``owner``'s flags for each ``(owner, index)``, and the other rank each entry concerns."""
+        ``owner``'s flags for each ``(owner, index)``, and the other rank each entry concerns.
+        A tuple of regions gives one table of them all, region by region (one launch)."""
         key = (region, tuple(entries))
         hit = self._tables.get(key)
         if hit is None:
             addrs, peers = [], []
-            for owner, index in entries:
-                word = flag_index(region, index, self.world_size)
-                addrs.append(self.flags[owner].data_ptr() + 4 * word)
-                peers.append(owner if owner != self.rank else index)
+            for reg in ((region,) if isinstance(region, str) else region):
+                for owner, index in entries:
+                    word = flag_index(reg, index, self.world_size)
+                    addrs.append(self.flags[owner].data_ptr() + 4 * word)
+                    peers.append(owner if owner != self.rank else index)
             hit = (torch.tensor(addrs, dtype=torch.int64, device=self.spec.device),
                    torch.tensor(peers, dtype=torch.int64, device=self.spec.device))
             self._tables[key] = hit
@@ -201,14 +215,14 @@ class Workspace:
         table = self.pointer_table(key, sources)
         block_r, block_c = 4, 256
         grid = (triton_cdiv(rows, block_r) * triton_cdiv(cols, block_c),)
-        reduce_kernel[grid](table, len(sources), out, rows, cols, stride, out.stride(0),
+        reduce_kernel[grid](table, len(sources), out, rows, cols, stride, out.stride(0), self.error,
                             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
 
-    def incoming(self, region: str, peers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def incoming(self, region: str | tuple[str, ...], peers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``region[p]`` for each peer ``p``: what peers write and this rank waits on."""
         return self.flag_table(region, [(self.rank, p) for p in peers])
 
-    def outgoing(self, region: str, peers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def outgoing(self, region: str | tuple[str, ...], peers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Peer ``p``'s ``region[rank]`` for each ``p``: what this rank writes to tell them."""
         return self.flag_table(region, [(p, self.rank) for p in peers])
 
@@ -224,55 +238,80 @@ class Workspace:
     def _launch(self, kernel, *args, **constexprs) -> None:
         kernel[(1,)](*args, num_warps=1, **constexprs)
 
+    def _bound(self) -> tuple[int, bool]:
+        asm = self.spec.device.type == "cuda" and not _interpreting()
+        bound = int(timeout_s() * 1e9) if asm else max(1, int(timeout_s() * 1000))   # ns, or spins (~1 ms each interpreted)
+        return bound, asm
+
     def wait(self, table: tuple[torch.Tensor, torch.Tensor], what: int, *, lag: int = 0,
              advance: bool = False) -> None:
         """Enqueue on the current stream: (``advance``: gen += 1, then) wait until every flag of
-        ``table`` is ``>= gen - lag``; bounded by :func:`timeout_s`."""
+        ``table`` is ``>= gen - lag``; bounded by :func:`timeout_s`; at once when broken."""
         from tpfuse.kernels.flags import wait_kernel
 
         addrs, peers = table
-        asm = self.spec.device.type == "cuda" and not _interpreting()
-        bound = int(timeout_s() * 1e9) if asm else max(1, int(timeout_s() * 1000))   # ns, or spins (~1 ms each interpreted)
+        bound, asm = self._bound()
         self._launch(wait_kernel, self.gen, addrs, peers, addrs.numel(), lag, bound, self.error, what,
                      self.rank, ADVANCE=advance, USE_ASM=asm)
 
     def signal(self, table: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Enqueue on the current stream: every flag of ``table`` = gen (release, system scope)."""
+        """Enqueue on the current stream: every flag of ``table`` = gen (release, system scope);
+        nothing once the workspace is broken."""
         from tpfuse.kernels.flags import signal_kernel
 
         addrs, _ = table
         if addrs.numel():
-            self._launch(signal_kernel, self.gen, addrs, addrs.numel())
+            self._launch(signal_kernel, self.gen, addrs, addrs.numel(), self.error)
+
+    def signal_wait(self, signals: tuple[torch.Tensor, torch.Tensor], waits: tuple[torch.Tensor, torch.Tensor],
+                    what: int, *, lag: int = 0) -> None:
+        """:meth:`signal` of ``signals`` then :meth:`wait` of ``waits`` (no advance), one launch."""
+        from tpfuse.kernels.flags import signal_wait_kernel
+
+        bound, asm = self._bound()
+        self._launch(signal_wait_kernel, self.gen, signals[0], signals[0].numel(), waits[0], waits[1],
+                     waits[0].numel(), lag, bound, self.error, what, self.rank, USE_ASM=asm)
 
     def begin(self, credits: tuple[torch.Tensor, torch.Tensor], what: int = WAIT_CREDIT) -> None:
-        """First work of a call: refuse a broken workspace, advance the generation and wait for
-        the credits of the previous call (``flag >= gen - 1``)."""
-        if self.broken is not None:
-            raise RuntimeError(self.broken)
+        """First work of a call: refuse a broken workspace (raising what the host knows, no
+        sync), advance the generation and wait for the credits of the previous call
+        (``flag >= gen - 1``)."""
+        self.check(self.spec.op)
         self.calls += 1
         self.wait(credits, what, lag=1, advance=True)
 
-    def poison_on_error(self, *outputs: torch.Tensor) -> None:
-        """Enqueue: NaN into ``outputs`` if a wait of this call timed out (for captured calls)."""
+    def poison_on_error(self, out: torch.Tensor, out2: torch.Tensor | None = None) -> None:
+        """Enqueue: NaN into ``out`` (and ``out2``, same dtype) if the workspace is broken -- a
+        wait of this call or of an earlier one timed out.  Runs on every call that has no other
+        kernel to fill its outputs (the reduce does it for gemm_rs)."""
         from tpfuse.kernels.flags import poison_on_error_kernel
 
-        block = 1024
-        for out in outputs:
-            if out.numel() and out.is_floating_point():
-                poison_on_error_kernel[(triton_cdiv(out.numel(), block),)](self.error, out, out.numel(), BLOCK=block)
-
-    def check(self, op: str) -> None:
-        """Raise ``TimeoutError`` (and mark the workspace broken) if a wait timed out.  Synchronizes."""
-        words = self.error.tolist()
-        if words[0] == 0:
+        n1 = out.numel() if out.is_floating_point() else 0
+        n2 = out2.numel() if out2 is not None and out2.is_floating_point() else 0
+        if n1 == 0 and n2 == 0:
             return
-        kind, meaning = WAIT_KINDS.get(words[1], ("?", "to signal"))
-        message = (f"tpfuse {op}: rank {words[5]} waited more than {timeout_s():g} s (TPFUSE_TIMEOUT_S) for "
-                   f"rank {words[2]} {meaning} ({kind} flag: wanted generation >= {words[3]}, last saw "
-                   f"{words[4]}; this workspace has begun {self.calls} calls). Rank {words[2]} is dead, "
-                   f"late, or called a different op sequence.")
-        self.broken = (f"tpfuse {op}: this rank's symmetric-memory workspace is broken by an earlier timeout "
-                       f"({message}); call tpfuse.release_workspaces() on every rank, then call again")
+        if n1 == 0:
+            out, n1, out2, n2 = out2, n2, None, 0
+        block = 1024
+        grid = (min(_POISON_PROGRAMS, triton_cdiv(max(n1, n2), block)),)
+        poison_on_error_kernel[grid](self.error, out, n1, out2 if n2 else out, n2, BLOCK=block)
+
+    def failed(self) -> bool:
+        """True once a wait of this workspace timed out, as far as the host can see now (its
+        mirror; no sync) -- or once :meth:`check` marked it broken."""
+        return self.broken is not None or self.host.failed()
+
+    def check(self, op: str | None = None) -> None:
+        """Raise if the workspace is broken, without a device sync: ``TimeoutError`` with the
+        record the first time the host sees it (the mirror), ``RuntimeError`` on later calls."""
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
+        if not self.host.failed():
+            return
+        message = self.host.message().replace(f"tpfuse {self.spec.op}:", f"tpfuse {op or self.spec.op}:", 1)
+        message += f" (This workspace has begun {self.calls} calls.)"
+        self.broken = (f"tpfuse {op or self.spec.op}: this rank's symmetric-memory workspace is broken by an earlier "
+                       f"timeout ({message}); call tpfuse.release_workspaces() on every rank, then call again")
         raise TimeoutError(message)
 
 
@@ -307,9 +346,10 @@ def _allocate(spec: WorkspaceSpec, group) -> Workspace:
     buffers = [buf if r == spec.rank else handle.get_buffer(r, (size,), torch.uint8, 0)
                for r in range(spec.world_size)]
     ws = Workspace(spec, buffers, keepalive=(buf, handle))
-    # Compile the NaN-on-error kernel now: a CUDA graph capture cannot load a new module, and
-    # captured calls are the only ones that launch it (outputs are fresh, 16-byte aligned).
-    ws.poison_on_error(torch.empty(16, dtype=spec.dtype, device=spec.device))
+    # Compile the NaN fill now, for one and two outputs (16-byte aligned, as fresh outputs are)
+    probe = torch.empty(16, dtype=spec.dtype, device=spec.device)
+    ws.poison_on_error(probe)
+    ws.poison_on_error(probe, probe)
     return ws
 
 
@@ -318,9 +358,8 @@ def get_workspace(ctx, op: str, dtype: torch.dtype, device: torch.device, need: 
     created (collectively) on first use and grown the same way.  ``need`` must be a function of
     what every rank agrees on."""
     key = (ctx.group_name, op, dtype, device)
+    check_group(ctx.group_name, op)
     ws = _LIVE.get(key)
-    if ws is not None and ws.broken is not None:
-        raise RuntimeError(ws.broken)
     if ws is not None and ws.spec.capacity >= need:
         return ws
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -347,6 +386,31 @@ def _drop_group(group_name: str) -> None:
         _RETIRED.append(_LIVE.pop(key))
 
 
+def check_group(group_name: str | None, op: str | None = None) -> None:
+    """Raise if a workspace of ``group_name`` (None: of any group) is broken, live or outgrown
+    (``TimeoutError`` with the facts the first time; see :meth:`Workspace.check`).  Host memory
+    reads only, no device sync: every call of a symmetric-memory strategy starts here."""
+    for (name, ws_op, _, _), ws in _LIVE.items():
+        if group_name is None or name == group_name:
+            if ws.broken is not None or ws.host.failed():
+                ws.check(op if op == ws_op or op is None else f"{op} (after {ws_op})")
+    for ws in _RETIRED:
+        if group_name is None or ws.spec.group_name == group_name:
+            if ws.broken is not None or ws.host.failed():
+                ws.check(op)
+
+
+def synchronize(group=None) -> None:
+    """Wait for this process's GPU work (``torch.cuda.synchronize``), then raise ``TimeoutError``
+    if a wait of any symmetric-memory workspace of ``group`` (a ProcessGroup; None: of every
+    group) timed out -- the explicit check for eager code, tests and CUDA graph replays (the
+    next tpfuse call on the group would raise it too)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    name = None if group is None else getattr(group, "group_name", group)
+    check_group(name)
+
+
 def release_workspaces() -> None:
     """Free every symmetric-memory workspace of this process (after waiting for the GPU).
 
@@ -359,7 +423,6 @@ def release_workspaces() -> None:
 
 
 def check_workspaces() -> None:
-    """Raise ``TimeoutError`` if a wait of any live workspace timed out (for calls captured in
-    CUDA graphs, which cannot check themselves).  Synchronizes."""
-    for (_, op, _, _), ws in list(_LIVE.items()):
-        ws.check(op)
+    """Raise ``TimeoutError`` if a wait of any workspace timed out: :func:`synchronize` over
+    every group (kept for code written before it).  Synchronizes."""
+    synchronize(None)

@@ -12,7 +12,7 @@ pytest.importorskip("triton", reason="triton is not installed; the interpreter t
 from tpfuse import symm, testing  # noqa: E402
 from tpfuse.gemm import GemmConfig, WaitSpec, matmul  # noqa: E402
 from tpfuse.strategies import fused  # noqa: E402
-from tpfuse.strategies.ring import _row_bounds  # noqa: E402
+from tpfuse.strategies._symm_steps import row_bounds  # noqa: E402
 
 from _symm_interp import fake_ranks, interpreted  # noqa: E402
 
@@ -35,7 +35,7 @@ class _Ctx:
 @pytest.mark.parametrize("world_size, shard, n, k", [(2, 37, 24, 40), (3, 16, 33, 20)])
 def test_fused_gemm_rs_routes_every_owners_rows_to_its_inbox_and_reduces_in_rank_order(world_size, shard, n, k):
     """fused._fused_partials on every rank (one owner-order GEMM whose epilogue stores into the
-    owners' inbox slots, then READY to every owner), then each owner's wait and fp32 reduce:
+    owners' inbox slots), READY to every owner, then each owner's wait and fp32 reduce:
     the reduce-scatter of the W products.  Shards of 37 rows: tiles straddle owners.  float16:
     the interpreter rounds float32 -> bfloat16 toward zero (the GPU to nearest)."""
     dtype = torch.float16
@@ -50,8 +50,10 @@ def test_fused_gemm_rs_routes_every_owners_rows_to_its_inbox_and_reduces_in_rank
         w.data(w.rank, (world_size * shard * n,)).fill_(float("nan"))   # poisoned inboxes
     sources = {}
     for r in range(world_size):
-        sources[r] = fused._fused_partials(a[r], b[r], _Ctx(r, world_size), ws[r], bounds, shard)
+        plan = fused._PartialsPlan(ws[r], bounds, shard, n)
+        sources[r] = fused._fused_partials(a[r], b[r], ws[r], plan)
         assert fused._local_words(ws[r], "sent", world_size).sum().item() == 0   # reset after the GEMM
+        ws[r].signal(plan.ready_out)
     for r in range(world_size):
         peers = [(r + i) % world_size for i in range(1, world_size)]
         ws[r].wait(ws[r].incoming("READY", peers), symm.WAIT_READY)
@@ -97,7 +99,7 @@ def test_fused_refuses_float32_and_the_sm_budget_knob_is_checked():
         fused.FusedOptions(num_sms=0)
     with pytest.raises(TypeError, match="FusedOptions"):
         fused.set_options({"num_sms": 4})
-    assert _row_bounds(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert row_bounds(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
 
 
 @pytest.mark.parametrize("world_size, m_shard, pieces", [(2, 37, 1), (2, 37, 3), (4, 37, 4), (3, 16, 2), (4, 10, 10)])

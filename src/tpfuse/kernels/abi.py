@@ -8,12 +8,36 @@ kernel module wraps the values it needs in ``tl.constexpr`` (``gemm.py``, ``gemm
 # Tile orders, by the kernels' TILE_ORDER constexpr (index into this tuple).
 TILE_ORDERS = ("grouped", "round", "owner")
 
-# Error word of the wait hook: int32[ERROR_WORDS], zero = no error, written once by the first
-# program that times out (a CAS on word 0). Word indices:
-ERROR_WORDS = 8
+# Error word: int32[ERROR_WORDS], zero = no error, ONE layout for every bounded wait (the
+# workspace's flag kernels, tpfuse/kernels/flags.py, and the GEMM's wait hook,
+# tpfuse/kernels/signals.py: record_timeout). The first waiter that times out wins it by a CAS
+# on ERR_STATUS (device memory) and fills in the rest; a word whose ERR_STATUS is not ERR_OK
+# means "broken": every later kernel of its workspace stops waiting, signals nothing and fills
+# its outputs with NaN. Word indices:
+ERROR_WORDS = 16
 ERR_OK = 0
 ERR_WAIT_TIMEOUT = 1
-ERR_STATUS, ERR_TILE, ERR_CHUNK, ERR_GENERATION, ERR_SEEN, ERR_PROGRAM = range(6)
+ERR_STATUS = 0       # ERR_WAIT_TIMEOUT once a wait timed out
+ERR_WHAT = 1         # what was awaited: a WAIT_* code below
+ERR_PEER = 2         # group rank whose flag never arrived (-1: not known to the kernel)
+ERR_GENERATION = 3   # the value awaited (flag >= generation)
+ERR_SEEN = 4         # last value seen in the flag
+ERR_RANK = 5         # the waiting rank (-1: not known to the kernel, e.g. the GEMM's hook)
+ERR_CHUNK = 6        # GEMM wait hook: the chunk whose signal never arrived (-1 otherwise)
+ERR_TILE = 7         # GEMM wait hook: linear tile id in tile-order space (-1 otherwise)
+ERR_PROGRAM = 8      # GEMM wait hook: the program that timed out (-1 otherwise)
+ERR_MIRROR = 14      # words [14:16]: int64 address of a host-visible copy (pinned memory, UVA;
+                     # 0 = none). After winning the CAS the recorder copies words [1:9] there,
+                     # then ERR_STATUS last, so the host reads the record without a device sync.
+ERR_RECORD_WORDS = 9 # words [0:9] are the record (the mirror holds the same layout)
+
+# WAIT_* codes (word ERR_WHAT), and what a timeout of each means, in the user's words
+# (tpfuse/symm.py, tpfuse/watchdog.py).
+WAIT_CREDIT = 1      # a peer to finish reading this rank's buffer from the previous call
+WAIT_READY = 2       # a peer to publish its data for this call
+WAIT_CREDIT2 = 3     # a peer to finish reading this rank's gather buffer from the previous call
+WAIT_READY2 = 4      # a peer to publish its reduced rows for this call
+WAIT_GEMM_CHUNK = 5  # the GEMM's wait hook: a chunk of A to land (the chunk's copy never finished)
 
 # EPI_TMA (the epilogue hook's stores): 0 = pointer stores, 1..MAX_TMA_DESTS = one TMA
 # descriptor per chunk, EPI_TMA_STACKED = one descriptor over destinations stacked as the rows

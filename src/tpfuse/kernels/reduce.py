@@ -6,13 +6,17 @@
 The order of the sum is the order of the table, the same on every rank, so every rank that
 reduces the same partials gets bitwise the same result (deterministic, unlike a ring sum whose
 order depends on the rank), and bf16/fp16 partials lose less than in a bf16 NCCL sum.
+
+When the workspace's error word (``err_ptr``, tpfuse/kernels/abi.py) is set -- a wait of this
+call or of an earlier one timed out -- ``out`` is NaN instead: the reduce is the last kernel
+that writes a gemm_rs (or one-shot gemm_ar) output, so it is also the NaN fill (no extra launch).
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def reduce_kernel(table_ptr, num_src, out_ptr, rows, cols, src_stride, out_stride,
+def reduce_kernel(table_ptr, num_src, out_ptr, rows, cols, src_stride, out_stride, err_ptr,
                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)
     tiles_c = (cols + BLOCK_C - 1) // BLOCK_C
@@ -24,5 +28,7 @@ def reduce_kernel(table_ptr, num_src, out_ptr, rows, cols, src_stride, out_strid
     for i in range(num_src):
         src = tl.load(table_ptr + i).to(tl.pointer_type(out_ptr.dtype.element_ty))
         acc += tl.load(src + src_offs, mask=mask, other=0.0).to(tl.float32)
+    if tl.load(err_ptr, volatile=True) != 0:
+        acc = tl.full((BLOCK_R, BLOCK_C), float("nan"), tl.float32)
     out_offs = r.to(tl.int64)[:, None] * out_stride + c[None, :]
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

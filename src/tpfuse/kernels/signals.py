@@ -13,15 +13,11 @@ Two variants, chosen by the ``USE_ASM`` constexpr:
   load is ``atomic_add(ptr, 0, sem="acquire", scope="sys")`` and the bound is a spin count,
   since the interpreter runs atomics but not inline asm.
 
-Error word (int32[ERROR_WORDS], zero = no error), written once by the first program that
-times out (first writer wins through a CAS on word 0)::
-
-    [0] status   ERR_WAIT_TIMEOUT
-    [1] tile     linear tile id in tile-order space
-    [2] chunk    chunk index whose signal never reached the generation
-    [3] generation awaited
-    [4] last value seen in signal[chunk]
-    [5] program id that timed out
+Error word: int32[ERROR_WORDS], one layout for every wait of the project, defined in
+``abi.py`` (ERR_*). The first waiter that times out wins it through a CAS on word ERR_STATUS
+and fills in the record (:func:`record_error`), which it also copies to the host-visible mirror
+whose address the word holds (ERR_MIRROR), so the host can read it without synchronizing. A
+set word means "broken": :func:`wait_geq` returns at once when it finds it set.
 """
 import triton
 import triton.language as tl
@@ -62,7 +58,8 @@ def wait_geq(flag_ptr, target, timeout, err_ptr, USE_ASM: tl.constexpr):
     """Spin until ``*flag_ptr >= target``; bounded.
 
     ``timeout`` is nanoseconds with USE_ASM (read off %globaltimer) and a spin count without.
-    The spin also stops as soon as another program has written the error word, so one
+    A flag not yet there is re-read only after a look at the error word: a wait that finds it
+    set (an earlier timeout broke the workspace) returns at once instead of spinning, and one
     timeout ends every waiter quickly. Returns ``(status, last_seen)``: status 0 when the
     flag reached ``target``, 1 on timeout, 2 when stopped by someone else's error.
     """
@@ -85,16 +82,57 @@ def wait_geq(flag_ptr, target, timeout, err_ptr, USE_ASM: tl.constexpr):
     return status, val
 
 
+ERR_STATUS = tl.constexpr(abi.ERR_STATUS)
+ERR_WHAT = tl.constexpr(abi.ERR_WHAT)
+ERR_PEER = tl.constexpr(abi.ERR_PEER)
+ERR_GENERATION = tl.constexpr(abi.ERR_GENERATION)
+ERR_SEEN = tl.constexpr(abi.ERR_SEEN)
+ERR_RANK = tl.constexpr(abi.ERR_RANK)
+ERR_CHUNK = tl.constexpr(abi.ERR_CHUNK)
+ERR_TILE = tl.constexpr(abi.ERR_TILE)
+ERR_PROGRAM = tl.constexpr(abi.ERR_PROGRAM)
+ERR_MIRROR = tl.constexpr(abi.ERR_MIRROR)
+WAIT_GEMM_CHUNK = tl.constexpr(abi.WAIT_GEMM_CHUNK)
+
+
+@triton.jit
+def record_error(err_ptr, what, peer, generation, last_seen, rank, chunk, tile, program):
+    """First timeout wins the error word (a CAS on its status, device memory); later ones leave
+    it as it is. The winner fills in the record (abi.py's layout) and, when the word carries the
+    address of a host-visible mirror (words ERR_MIRROR, int64; 0 = none), copies the record
+    there with plain stores, then the status by a system-scope release, so a host
+    thread that sees the mirror's status set reads a complete record without a device sync."""
+    old = tl.atomic_cas(err_ptr + ERR_STATUS, 0, 1, sem="acq_rel", scope="sys")
+    if old == 0:
+        tl.store(err_ptr + ERR_WHAT, what)
+        tl.store(err_ptr + ERR_PEER, peer)
+        tl.store(err_ptr + ERR_GENERATION, generation)
+        tl.store(err_ptr + ERR_SEEN, last_seen)
+        tl.store(err_ptr + ERR_RANK, rank)
+        tl.store(err_ptr + ERR_CHUNK, chunk)
+        tl.store(err_ptr + ERR_TILE, tile)
+        tl.store(err_ptr + ERR_PROGRAM, program)
+        mirror = tl.load((err_ptr + ERR_MIRROR).to(tl.pointer_type(tl.int64)), volatile=True)
+        if mirror != 0:
+            host = mirror.to(tl.pointer_type(tl.int32))
+            tl.store(host + ERR_WHAT, what)
+            tl.store(host + ERR_PEER, peer)
+            tl.store(host + ERR_GENERATION, generation)
+            tl.store(host + ERR_SEEN, last_seen)
+            tl.store(host + ERR_RANK, rank)
+            tl.store(host + ERR_CHUNK, chunk)
+            tl.store(host + ERR_TILE, tile)
+            tl.store(host + ERR_PROGRAM, program)
+            # release at system scope: the record's stores are visible before the status
+            tl.atomic_xchg(host + ERR_STATUS, 1, sem="release", scope="sys")
+
+
 @triton.jit
 def record_timeout(err_ptr, tile, chunk, generation, last_seen):
-    """First timeout wins the error word; later ones leave it as it is."""
-    old = tl.atomic_cas(err_ptr, 0, 1, sem="acq_rel", scope="sys")
-    if old == 0:
-        tl.store(err_ptr + 1, tile)
-        tl.store(err_ptr + 2, chunk)
-        tl.store(err_ptr + 3, generation)
-        tl.store(err_ptr + 4, last_seen)
-        tl.store(err_ptr + 5, tl.program_id(0))
+    """The GEMM wait hook's timeout (tile ``tile`` waited for chunk ``chunk``): :func:`record_error`
+    with what = WAIT_GEMM_CHUNK; the peer and rank are not known in the kernel (-1; the host
+    that owns the word knows its rank)."""
+    record_error(err_ptr, WAIT_GEMM_CHUNK, -1, generation, last_seen, -1, chunk, tile, tl.program_id(0))
 
 
 @triton.jit

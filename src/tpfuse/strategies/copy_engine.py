@@ -32,11 +32,11 @@ Either way every rank's ``gemm_ar`` output is bitwise the same (one sum order, o
 sum copied).  Partials are rounded to the input dtype once and summed in float32, as in
 ``unfused``.  Per-chunk GEMMs are ``torch.matmul`` (cuBLAS).
 
-An eager call waits for its own completion once (one host sync on the workspace's error word)
-so that a timed-out wait raises ``TimeoutError`` here instead of returning stale data; inside a
-CUDA graph capture it cannot, so a timed-out replay fills its outputs with NaN and
-:func:`tpfuse.symm.check_workspaces` raises.  Build the workspace with one eager call before
-capturing.
+An eager call never waits for the GPU (after the first call of a workspace capacity and shape:
+allocation, rendezvous and the flag tables may sync).  A timed-out wait breaks the workspace:
+the outputs of that call and of every call queued after it are NaN (eager and graph replays
+alike), and the next call on the group, :func:`tpfuse.synchronize` or the watchdog report it
+(tpfuse/symm.py).  Build the workspace with one eager call before capturing.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ import torch
 from tpfuse import symm, timeline
 from tpfuse._dist import GroupContext, breadcrumb, new_output
 from tpfuse.model import knobs
-from tpfuse.strategies.ring import _row_bounds
+from tpfuse.strategies import _symm_steps as steps
 
 __all__ = ["NAME", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar", "ar_mode", "gather_reduced"]
 
@@ -79,16 +79,24 @@ def why_unavailable(ctx: GroupContext, device: torch.device, dtype: torch.dtype)
     return None
 
 
-def _finish(ws: symm.Workspace, op: str, *outputs: torch.Tensor) -> None:
-    if torch.cuda.is_current_stream_capturing():
-        ws.poison_on_error(*outputs)
-    else:
-        breadcrumb(f"copy_engine {op}: checking the waits")
-        ws.check(op)
-
-
 def _peers(ctx: GroupContext) -> list[int]:
-    return [(ctx.rank + i) % ctx.world_size for i in range(1, ctx.world_size)]
+    return steps.peers(ctx.rank, ctx.world_size)
+
+
+class _AgPlan:
+    """What an ag_gemm call of one shard shape needs, built once per workspace and shape: the
+    flag tables, this rank's and every peer's slot, one event per peer (re-recorded every call:
+    a stream waits for an event's latest record at the time of the wait)."""
+
+    def __init__(self, ws: symm.Workspace, m_shard: int, k: int):
+        self.peers = steps.peers(ws.rank, ws.world_size)
+        self.credits = ws.incoming("DONE", self.peers)
+        self.ready_out = ws.outgoing("READY", self.peers)
+        self.done_out = ws.outgoing("DONE", self.peers)
+        self.ready_in = [ws.incoming("READY", [p]) for p in self.peers]
+        self.slots = [ws.data(p, (m_shard, k)) for p in self.peers]
+        self.rows = [slice(p * m_shard, (p + 1) * m_shard) for p in self.peers]
+        self.events = [torch.cuda.Event() for _ in self.peers]
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,71 +109,78 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
         torch.matmul(a_full, b, out=c)
         return c, a_full
 
-    def rows(chunk: int) -> slice:
-        return slice(chunk * m_shard, (chunk + 1) * m_shard)
-
-    ws = symm.get_workspace(ctx, "ag_gemm", a_shard.dtype, a_shard.device, a_full[rows(0)].nbytes)
-    peers = _peers(ctx)
+    ws = symm.get_workspace(ctx, "ag_gemm", a_shard.dtype, a_shard.device, m_shard * k * a_shard.element_size())
+    plan = steps.cached(ws, ("copy_engine ag", m_shard, k), lambda: _AgPlan(ws, m_shard, k))
     main, side = torch.cuda.current_stream(), ws.stream
     breadcrumb("copy_engine ag_gemm: publishing the local shard")
-    ws.begin(ws.incoming("DONE", peers))
-    ws.data(rank, (m_shard, k)).copy_(a_shard)
-    ws.signal(ws.outgoing("READY", peers))
+    steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out)
     side.wait_stream(main)
-    arrived = {}
     dev = a_shard.device
     with torch.cuda.stream(side):
-        for p in peers:
+        for p, ready, slot, rows, event in zip(plan.peers, plan.ready_in, plan.slots, plan.rows, plan.events):
             with timeline.span("wait", f"READY {p}", device=dev, chunk=p):
-                ws.wait(ws.incoming("READY", [p]), symm.WAIT_READY)
+                ws.wait(ready, symm.WAIT_READY)
             with timeline.span("copy", f"pull {p}", device=dev, chunk=p):
-                a_full[rows(p)].copy_(ws.data(p, (m_shard, k)))
-            arrived[p] = torch.cuda.Event()
-            arrived[p].record(side)
-        ws.signal(ws.outgoing("DONE", peers))
-    a_full[rows(rank)].copy_(a_shard)
+                a_full[rows].copy_(slot)
+            event.record(side)
+        ws.signal(plan.done_out)
+    mine = slice(rank * m_shard, (rank + 1) * m_shard)
+    a_full[mine].copy_(a_shard)
     with timeline.span("gemm", f"GEMM {rank}", device=dev, chunk=rank):
-        torch.matmul(a_shard, b, out=c[rows(rank)])
-    for p in peers:
-        main.wait_event(arrived[p])
+        torch.matmul(a_shard, b, out=c[mine])
+    for p, rows, event in zip(plan.peers, plan.rows, plan.events):
+        main.wait_event(event)
         with timeline.span("gemm", f"GEMM {p}", device=dev, chunk=p):
-            torch.matmul(a_full[rows(p)], b, out=c[rows(p)])
+            torch.matmul(a_full[rows], b, out=c[rows])
     main.wait_stream(side)
     a_full.record_stream(side)
-    _finish(ws, "ag_gemm", c, a_full)
+    steps.finish(ws, c, a_full)
     return c, a_full
 
 
-def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, ws: symm.Workspace,
-                      bounds: list[tuple[int, int]], slot_rows: int) -> list[torch.Tensor]:
+class _ScatterPlan:
+    """gemm_rs / two-shot gemm_ar phase 1 of one shape: every owner's inbox slot for this rank,
+    this rank's inbox in rank order, the READY table of each owner, one event per peer."""
+
+    def __init__(self, ws: symm.Workspace, bounds: list[tuple[int, int]], slot_rows: int, n: int):
+        rank = ws.rank
+
+        def inbox(owner: int, src: int) -> torch.Tensor:
+            lo, hi = bounds[owner]
+            return ws.data(owner, (slot_rows, n), offset=src * slot_rows * n)[: hi - lo]
+
+        self.peers = steps.peers(rank, ws.world_size)
+        self.credits = ws.incoming("DONE", self.peers)
+        self.done_out = ws.outgoing("DONE", self.peers)
+        self.rows = [slice(*bounds[p]) for p in self.peers]
+        self.dests = [inbox(p, rank) for p in self.peers]
+        self.ready_out = [ws.outgoing("READY", [p]) for p in self.peers]
+        self.events = [torch.cuda.Event() for _ in self.peers]
+        self.own_rows = slice(*bounds[rank])
+        self.own = inbox(rank, rank)
+        self.sources = [inbox(rank, src) for src in range(ws.world_size)]
+
+
+def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _ScatterPlan) -> list[torch.Tensor]:
     """Phase 1 of gemm_rs/gemm_ar: the partial of every owner's rows into that owner's inbox
     slot for this rank (peers through the side stream, owner order from rank + 1); returns this
     rank's inbox slots in rank order (views of the rows it owns)."""
-    rank, world_size, n = ctx.rank, ctx.world_size, b.shape[1]
     main, side = torch.cuda.current_stream(), ws.stream
-
-    def inbox(owner: int, src: int) -> torch.Tensor:
-        lo, hi = bounds[owner]
-        return ws.data(owner, (slot_rows, n), offset=src * slot_rows * n)[: hi - lo]
-
     dev = a.device
     side.wait_stream(main)
-    for p in _peers(ctx):
-        lo, hi = bounds[p]
+    for p, rows, dest, ready, done in zip(plan.peers, plan.rows, plan.dests, plan.ready_out, plan.events):
         with timeline.span("gemm", f"GEMM {p}", device=dev, chunk=p):
-            part = torch.matmul(a[lo:hi], b)
-        done = torch.cuda.Event()
+            part = torch.matmul(a[rows], b)
         done.record(main)
         with torch.cuda.stream(side):
             side.wait_event(done)
             with timeline.span("copy", f"push {p}", device=dev, chunk=p):
-                inbox(p, rank).copy_(part)
-            ws.signal(ws.outgoing("READY", [p]))
+                dest.copy_(part)
+            ws.signal(ready)
         part.record_stream(side)
-    lo, hi = bounds[rank]
-    with timeline.span("gemm", f"GEMM {rank}", device=dev, chunk=rank):
-        torch.matmul(a[lo:hi], b, out=inbox(rank, rank))
-    return [inbox(rank, src) for src in range(world_size)]
+    with timeline.span("gemm", f"GEMM {ws.rank}", device=dev, chunk=ws.rank):
+        torch.matmul(a[plan.own_rows], b, out=plan.own)
+    return plan.sources
 
 
 def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
@@ -178,15 +193,14 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
     if m * n == 0:
         return c_shard.zero_()
     ws = symm.get_workspace(ctx, "gemm_rs", a.dtype, a.device, world_size * shard * n * a.element_size())
-    peers = _peers(ctx)
+    plan = steps.cached(ws, ("copy_engine rs", shard, n), lambda: _ScatterPlan(
+        ws, [(r * shard, (r + 1) * shard) for r in range(world_size)], shard, n))
     breadcrumb("copy_engine gemm_rs: computing partials")
-    ws.begin(ws.incoming("DONE", peers))
-    bounds = [(r * shard, (r + 1) * shard) for r in range(world_size)]
-    sources = _scatter_partials(a, b, ctx, ws, bounds, shard)
-    reduce_inbox(ws, ("rs", shard, n), peers, sources, c_shard)
-    ws.signal(ws.outgoing("DONE", peers))
+    ws.begin(plan.credits)
+    sources = _scatter_partials(a, b, ws, plan)
+    steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard)   # NaN when broken
+    ws.signal(plan.done_out)
     torch.cuda.current_stream().wait_stream(ws.stream)
-    _finish(ws, "gemm_rs", c_shard)
     return c_shard
 
 
@@ -206,81 +220,33 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
         # its own workspace: its slot is read in place by every peer (credit: DONE from all), a
         # layout the two-shot workspace's credits do not protect
         ws = symm.get_workspace(ctx, "gemm_ar_one_shot", a.dtype, a.device, m * n * a.element_size())
+        sources = steps.cached(ws, ("copy_engine ar1", m, n), lambda: [ws.data(src, (m, n)) for src in range(world_size)])
         breadcrumb("copy_engine gemm_ar (one-shot): computing the partial")
         ws.begin(ws.incoming("DONE", peers))
         with timeline.span("gemm", "GEMM", device=a.device):
-            torch.matmul(a, b, out=ws.data(rank, (m, n)))
-        ws.signal(ws.outgoing("READY", peers))
-        reduce_inbox(ws, ("ar1", m, n), peers, [ws.data(src, (m, n)) for src in range(world_size)], c)
+            torch.matmul(a, b, out=sources[rank])
+        steps.reduce_inbox(ws, ("ar1", m, n), peers, sources, c, signal_first=ws.outgoing("READY", peers))
         ws.signal(ws.outgoing("DONE", peers))
-        _finish(ws, "gemm_ar", c)
         return c
 
-    bounds = _row_bounds(m, world_size)
+    bounds = steps.row_bounds(m, world_size)
     slot_rows = -(-m // world_size)
-    ws = two_shot_workspace(ctx, a.dtype, a.device, slot_rows * n)
-    gather_at = two_shot_gather_offset(ws)
-
-    def gathered(owner: int) -> torch.Tensor:
-        lo, hi = bounds[owner]
-        return ws.data(owner, (slot_rows, n), offset=gather_at)[: hi - lo]
+    ws = steps.two_shot_workspace(ctx, a.dtype, a.device, slot_rows * n)
+    gather_at = steps.two_shot_gather_offset(ws)
+    plan = steps.cached(ws, ("copy_engine ar2", m, n), lambda: _ScatterPlan(ws, bounds, slot_rows, n))
+    views = steps.cached(ws, ("copy_engine ar2 gathered", m, n), lambda: [
+        ws.data(owner, (slot_rows, n), offset=gather_at)[: hi - lo] for owner, (lo, hi) in enumerate(bounds)])
 
     breadcrumb("copy_engine gemm_ar (two-shot): computing partials")
-    ws.begin(ws.incoming("DONE", peers))
-    sources = _scatter_partials(a, b, ctx, ws, bounds, slot_rows)
-    gather_reduced(ws, peers, sources, bounds, gathered, c)
-    _finish(ws, "gemm_ar", c)
+    ws.begin(plan.credits)
+    sources = _scatter_partials(a, b, ws, plan)
+    steps.gather_reduced(ws, peers, sources, bounds, views.__getitem__, c)   # NaN when broken
     return c
 
 
-def two_shot_workspace(ctx: GroupContext, dtype: torch.dtype, device: torch.device, slot: int) -> symm.Workspace:
-    """The two-shot gemm_ar workspace (shared with ``fused``) for inbox slots of ``slot``
-    elements: the inboxes (W slots, written by the peers, credit DONE) in the first half of the
-    data region, this rank's gathered chunk (read by the peers, credit DONE2) in the second.
-    Fixed halves: a call of another shape never writes where a peer may still be reading the
-    previous call's gathered chunk."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return symm.get_workspace(ctx, "gemm_ar", dtype, device, 2 * (ctx.world_size * slot + 8) * element)
-
-
-def two_shot_gather_offset(ws: symm.Workspace) -> int:
-    """Element offset of the gather slot: the second half of the data region (16-byte aligned)."""
-    element = torch.empty((), dtype=ws.spec.dtype).element_size()
-    return (ws.spec.capacity // element // 2) // 8 * 8
-
-
-def reduce_inbox(ws: symm.Workspace, key: tuple, peers: list[int], sources: list[torch.Tensor],
-                 out: torch.Tensor) -> None:
-    """Wait for every peer's READY, then ``out`` = the float32 sum of ``sources`` in rank order."""
-    with timeline.span("wait", "READY all", device=out.device):
-        ws.wait(ws.incoming("READY", peers), symm.WAIT_READY)
-    with timeline.span("reduce", "reduce", device=out.device):
-        ws.reduce(key, sources, out)
-
-
-def gather_reduced(ws: symm.Workspace, peers: list[int], sources: list[torch.Tensor],
-                   bounds: list[tuple[int, int]], gathered, c: torch.Tensor) -> None:
-    """Phase 2 of the two-shot gemm_ar (shared with ``fused``): once this rank's inbox is full
-    (READY) and every peer has pulled the last call's reduced chunk (DONE2, lag 1), reduce the
-    inbox into this rank's gather slot ``gathered(rank)``, free the inbox (DONE), announce the
-    chunk (READY2), and pull every peer's reduced chunk into ``c`` on the side stream."""
-    rank = ws.rank
-    ws.wait(ws.incoming("DONE2", peers), symm.WAIT_CREDIT2, lag=1)
-    mine = gathered(rank)
-    reduce_inbox(ws, ("ar2",) + tuple(c.shape), peers, sources, mine)
-    ws.signal(ws.outgoing("DONE", peers))
-    ws.signal(ws.outgoing("READY2", peers))
-    lo, hi = bounds[rank]
-    c[lo:hi].copy_(mine)
-    side = ws.stream
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for p in peers:
-            with timeline.span("wait", f"READY2 {p}", device=c.device, chunk=p):
-                ws.wait(ws.incoming("READY2", [p]), symm.WAIT_READY2)
-            plo, phi = bounds[p]
-            with timeline.span("copy", f"pull {p}", device=c.device, chunk=p):
-                c[plo:phi].copy_(gathered(p))
-        ws.signal(ws.outgoing("DONE2", peers))
-    torch.cuda.current_stream().wait_stream(side)
-    c.record_stream(side)
+# shared with other strategies through tpfuse/strategies/_symm_steps.py; kept here by name for
+# callers of copy_engine's earlier API
+two_shot_workspace = steps.two_shot_workspace
+two_shot_gather_offset = steps.two_shot_gather_offset
+reduce_inbox = steps.reduce_inbox
+gather_reduced = steps.gather_reduced

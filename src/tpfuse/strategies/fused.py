@@ -37,7 +37,7 @@ import torch
 from tpfuse import symm, timeline
 from tpfuse._dist import GroupContext, breadcrumb, new_output
 from tpfuse.strategies import copy_engine
-from tpfuse.strategies.ring import _row_bounds
+from tpfuse.strategies import _symm_steps as steps
 
 __all__ = ["NAME", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar", "FusedOptions", "set_options", "sm_budget",
            "chunks_per_rank"]
@@ -128,40 +128,6 @@ def _set_word(words: torch.Tensor, index: int) -> None:
     _SymmetricMemory.stream_write_value32(words.view(torch.uint32), index, 1)
 
 
-def _finish(ws: symm.Workspace, op: str, gemm_error: torch.Tensor, *outputs: torch.Tensor) -> None:
-    from tpfuse.gemm import check_error_word
-
-    if torch.cuda.is_current_stream_capturing():
-        ws.poison_on_error(*outputs)
-        for out in outputs:   # the GEMM's own wait timed out
-            _poison_if(gemm_error, out)
-        return
-    breadcrumb(f"fused {op}: checking the waits")
-    try:
-        ws.check(op)
-    finally:
-        try:
-            check_error_word(gemm_error, rank=ws.rank, timeout_ns=int(symm.timeout_s() * 1e9))
-        except TimeoutError as exc:
-            ws.broken = f"tpfuse {op}: workspace broken by an earlier timeout ({exc}); call tpfuse.release_workspaces()"
-            raise
-
-
-def _poison_if(error: torch.Tensor, out: torch.Tensor) -> None:
-    from tpfuse.kernels.flags import poison_on_error_kernel
-
-    if out.numel() and out.is_floating_point():
-        poison_on_error_kernel[(symm.triton_cdiv(out.numel(), 1024),)](error, out, out.numel(), BLOCK=1024)
-
-
-def _gemm_error(ws: symm.Workspace) -> torch.Tensor:
-    err = ws.state.get(("gemm_error",))
-    if err is None:
-        err = torch.zeros(symm.ERROR_WORDS, dtype=torch.int32, device=ws.spec.device)
-        ws.state[("gemm_error",)] = err
-    return err
-
-
 def chunks_per_rank(m_shard: int, n: int, k: int, world_size: int, dtype: torch.dtype,
                     device: torch.device) -> int:
     """Pieces each rank's shard is cut into for ``ag_gemm`` (the communication chunk is
@@ -216,9 +182,38 @@ def _gemm(name: str, chunk_m: int, a: torch.Tensor, b: torch.Tensor, **kwargs) -
     rec.add_tile_records(records, last_plan(), chunk_m, start)
 
 
-def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[torch.Tensor, torch.Tensor]:
-    from tpfuse.gemm import WaitSpec
+class _AgPlan:
+    """What a fused ag_gemm call of one shape needs, built once per workspace and shape: the
+    copies in issue order with their peers' slots, READY tables and arrival words, the flag
+    tables of the call, and the GEMM's wait spec (the workspace's error word: a broken workspace
+    stops the GEMM's waits too)."""
 
+    def __init__(self, ws: symm.Workspace, m_shard: int, k: int, chunk_m: int, arrived: torch.Tensor):
+        from tpfuse.gemm import WaitSpec
+
+        rank, world_size = ws.rank, ws.world_size
+        self.peers = steps.peers(rank, world_size)
+        self.credits = ws.incoming("DONE", self.peers)
+        self.ready_out = ws.outgoing("READY", self.peers)
+        self.done_out = ws.outgoing("DONE", self.peers)
+        self.mine = slice(rank * m_shard, (rank + 1) * m_shard)
+        pieces = _ag_pieces(rank, world_size, m_shard, chunk_m)
+        self.own_words = [chunk for src, _, _, chunk, last in pieces if src == rank and last]
+        self.pulls = []   # (src, lo, hi, chunk, READY table or None when already waited, peer rows, last)
+        waited = set()
+        for src, lo, hi, chunk, last in pieces:
+            if src == rank:
+                continue
+            base = src * m_shard
+            ready = None if src in waited else ws.incoming("READY", [src])
+            waited.add(src)
+            self.pulls.append((src, lo, hi, chunk, ready, ws.data(src, (m_shard, k))[lo - base:hi - base], last))
+        self.wait = WaitSpec(signal=arrived, generation=1, chunk_m=chunk_m, timeout_ns=int(symm.timeout_s() * 1e9),
+                             max_spins=max(1, int(symm.timeout_s() * 1000)), error=ws.error, rank=rank)
+        self.start_chunk = rank * m_shard // chunk_m
+
+
+def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[torch.Tensor, torch.Tensor]:
     world_size, rank = ctx.world_size, ctx.rank
     m_shard, k = a_shard.shape
     n = b.shape[1]
@@ -230,83 +225,74 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
     dev = a_shard.device
     pieces_per_rank = chunks_per_rank(m_shard, n, k, world_size, a_shard.dtype, dev)
     chunk_m = -(-m_shard // pieces_per_rank)
-    pieces = _ag_pieces(rank, world_size, m_shard, chunk_m)
 
     ws = symm.get_workspace(ctx, "ag_gemm", a_shard.dtype, dev, a_shard.nbytes)
-    peers = [(rank + i) % world_size for i in range(1, world_size)]
     arrived = _local_words(ws, "arrived", -(-m // chunk_m))
-    error = _gemm_error(ws)
+    plan = steps.cached(ws, ("fused ag", m_shard, k, chunk_m), lambda: _AgPlan(ws, m_shard, k, chunk_m, arrived))
     main, side = torch.cuda.current_stream(), ws.stream
     breadcrumb("fused ag_gemm: publishing the local shard")
-    ws.begin(ws.incoming("DONE", peers))
-    ws.data(rank, (m_shard, k)).copy_(a_shard)
-    ws.signal(ws.outgoing("READY", peers))
-    a_full[rank * m_shard:(rank + 1) * m_shard].copy_(a_shard)
-    for src, _, _, chunk, last in pieces:
-        if src == rank and last:
-            _set_word(arrived, chunk)
+    steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out)
+    a_full[plan.mine].copy_(a_shard)
+    for chunk in plan.own_words:
+        _set_word(arrived, chunk)
     # The pulls are issued before the GEMM is launched: a launch first, with the side stream's
     # kernels issued after it, timed out in the bed when their first call's JIT compile outlasted
     # the GEMM's bounded spins (docs/ops.md, tried and not kept).
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        waited = set()
-        for src, lo, hi, chunk, last in pieces:
-            if src == rank:
-                continue
-            if src not in waited:
+        for src, lo, hi, chunk, ready, rows, last in plan.pulls:
+            if ready is not None:
                 with timeline.span("wait", f"READY {src}", device=dev, chunk=chunk):
-                    ws.wait(ws.incoming("READY", [src]), symm.WAIT_READY)
-                waited.add(src)
+                    ws.wait(ready, symm.WAIT_READY)
             with timeline.span("copy", f"pull {src} rows {lo}:{hi}", device=dev, chunk=chunk):
-                base = src * m_shard
-                a_full[lo:hi].copy_(ws.data(src, (m_shard, k))[lo - base:hi - base])
+                a_full[lo:hi].copy_(rows)
             if last:
                 _set_word(arrived, chunk)
-        ws.signal(ws.outgoing("DONE", peers))
-    wait = WaitSpec(signal=arrived, generation=1, chunk_m=chunk_m, timeout_ns=int(symm.timeout_s() * 1e9),
-                    max_spins=max(1, int(symm.timeout_s() * 1000)), error=error, rank=rank)
+        ws.signal(plan.done_out)
     _gemm("fused GEMM (waits per chunk)", chunk_m, a_full, b, out=c, tile_order="round",
-          start_chunk=rank * m_shard // chunk_m, wait=wait, check=False, num_sms=sm_budget(dev, world_size))
+          start_chunk=plan.start_chunk, wait=plan.wait, check=False, num_sms=sm_budget(dev, world_size))
     arrived.zero_()   # after the GEMM (main stream), which ends only once every word was set
     main.wait_stream(side)
     a_full.record_stream(side)
-    _finish(ws, "ag_gemm", error, c, a_full)
+    steps.finish(ws, c, a_full)   # NaN when broken: this call's wait or the GEMM's timed out, or an earlier one
     return c, a_full
 
 
-def _fused_partials(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, ws: symm.Workspace,
-                    bounds: list[tuple[int, int]], slot_rows: int) -> list[torch.Tensor]:
+class _PartialsPlan:
+    """gemm_rs / gemm_ar phase 1 of one shape: the epilogue spec (each owner's inbox slot for
+    this rank, this rank's own per-chunk words), this rank's inbox in rank order, the tables."""
+
+    def __init__(self, ws: symm.Workspace, bounds: list[tuple[int, int]], slot_rows: int, n: int):
+        from tpfuse.gemm import EpilogueSpec
+
+        rank, world_size = ws.rank, ws.world_size
+        self.chunk_m = bounds[0][1] - bounds[0][0]
+        self.peers = steps.peers(rank, world_size)
+        self.credits = ws.incoming("DONE", self.peers)
+        self.ready_out = ws.outgoing("READY", self.peers)
+        self.done_out = ws.outgoing("DONE", self.peers)
+        # the hook's per-chunk words are this rank's own (published with 1, reset after the GEMM)
+        self.sent = _local_words(ws, "sent", world_size)
+        dests = [ws.data(owner, (slot_rows, n), offset=rank * slot_rows * n) for owner in range(world_size)]
+        self.epilogue = EpilogueSpec.from_tensors(dests, self.sent, generation=1, chunk_m=self.chunk_m)
+        self.sources = [ws.data(rank, (slot_rows, n), offset=src * slot_rows * n)[: bounds[rank][1] - bounds[rank][0]]
+                        for src in range(world_size)]
+        self.start_chunk = (rank + 1) % world_size
+
+
+def _fused_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _PartialsPlan) -> list[torch.Tensor]:
     """Phase 1 of gemm_rs/gemm_ar: ONE GEMM in owner order storing each owner's rows straight
-    into that owner's inbox slot for this rank, then READY[rank] to every owner.  Returns this
-    rank's inbox slots in rank order.
+    into that owner's inbox slot for this rank.  Returns this rank's inbox slots in rank order;
+    the caller raises READY[rank] on every owner (in the launch of its next wait).
 
     READY is raised once after the GEMM, not per chunk: an owner's reduce needs every rank's
     chunk, and the last of those lands at the end of some rank's GEMM either way.  (A per-chunk
     relay kernel was tried: it started its bounded wait before the first call's JIT compile of
     the GEMM had finished and timed out.)"""
-    from tpfuse.gemm import EpilogueSpec
-
-    rank, world_size, n = ctx.rank, ctx.world_size, b.shape[1]
-    chunk_m = bounds[0][1] - bounds[0][0]
-
-    def inbox(owner: int, src: int) -> torch.Tensor:
-        lo, hi = bounds[owner]
-        return ws.data(owner, (slot_rows, n), offset=src * slot_rows * n)[: hi - lo]
-
-    key = ("epilogue", a.shape[0], n)
-    spec = ws.state.get(key)
-    if spec is None:
-        # the hook's per-chunk words are this rank's own (published with 1, reset below)
-        sent = _local_words(ws, "sent", world_size)
-        dests = [ws.data(owner, (slot_rows, n), offset=rank * slot_rows * n) for owner in range(world_size)]
-        spec = EpilogueSpec.from_tensors(dests, sent, generation=1, chunk_m=chunk_m)
-        ws.state[key] = spec
-    _gemm("fused GEMM (epilogue to owners)", chunk_m, a, b, tile_order="owner", start_chunk=(rank + 1) % world_size,
-          epilogue=spec, num_sms=sm_budget(a.device, world_size))
-    _local_words(ws, "sent", world_size).zero_()
-    ws.signal(ws.outgoing("READY", [(rank + i) % world_size for i in range(1, world_size)]))
-    return [inbox(rank, src) for src in range(world_size)]
+    _gemm("fused GEMM (epilogue to owners)", plan.chunk_m, a, b, tile_order="owner", start_chunk=plan.start_chunk,
+          epilogue=plan.epilogue, num_sms=sm_budget(a.device, ws.world_size))
+    plan.sent.zero_()
+    return plan.sources
 
 
 def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
@@ -317,39 +303,38 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
     shard = m // world_size
     c_shard = new_output((shard, n), dtype=a.dtype, device=a.device)
     ws = symm.get_workspace(ctx, "gemm_rs", a.dtype, a.device, world_size * shard * n * a.element_size())
-    peers = [(ctx.rank + i) % world_size for i in range(1, world_size)]
+    plan = steps.cached(ws, ("fused rs", shard, n), lambda: _PartialsPlan(
+        ws, [(r * shard, (r + 1) * shard) for r in range(world_size)], shard, n))
     breadcrumb("fused gemm_rs: the GEMM stores into the owners' inboxes")
-    ws.begin(ws.incoming("DONE", peers))
-    bounds = [(r * shard, (r + 1) * shard) for r in range(world_size)]
-    sources = _fused_partials(a, b, ctx, ws, bounds, shard)
-    copy_engine.reduce_inbox(ws, ("rs", shard, n), peers, sources, c_shard)
-    ws.signal(ws.outgoing("DONE", peers))
-    _finish(ws, "gemm_rs", _gemm_error(ws), c_shard)
+    ws.begin(plan.credits)
+    sources = _fused_partials(a, b, ws, plan)
+    # READY to every owner and the wait for every peer's READY: one launch; the reduce is the NaN fill
+    steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard, signal_first=plan.ready_out)
+    ws.signal(plan.done_out)
     return c_shard
 
 
 def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
     m, n, k = a.shape[0], b.shape[1], a.shape[1]
-    world_size, rank = ctx.world_size, ctx.rank
+    world_size = ctx.world_size
     one_shot = copy_engine.ar_mode(m, n, a.element_size()) == "one_shot"
     if world_size == 1 or m * n * k == 0 or m % world_size or one_shot:
         # small outputs: copy_engine's one-shot (the GEMM must finish before any rank can read
         # its partial, so there is nothing to fuse); uneven M: its two-shot path (the epilogue
         # hook needs chunks of one height)
         return copy_engine.gemm_ar(a, b, ctx)
-    bounds = _row_bounds(m, world_size)
+    bounds = steps.row_bounds(m, world_size)
     slot_rows = m // world_size
-    ws = copy_engine.two_shot_workspace(ctx, a.dtype, a.device, slot_rows * n)   # copy_engine's layout and credits
-    gather_at = copy_engine.two_shot_gather_offset(ws)
-    peers = [(rank + i) % world_size for i in range(1, world_size)]
+    ws = steps.two_shot_workspace(ctx, a.dtype, a.device, slot_rows * n)   # copy_engine's layout and credits
+    gather_at = steps.two_shot_gather_offset(ws)
+    plan = steps.cached(ws, ("fused ar", m, n), lambda: _PartialsPlan(ws, bounds, slot_rows, n))
+    views = steps.cached(ws, ("fused ar gathered", m, n), lambda: [
+        ws.data(owner, (slot_rows, n), offset=gather_at) for owner in range(world_size)])
     c = new_output((m, n), dtype=a.dtype, device=a.device)
 
-    def gathered(owner: int) -> torch.Tensor:
-        return ws.data(owner, (slot_rows, n), offset=gather_at)
-
     breadcrumb("fused gemm_ar: the GEMM stores into the owners' inboxes")
-    ws.begin(ws.incoming("DONE", peers))
-    sources = _fused_partials(a, b, ctx, ws, bounds, slot_rows)
-    copy_engine.gather_reduced(ws, peers, sources, bounds, gathered, c)
-    _finish(ws, "gemm_ar", _gemm_error(ws), c)
+    ws.begin(plan.credits)
+    sources = _fused_partials(a, b, ws, plan)
+    # READY to every owner and the wait for the DONE2 credits: one launch; NaN fill at the end
+    steps.gather_reduced(ws, plan.peers, sources, bounds, views.__getitem__, c, signal_first=plan.ready_out)
     return c

@@ -1,0 +1,124 @@
+"""The symmetric-memory steps that ``copy_engine`` and ``fused`` share (private to the
+strategies package; neither imports the other's private names): publish the local shard,
+the two-shot gemm_ar workspace, reduce the inbox, gather the reduced rows, row bounds, and the
+end of a call (the NaN fill of a broken workspace).
+
+Nothing here synchronizes with the device: a timed-out wait breaks the workspace (its kernels
+then fill the outputs with NaN) and the host learns of it from the workspace's host-visible
+record at the next call (tpfuse/symm.py).  What a call needs per shape (flag tables, views) is
+built once and kept on the workspace (``cached``).
+"""
+from __future__ import annotations
+
+import torch
+
+from tpfuse import symm, timeline
+
+
+_MAX_PLANS = 64   # per workspace: shapes beyond this start the cache over (plans are cheap to rebuild)
+
+
+def cached(ws: symm.Workspace, key: tuple, build):
+    """The per-shape plan ``key`` of workspace ``ws``, built by ``build()`` on its first call
+    (the buffers a plan points into live as long as the workspace; dropping one is safe)."""
+    plans = ws.state.get("plans")
+    if plans is None:
+        plans = ws.state["plans"] = {}
+    hit = plans.get(key)
+    if hit is None:
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        hit = plans[key] = build()
+    return hit
+
+
+def peers(rank: int, world_size: int) -> list[int]:
+    """The other ranks in issue order: rank + 1, rank + 2, ... (mod W)."""
+    return [(rank + i) % world_size for i in range(1, world_size)]
+
+
+def row_bounds(m: int, world_size: int) -> list[tuple[int, int]]:
+    """Near-equal row ranges per owner rank, like ``torch.tensor_split`` (first ones larger)."""
+    base, extra = divmod(m, world_size)
+    bounds, start = [], 0
+    for r in range(world_size):
+        stop = start + base + (1 if r < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def publish_shard(ws: symm.Workspace, a_shard: torch.Tensor, credits, ready_out) -> None:
+    """Begin a call (refuse a broken workspace, advance the generation, wait for the credits of
+    the previous call), copy ``a_shard`` into this rank's slot and raise READY on every peer."""
+    ws.begin(credits)
+    ws.data(ws.rank, tuple(a_shard.shape)).copy_(a_shard)
+    ws.signal(ready_out)
+
+
+def two_shot_workspace(ctx, dtype: torch.dtype, device: torch.device, slot: int) -> symm.Workspace:
+    """The two-shot gemm_ar workspace for inbox slots of ``slot`` elements: the inboxes (W
+    slots, written by the peers, credit DONE) in the first half of the data region, this rank's
+    gathered chunk (read by the peers, credit DONE2) in the second.  Fixed halves: a call of
+    another shape never writes where a peer may still be reading the previous call's gathered
+    chunk."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return symm.get_workspace(ctx, "gemm_ar", dtype, device, 2 * (ctx.world_size * slot + 8) * element)
+
+
+def two_shot_gather_offset(ws: symm.Workspace) -> int:
+    """Element offset of the gather slot: the second half of the data region (16-byte aligned)."""
+    element = torch.empty((), dtype=ws.spec.dtype).element_size()
+    return (ws.spec.capacity // element // 2) // 8 * 8
+
+
+def reduce_inbox(ws: symm.Workspace, key: tuple, peer_ranks: list[int], sources: list[torch.Tensor],
+                 out: torch.Tensor, *, signal_first=None) -> None:
+    """Wait for every peer's READY (after raising ``signal_first``, a flag table, in the same
+    launch), then ``out`` = the float32 sum of ``sources`` in rank order (NaN when broken)."""
+    ready = ws.incoming("READY", peer_ranks)
+    with timeline.span("wait", "READY all", device=out.device):
+        if signal_first is not None:
+            ws.signal_wait(signal_first, ready, symm.WAIT_READY)
+        else:
+            ws.wait(ready, symm.WAIT_READY)
+    with timeline.span("reduce", "reduce", device=out.device):
+        ws.reduce(key, sources, out)
+
+
+def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torch.Tensor],
+                   bounds: list[tuple[int, int]], gathered, c: torch.Tensor, *, signal_first=None) -> None:
+    """Phase 2 of the two-shot gemm_ar: once every peer has pulled the last call's reduced
+    chunk (DONE2, lag 1) and this rank's inbox is full (READY), reduce the inbox into this
+    rank's gather slot ``gathered(rank)``, free the inbox (DONE) and announce the chunk (READY2)
+    in one launch, and pull every peer's reduced chunk into ``c`` on the side stream.  Ends with
+    the NaN fill of ``c`` (the pulls copy whatever a broken peer left)."""
+    rank = ws.rank
+    if signal_first is not None:
+        ws.signal_wait(signal_first, ws.incoming("DONE2", peer_ranks), symm.WAIT_CREDIT2, lag=1)
+    else:
+        ws.wait(ws.incoming("DONE2", peer_ranks), symm.WAIT_CREDIT2, lag=1)
+    mine = gathered(rank)
+    reduce_inbox(ws, ("ar2",) + tuple(c.shape), peer_ranks, sources, mine)
+    ws.signal(ws.outgoing(("DONE", "READY2"), peer_ranks))
+    lo, hi = bounds[rank]
+    c[lo:hi].copy_(mine)
+    side = ws.stream
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for p in peer_ranks:
+            with timeline.span("wait", f"READY2 {p}", device=c.device, chunk=p):
+                ws.wait(ws.incoming("READY2", [p]), symm.WAIT_READY2)
+            plo, phi = bounds[p]
+            with timeline.span("copy", f"pull {p}", device=c.device, chunk=p):
+                c[plo:phi].copy_(gathered(p))
+        ws.signal(ws.outgoing("DONE2", peer_ranks))
+    torch.cuda.current_stream().wait_stream(side)
+    c.record_stream(side)
+    ws.poison_on_error(c)
+
+
+def finish(ws: symm.Workspace, out: torch.Tensor, out2: torch.Tensor | None = None) -> None:
+    """End of a call whose outputs no reduce wrote: NaN into them if the workspace is broken
+    (one small launch; no host sync -- the host learns of the timeout at its next call)."""
+    ws.poison_on_error(out, out2)
