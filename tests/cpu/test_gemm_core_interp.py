@@ -391,7 +391,9 @@ def test_wait_timeout_raises_with_chunk_and_generation():
     wait = gc.WaitSpec(signal, generation=3, chunk_m=16, max_spins=20, error=err, rank=5)
     gc.matmul(a, b, config=CFG, tile_order="round", start_chunk=0, wait=wait, check=False)
     words = err.tolist()
-    assert words[0] == 1 and words[2] == 2 and words[3] == 3 and words[4] == 2
+    from tpfuse.kernels import abi   # the one error-word layout
+    assert words[abi.ERR_STATUS] == 1 and words[abi.ERR_CHUNK] == 2 and words[abi.ERR_GENERATION] == 3
+    assert words[abi.ERR_SEEN] == 2 and words[abi.ERR_WHAT] == abi.WAIT_GEMM_CHUNK
     with pytest.raises(TimeoutError, match=r"rank 5.*chunk=2.*generation 3"):
         gc.check_error_word(err, rank=5)
     with pytest.raises(TimeoutError, match=r"chunk=2\] >= generation 3"):
