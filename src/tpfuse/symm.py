@@ -301,11 +301,12 @@ class Workspace:
         mirror; no sync) -- or once :meth:`check` marked it broken."""
         return self.broken is not None or self.host.failed()
 
-    def check(self, op: str | None = None) -> None:
+    def check(self, op: str | None = None, again: type = RuntimeError) -> None:
         """Raise if the workspace is broken, without a device sync: ``TimeoutError`` with the
-        record the first time the host sees it (the mirror), ``RuntimeError`` on later calls."""
+        record the first time the host sees it (the mirror), ``again`` (``RuntimeError``) on
+        later calls."""
         if self.broken is not None:
-            raise RuntimeError(self.broken)
+            raise again(self.broken)
         if not self.host.failed():
             return
         message = self.host.message().replace(f"tpfuse {self.spec.op}:", f"tpfuse {op or self.spec.op}:", 1)
@@ -386,18 +387,19 @@ def _drop_group(group_name: str) -> None:
         _RETIRED.append(_LIVE.pop(key))
 
 
-def check_group(group_name: str | None, op: str | None = None) -> None:
+def check_group(group_name: str | None, op: str | None = None, again: type = RuntimeError) -> None:
     """Raise if a workspace of ``group_name`` (None: of any group) is broken, live or outgrown
-    (``TimeoutError`` with the facts the first time; see :meth:`Workspace.check`).  Host memory
-    reads only, no device sync: every call of a symmetric-memory strategy starts here."""
+    (``TimeoutError`` with the facts the first time, ``again`` later; see
+    :meth:`Workspace.check`).  Host memory reads only, no device sync: every call of a
+    symmetric-memory strategy starts here."""
     for (name, ws_op, _, _), ws in _LIVE.items():
         if group_name is None or name == group_name:
             if ws.broken is not None or ws.host.failed():
-                ws.check(op if op == ws_op or op is None else f"{op} (after {ws_op})")
+                ws.check(op if op == ws_op or op is None else f"{op} (after {ws_op})", again)
     for ws in _RETIRED:
         if group_name is None or ws.spec.group_name == group_name:
             if ws.broken is not None or ws.host.failed():
-                ws.check(op)
+                ws.check(op, again)
 
 
 def synchronize(group=None) -> None:
@@ -408,7 +410,7 @@ def synchronize(group=None) -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     name = None if group is None else getattr(group, "group_name", group)
-    check_group(name)
+    check_group(name, again=TimeoutError)
 
 
 def release_workspaces() -> None:

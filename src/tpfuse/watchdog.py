@@ -43,16 +43,21 @@ WAIT_KINDS = {
 }
 
 
-def describe(words: list[int], *, op: str, rank: int, timeout_s: float) -> str:
+def describe(words: list[int], *, op: str, rank: int, timeout_s: float,
+             chunk_owner: Callable[[int], int] | None = None) -> str:
     """The facts of an error record (abi.py's layout) in one sentence: who waited for whom, for
-    what, which generation, and what was last seen."""
+    what, which generation, and what was last seen.  ``chunk_owner``: the rank whose rows a GEMM
+    chunk holds (the kernel does not know it; the strategy that launched the GEMM does)."""
     what, peer = words[abi.ERR_WHAT], words[abi.ERR_PEER]
     waiter = words[abi.ERR_RANK] if words[abi.ERR_RANK] >= 0 else rank
     gen, seen = words[abi.ERR_GENERATION], words[abi.ERR_SEEN]
     if what == abi.WAIT_GEMM_CHUNK:
+        chunk = words[abi.ERR_CHUNK]
+        owner = chunk_owner(chunk) if chunk_owner is not None else None
+        who = f"rank {owner}, whose rows they are," if owner is not None else "the peer that owns those rows"
         return (f"tpfuse {op}: rank {waiter}'s GEMM (tile {words[abi.ERR_TILE]}, program {words[abi.ERR_PROGRAM]}) "
-                f"waited more than {timeout_s:g} s (TPFUSE_TIMEOUT_S) for chunk {words[abi.ERR_CHUNK]} of its input "
-                f"to land (its arrival word: wanted >= {gen}, last saw {seen}); the peer that owns those rows is "
+                f"waited more than {timeout_s:g} s (TPFUSE_TIMEOUT_S) for chunk {chunk} of its input "
+                f"to land (its arrival word: wanted >= {gen}, last saw {seen}); {who} is "
                 f"dead, late, or called a different op sequence.")
     kind, meaning = WAIT_KINDS.get(what, ("?", "to signal"))
     return (f"tpfuse {op}: rank {waiter} waited more than {timeout_s:g} s (TPFUSE_TIMEOUT_S) for rank {peer} "
@@ -73,6 +78,7 @@ class HostRecord:
         self._view = words.numpy()          # shares the memory: a read is a plain load
         self.op, self.group, self.rank, self.timeout_s = op, group, rank, timeout_s
         self.reported = False               # the watchdog logged it
+        self.chunk_owner: Callable[[int], int] | None = None   # set by a strategy whose GEMM waits per chunk
 
     @classmethod
     def allocate(cls, device: torch.device, **labels) -> "HostRecord":
@@ -93,7 +99,8 @@ class HostRecord:
         return [int(v) for v in self._view[:abi.ERR_RECORD_WORDS]]
 
     def message(self) -> str:
-        return describe(self.record(), op=self.op, rank=self.rank, timeout_s=self.timeout_s)
+        return describe(self.record(), op=self.op, rank=self.rank, timeout_s=self.timeout_s,
+                        chunk_owner=self.chunk_owner)
 
 
 class Watchdog:

@@ -125,7 +125,8 @@ def test_the_gemm_wait_hook_records_into_the_workspace_word_and_its_mirror():
     rec = ws.host.record()
     assert rec[abi.ERR_STATUS] == 1 and rec[abi.ERR_WHAT] == abi.WAIT_GEMM_CHUNK and rec[abi.ERR_CHUNK] == 1
     assert rec[abi.ERR_GENERATION] == 1 and rec[abi.ERR_SEEN] == 0 and rec[abi.ERR_PEER] == -1
-    with pytest.raises(TimeoutError, match=r"rank 1's GEMM .* for chunk 1 of its input"):
+    ws.host.chunk_owner = lambda chunk: chunk * 16 // 16   # one chunk per rank
+    with pytest.raises(TimeoutError, match=r"rank 1's GEMM .* for chunk 1 of its input .*rank 1, whose rows"):
         ws.check("ag_gemm")
 
 
@@ -206,10 +207,12 @@ def test_the_next_call_on_the_group_and_synchronize_raise(monkeypatch):
         tpfuse.synchronize(other)                  # another group: fine
         with pytest.raises(TimeoutError, match=r"tpfuse gemm_rs \(after ag_gemm\): rank 0 waited .* for rank 1"):
             symm.get_workspace(_Ctx, "gemm_rs", torch.float32, dev, 100)   # the next call, another op
-        with pytest.raises(RuntimeError, match="release_workspaces"):
+        with pytest.raises(TimeoutError, match="release_workspaces"):   # seen before: still a TimeoutError
             tpfuse.synchronize()
-        with pytest.raises(RuntimeError, match="release_workspaces"):
+        with pytest.raises(TimeoutError, match="release_workspaces"):
             tpfuse.check_workspaces()
+        with pytest.raises(RuntimeError, match="broken by an earlier timeout"):   # a call: refused
+            symm.get_workspace(_Ctx, "ag_gemm", torch.float32, dev, 100)
         symm.release_workspaces()
         assert not symm.get_workspace(_Ctx, "ag_gemm", torch.float32, dev, 100).failed()
         fresh = symm.get_workspace(_Ctx, "gemm_rs", torch.float32, dev, 100)

@@ -359,9 +359,43 @@ def case_graph(rank, world_size, strategy, replays):
     return rows_out
 
 
+def _all_nan(out) -> bool:
+    outs = out if isinstance(out, tuple) else (out,)
+    return all(bool(torch.isnan(x).all()) for x in outs if x.numel())
+
+
+class _LogLines:
+    """The ``tpfuse`` logger's records with their monotonic times (the watchdog's line)."""
+
+    def __init__(self):
+        import logging
+
+        self.lines: list[tuple[float, str]] = []
+        outer = self
+
+        class Handler(logging.Handler):
+            def emit(self, record):
+                outer.lines.append((time.monotonic(), record.getMessage()))
+
+        self._handler = Handler()
+        self._logger = logging.getLogger("tpfuse")
+
+    def __enter__(self):
+        self._logger.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        self._logger.removeHandler(self._handler)
+
+    def first(self, text: str) -> tuple[float, str] | None:
+        return next(((t, line) for t, line in self.lines if line.startswith("tpfuse watchdog:") and text in line), None)
+
+
 def case_dead_peer(rank, world_size, strategy):
-    """The last rank skips a call: every other rank raises TimeoutError within the bound; then
-    every rank releases its workspaces and a fresh call works again."""
+    """The last rank skips a call: the call returns on the other ranks without waiting (its
+    outputs NaN), ``tpfuse.synchronize()`` raises TimeoutError naming the last rank within the
+    bound + 2 s, and the next call is refused; then every rank releases its workspaces and a
+    fresh call works again."""
     import tpfuse
 
     rows_out = []
@@ -370,15 +404,18 @@ def case_dead_peer(rank, world_size, strategy):
         _call(op, strategy, prob, rank)
         torch.cuda.synchronize()
         dist.barrier()
-        outcome, seconds, message = "skipped", 0.0, ""
+        outcome, seconds, message, nan, host_ms = "skipped", 0.0, "", True, 0.0
         if rank != world_size - 1:
             t0 = time.monotonic()
+            out = _call(op, strategy, prob, rank)
+            host_ms = (time.monotonic() - t0) * 1e3
             try:
-                _call(op, strategy, prob, rank)
+                tpfuse.synchronize()
                 outcome = "returned"
             except TimeoutError as exc:
                 outcome, message = "TimeoutError", str(exc)
             seconds = time.monotonic() - t0
+            nan = _all_nan(out)
             try:   # the broken workspace must refuse the next call
                 _call(op, strategy, prob, rank)
                 broken_refused = False
@@ -392,11 +429,68 @@ def case_dead_peer(rank, world_size, strategy):
         out = _call(op, strategy, prob, rank)
         torch.cuda.synchronize()
         err, tol, ok_after = _check(op, out, prob, rank)
-        ok = (rank == world_size - 1 or (outcome == "TimeoutError" and seconds < TIMEOUT_S + 3.0
+        ok = (rank == world_size - 1 or (outcome == "TimeoutError" and seconds < TIMEOUT_S + 2.0 and nan
+                                         and host_ms < 0.5 * TIMEOUT_S * 1e3
                                          and f"rank {world_size - 1}" in message)) and broken_refused and ok_after
         rows_out.append(dict(case="dead_peer", op=op, strategy=strategy, world_size=world_size, dtype="bf16",
                              shape=[world_size * 32, 48, 64], passed=bool(ok), max_rel_err=err, calls=3,
-                             outcome=outcome, seconds=round(seconds, 2), message=message[:300]))
+                             outcome=outcome, seconds=round(seconds, 2), host_ms=round(host_ms, 2), nan=nan,
+                             message=message[:300]))
+    return rows_out
+
+
+def case_queued_after_timeout(rank, world_size, strategy):
+    """A dead peer with calls queued behind the failing one (issue 34): the last rank skips
+    three calls; the others issue the failing call and two more before the error is known (the
+    host never waits).  All three outputs must be NaN, the next tpfuse call must raise
+    TimeoutError naming the last rank within TPFUSE_TIMEOUT_S + 2 s of the first call, the
+    watchdog must log its line within TPFUSE_TIMEOUT_S + 1 s, and ``tpfuse.synchronize()`` must
+    raise too.  Then every rank releases its workspaces and calls work again."""
+    import tpfuse
+
+    rows_out = []
+    for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
+        prob = Problem(32, world_size, world_size * 32, 64, 48, torch.bfloat16)
+        _call(op, strategy, prob, rank)
+        torch.cuda.synchronize()
+        dist.barrier()
+        row = dict(case="queued_after_timeout", op=op, strategy=strategy, world_size=world_size, dtype="bf16",
+                   shape=[world_size * 32, 48, 64], calls=3)
+        ok = True
+        if rank != world_size - 1:
+            with _LogLines() as log:
+                t0 = time.monotonic()
+                outs = [_call(op, strategy, prob, rank) for _ in range(3)]
+                row["host_ms_three_calls"] = round((time.monotonic() - t0) * 1e3, 2)
+                raised, message = None, ""
+                while time.monotonic() - t0 < TIMEOUT_S + 2.0:   # the next call, until it raises
+                    time.sleep(0.25)
+                    try:
+                        outs.append(_call(op, strategy, prob, rank))
+                    except TimeoutError as exc:
+                        raised, message = time.monotonic() - t0, str(exc)
+                        break
+                try:
+                    tpfuse.synchronize()
+                    sync_raised = False
+                except TimeoutError:
+                    sync_raised = True
+                nan = [_all_nan(out) for out in outs]
+                seen = log.first(f"for rank {world_size - 1}") or log.first(f"rank {world_size - 1}, whose rows")
+            row.update(raised_after_s=raised and round(raised, 2), message=message[:300], nan=nan,
+                       synchronize_raised=sync_raised,
+                       watchdog_after_s=seen and round(seen[0] - t0, 2), watchdog_line=seen and seen[1][:300])
+            ok = (raised is not None and raised < TIMEOUT_S + 2.0 and f"rank {world_size - 1}" in message
+                  and all(nan) and len(nan) >= 3 and sync_raised and seen is not None
+                  and seen[0] - t0 < TIMEOUT_S + 1.0 + 0.5)   # + the host's scheduling slack
+        dist.barrier()
+        tpfuse.release_workspaces()
+        dist.barrier()
+        out = _call(op, strategy, prob, rank)
+        torch.cuda.synchronize()
+        err, tol, ok_after = _check(op, out, prob, rank)
+        row.update(passed=bool(ok and ok_after), max_rel_err=err)
+        rows_out.append(row)
     return rows_out
 
 
@@ -452,7 +546,8 @@ def run_all(rank, world_size, strategy, quick, dead_peer=False, cases=None):
         ("timing", lambda: case_timing(rank, world_size, strategy, llama, 10 if quick else 30)),
     ]
     if dead_peer:   # its own pool: with the agreement check off (the NCCL default), see main()
-        plan = [("dead_peer", lambda: case_dead_peer(rank, world_size, strategy))]
+        plan = [("dead_peer", lambda: case_dead_peer(rank, world_size, strategy)),
+                ("queued_after_timeout", lambda: case_queued_after_timeout(rank, world_size, strategy))]
     rows = []
     for name, fn in plan:
         if cases and name not in cases:
@@ -472,6 +567,9 @@ def run_all(rank, world_size, strategy, quick, dead_peer=False, cases=None):
     return rows
 
 
+_DEAD_CASES = ("dead_peer", "queued_after_timeout")   # run in the pool without the agreement check
+
+
 def aggregate(rows: list[dict]) -> list[dict]:
     """One row per (case, op, strategy, W, dtype, shape) over the ranks: passed on every rank,
     the worst error, the calls of one rank, the failures and errors of all."""
@@ -481,7 +579,8 @@ def aggregate(rows: list[dict]) -> list[dict]:
                tuple(row.get("shape") or ()))
         out = merged.get(key)
         if out is None:
-            out = merged[key] = {k: v for k, v in row.items() if k not in ("rank", "seconds", "message", "tolerance")}
+            out = merged[key] = {k: v for k, v in row.items() if k not in ("rank", "seconds", "message", "tolerance",
+                                                                            "watchdog_line", "nan")}
             out["ranks"] = 0
             out["passed"] = True
         out["ranks"] += 1
@@ -498,6 +597,12 @@ def aggregate(rows: list[dict]) -> list[dict]:
         if row.get("case") == "dead_peer":
             out.setdefault("outcomes", {})[str(row.get("rank"))] = f"{row.get('outcome')} after {row.get('seconds')} s"
             out.pop("outcome", None)
+        if row.get("case") == "queued_after_timeout":
+            out.setdefault("outcomes", {})[str(row.get("rank"))] = (
+                f"next call raised after {row.get('raised_after_s')} s, watchdog after {row.get('watchdog_after_s')} s, "
+                f"all NaN {row.get('nan')}, synchronize raised {row.get('synchronize_raised')}")
+            for key in ("raised_after_s", "watchdog_after_s", "synchronize_raised", "host_ms_three_calls"):
+                out.pop(key, None)
     return list(merged.values())
 
 
@@ -524,7 +629,8 @@ def main(argv=None) -> int:
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cases", nargs="+", default=None,
-                        help="run only these cases (shapes llama stress straggler graph asynctp mixed chunks timing dead_peer)")
+                        help="run only these cases (shapes llama stress straggler graph asynctp mixed chunks timing dead_peer "
+                             "queued_after_timeout)")
     parser.add_argument("--timeout", type=float, default=500)
     parser.add_argument("--out", default="symm_1gpu.json")
     args = parser.parse_args(argv)
@@ -552,7 +658,7 @@ def main(argv=None) -> int:
             # The dead-peer case runs with the agreement check off: with it on, the live ranks
             # would wait for the missing rank in the check's host collective, not on the GPU.
             for env, dead in ((ENV, False), ({**ENV, "TPFUSE_DEBUG": "0"}, True)):
-                if args.cases and not any((case == "dead_peer") == dead for case in args.cases):
+                if args.cases and not any((case in _DEAD_CASES) == dead for case in args.cases):
                     continue
                 try:
                     with RankPool(world_size, env=env) as pool:

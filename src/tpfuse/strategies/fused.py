@@ -211,6 +211,7 @@ class _AgPlan:
         self.wait = WaitSpec(signal=arrived, generation=1, chunk_m=chunk_m, timeout_ns=int(symm.timeout_s() * 1e9),
                              max_spins=max(1, int(symm.timeout_s() * 1000)), error=ws.error, rank=rank)
         self.start_chunk = rank * m_shard // chunk_m
+        self.chunk_owner = lambda chunk: min(chunk * chunk_m // m_shard, world_size - 1)   # first rows' owner
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,6 +232,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
     plan = steps.cached(ws, ("fused ag", m_shard, k, chunk_m), lambda: _AgPlan(ws, m_shard, k, chunk_m, arrived))
     main, side = torch.cuda.current_stream(), ws.stream
     breadcrumb("fused ag_gemm: publishing the local shard")
+    ws.host.chunk_owner = plan.chunk_owner   # names the peer if the GEMM's wait times out
     steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out)
     a_full[plan.mine].copy_(a_shard)
     for chunk in plan.own_words:
