@@ -120,6 +120,9 @@ def test_layer_bench_rows(pool):
             assert r["speedup_vs_unfused"] == pytest.approx(rows["unfused"]["ms"] / r["ms"])
     assert rows["asynctp"]["ms"] is None and "no CUDA" in rows["asynctp"]["reasons"]["ms"]
     assert all(rows[v]["ms"] is not None for v in ("tpfuse:auto", "tpfuse:ring", "unfused", "compute_only"))
+    for r in rows.values():   # CUDA-graph replays of the step: GPU only, each null with its reason
+        check_nulls_have_reasons(r, ("graph_ms", "eager_over_graph"))
+    assert "no CUDA" in rows["tpfuse:ring"]["reasons"]["graph_ms"]
     assert rows["tpfuse:auto"]["resolved"].startswith("fc1 ")
     assert len(format_layer_rows(result)) == len(rows) + 1
     assert result["meta"]["mode"] == "cpu-gloo"

@@ -25,6 +25,19 @@ median kept.  Timed variants:
 | ``matmul_us`` | ``torch.matmul`` alone |
 
 ``overhead_us = tpfuse_us - direct_us`` is the number the 25 us budget is about.
+
+With ``--bed W`` (copy_engine and fused by default, issue 34) every row also carries, measured
+with the GPU kept busy ahead of the host (``torch.cuda._sleep`` queued first, so an eager call
+that waited for the GPU would show it):
+
+| key | what it is |
+|---|---|
+| ``host_ms_gpu_busy`` | host ms of ONE eager ``tpfuse.<op>`` call issued behind >= ``busy_ms`` (60) ms of queued GPU work |
+| ``host_us`` | host us per call of ``busy_calls`` back-to-back calls, the GPU busy ahead throughout |
+| ``gpu_stayed_busy`` | the queued GPU work had not finished when the host was done (else the figures include waiting for it) |
+
+and rows of ``strategy = "asynctp"`` give the same two figures for PyTorch's async-TP ops
+(``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``) in the same run.
 """
 
 from __future__ import annotations
@@ -40,7 +53,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["measure_host_overhead", "main"]
+__all__ = ["measure_host_overhead", "measure_busy_ahead", "main"]
 
 
 def _per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
@@ -51,6 +64,45 @@ def _per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None])
     elapsed = time.perf_counter() - t0
     sync()
     return elapsed / calls * 1e6
+
+
+def _sleep_cycles_per_ms() -> float:
+    """``torch.cuda._sleep`` cycles per millisecond on the current device (timed once)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)
+    cycles = 20_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / max(start.elapsed_time(end), 1e-3)
+
+
+def measure_busy_ahead(fn: Callable[[], object], *, calls: int = 20, rounds: int = 5, busy_ms: float = 60.0,
+                       barrier: Callable[[], None] = lambda: None) -> dict:
+    """Host time of ``fn()`` (an eager call) with the GPU busy ahead: ``host_ms_gpu_busy`` (one
+    call behind ``busy_ms`` of queued GPU work) and ``host_us`` (per call, ``calls`` calls
+    behind ``busy_ms`` + 2 ms per call), medians over ``rounds``; ``gpu_stayed_busy``: the
+    queued work was still running when the host was done, in every round.  ``barrier`` lines
+    the ranks up before each round (every rank of a collective ``fn`` must call this)."""
+    per_ms = _sleep_cycles_per_ms()
+    one, each, busy = [], [], True
+    for _ in range(rounds):
+        for n, ahead, out in ((1, busy_ms, one), (calls, busy_ms + 2.0 * calls, each)):
+            torch.cuda.synchronize()
+            barrier()
+            torch.cuda._sleep(int(ahead * per_ms))
+            queued = torch.cuda.Event()
+            queued.record()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            elapsed = time.perf_counter() - t0
+            busy = busy and not queued.query()
+            out.append(elapsed / n)
+    torch.cuda.synchronize()
+    return {"host_ms_gpu_busy": statistics.median(one) * 1e3, "host_us": statistics.median(each) * 1e6,
+            "gpu_stayed_busy": busy, "busy_ms": busy_ms, "busy_calls": calls}
 
 
 def measure_host_overhead(op: str = "gemm_ar", *, strategy: str = "unfused", m: int = 128, n: int = 256,
@@ -150,8 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bed", type=int, default=0, metavar="W",
                         help="W processes on cuda:0 with a gloo group (the one-GPU bed, for copy_engine/fused; "
                              "start MPS first): host times only, not multi-GPU timings")
+    parser.add_argument("--busy-calls", type=int, default=20,
+                        help="--bed: calls timed back to back behind queued GPU work (host_us)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    if args.bed and args.strategies == ["unfused", "ring"]:   # the bed is for the symmetric-memory strategies
+        args.strategies = ["copy_engine", "fused"]
     args.command = " ".join(["python -m tpfuse.bench.host", *(sys.argv[1:] if argv is None else argv)])
     if args.bed:
         try:
@@ -173,9 +229,48 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bed_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
-    return [measure_host_overhead(op, strategy=s, m=args.m, n=args.n, k=args.k, dtype=torch.bfloat16,
-                                  device="cuda", calls=args.calls, rounds=args.rounds, warmup=10)
-            for op in args.ops for s in args.strategies]
+    import tpfuse
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    for op in args.ops:
+        m = args.m
+        a = torch.randn(m // world_size if op == "ag_gemm" else m, args.k, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(args.n, args.k, device=dev, dtype=torch.bfloat16).t()
+        for s in args.strategies:
+            row = measure_host_overhead(op, strategy=s, m=m, n=args.n, k=args.k, dtype=torch.bfloat16,
+                                        device="cuda", calls=args.calls, rounds=args.rounds, warmup=10)
+            fn = getattr(tpfuse, op)
+            with torch.no_grad():
+                row.update(measure_busy_ahead(lambda: fn(a, b, strategy=s), calls=args.busy_calls,
+                                              rounds=args.rounds, barrier=dist.barrier))
+            rows.append(row)
+        if op in ("ag_gemm", "gemm_rs"):
+            rows.append(_asynctp_row(op, a, b, world_size, args))
+    return rows
+
+
+def _asynctp_row(op: str, a: torch.Tensor, b: torch.Tensor, world_size: int, args: argparse.Namespace) -> dict:
+    """PyTorch's async-TP op for ``op`` timed as :func:`measure_busy_ahead` times ours."""
+    group_name = dist.group.WORLD.group_name
+    if op == "ag_gemm":
+        def fn():
+            return torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, group_name)
+    else:
+        def fn():
+            return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name)
+    row = dict(op=op, strategy="asynctp", m=args.m, n=args.n, k=args.k, dtype="bfloat16", world_size=world_size,
+               device="cuda", device_name=torch.cuda.get_device_name(), backend="gloo",
+               **{key: None for key in ("tpfuse_us", "direct_us", "custom_op_us", "bare_us", "matmul_us",
+                                         "overhead_us", "dispatcher_us")})
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                fn()
+            row.update(measure_busy_ahead(fn, calls=args.busy_calls, rounds=args.rounds, barrier=dist.barrier))
+    except Exception as exc:   # noqa: BLE001 - a torch build without it: say so in the row
+        row["reasons"] = {"host_us": f"async-TP failed: {type(exc).__name__}: {str(exc)[:200]}"}
+    return row
 
 
 def _main_bed(args: argparse.Namespace) -> int:
@@ -185,7 +280,7 @@ def _main_bed(args: argparse.Namespace) -> int:
     setup = common.plan_ranks(args.bed, "cuda", args.bed)
     with common.open_ranks(setup) as ranks:
         per_rank = ranks.run(_bed_rows, args, timeout=1800)
-    rows = [max(cands, key=lambda r: r["tpfuse_us"]) for cands in zip(*per_rank)]
+    rows = [max(cands, key=lambda r: r.get("host_us") or r.get("tpfuse_us") or 0.0) for cands in zip(*per_rank)]
     _report(rows, args.json, {"command": args.command, "mode": "one-gpu-bed", "backend": "gloo",
                               "mps": common.mps_running(),
                               "note": "W processes share cuda:0: host times per eager call, not multi-GPU timings"})
@@ -197,9 +292,13 @@ def _report(rows: list[dict], path: str | None, meta: dict) -> None:
         return "      -" if v is None else f"{v:7.2f}"
 
     for r in rows:
+        busy = ""
+        if "host_us" in r:
+            busy = (f"  | GPU busy ahead: one call {r['host_ms_gpu_busy']:.2f} ms, {r['host_us']:.1f} us/call"
+                    f"{'' if r.get('gpu_stayed_busy') else ' (the GPU went idle: includes waiting)'}")
         print(f"{r['op']:8s} {r['strategy']:11s} W={r['world_size']} tpfuse {us(r['tpfuse_us'])} us  direct "
               f"{us(r['direct_us'])}  overhead {us(r['overhead_us'])}  custom op {us(r['custom_op_us'])}  "
-              f"bare {us(r['bare_us'])}  matmul {us(r['matmul_us'])}", flush=True)
+              f"bare {us(r['bare_us'])}  matmul {us(r['matmul_us'])}{busy}", flush=True)
     if path:
         import datetime
 

@@ -16,7 +16,15 @@ Variants, all on the same shapes in one run:
 
 Per variant: ``ms`` per step (median over steps of the slowest rank), ``tokens_per_s_per_rank`` =
 ``(T / W) / step time`` (the tokens each rank owns in sequence parallelism), and
-``speedup_vs_unfused`` / ``speedup_vs_asynctp``.  Null fields carry a reason, as in ``tpfuse bench``.
+``speedup_vs_unfused`` / ``speedup_vs_asynctp``.  On CUDA the ``tpfuse:<strategy>`` variants also
+carry ``graph_ms`` (the same step captured in one CUDA graph and replayed) and
+``eager_over_graph`` = ``ms / graph_ms``: what eager launching costs the step.  Null fields carry a
+reason, as in ``tpfuse bench``.
+
+The one-GPU bed (``--bed W``: W processes on cuda:0 over gloo, MPS) runs the symmetric-memory
+strategies only; the block has no bias.  Issue 34 reads it at T = 4096 and 512::
+
+    tpfuse bench layer --bed 2 --tokens 4096 --strategies copy_engine fused --json layer_bed2_t4096.json
 """
 
 from __future__ import annotations
@@ -37,7 +45,8 @@ from tpfuse.bench.workloads import MODELS, PHASES
 __all__ = ["LayerConfig", "run_layer_bench", "format_layer_rows", "LAYER_ROW_FIELDS", "quick_layer_config"]
 
 LAYER_ROW_FIELDS = ("variant", "strategy", "resolved", "model", "tokens", "hidden", "ffn", "world_size", "dtype",
-                    "ms", "tokens_per_s_per_rank", "speedup_vs_unfused", "speedup_vs_asynctp", "reasons")
+                    "ms", "tokens_per_s_per_rank", "speedup_vs_unfused", "speedup_vs_asynctp", "graph_ms",
+                    "eager_over_graph", "reasons")
 _DTYPES = common.DTYPES
 
 
@@ -211,6 +220,10 @@ def layer_job(rank: int, world_size: int, job: _LayerJob) -> dict:
             out[name] = {"reason": reason}
     for name, (times, _) in common.timed_rounds(working, cfg.iters, cfg.warmup, device).items():
         out[name] = {"times": times}
+    for name, step in working.items():   # the same step as one CUDA graph replay (tpfuse variants)
+        if name.startswith("tpfuse:"):
+            times, why = common.graph_timed(step, cfg.iters, device)
+            out[name]["graph"] = {"times": times} if times else {"reason": why}
     out.update({name: {"reason": why} for name, why in skipped.items()})
     order = [f"tpfuse:{s}" for s in names] + ["unfused", "asynctp", "compute_only"]
     return {"variants": {name: out[name] for name in order}, "sizes": (tokens, hidden, ffn), "resolved": resolved}
@@ -260,6 +273,18 @@ def _layer_rows(per_rank: list[dict], model: str, dtype: str, world_size: int) -
                 reasons[field] = f"{missing} not measured ({why.get(name if value is None else base, 'null')})"
             else:
                 row[field] = ms[base] / value
+        row["graph_ms"] = row["eager_over_graph"] = None
+        if name.startswith("tpfuse:") and value is not None:
+            graphs = [r["variants"][name].get("graph", {"reason": "not captured"}) for r in per_rank]
+            failed = next((g["reason"] for g in graphs if "reason" in g), None)
+            if failed is None:
+                row["graph_ms"] = common.slowest_median([g["times"] for g in graphs])
+                row["eager_over_graph"] = value / row["graph_ms"]
+            else:
+                reasons["graph_ms"] = reasons["eager_over_graph"] = failed
+        else:
+            why_not = ("ms not measured" if value is None else "only the tpfuse variants are replayed as graphs")
+            reasons["graph_ms"] = reasons["eager_over_graph"] = why_not
         row["reasons"] = reasons
         rows.append({k: row[k] for k in LAYER_ROW_FIELDS})
     return rows
@@ -269,10 +294,10 @@ def format_layer_rows(result: dict) -> list[list[str]]:
     def fmt(v, spec=".3f"):
         return "-" if v is None else format(v, spec)
 
-    table = [["variant", "ms / step", "tokens/s/rank", "x unfused", "x asynctp"]]
+    table = [["variant", "ms / step", "tokens/s/rank", "x unfused", "x asynctp", "graph ms", "eager / graph"]]
     for r in result["rows"]:
         name = r["variant"] + (f" ({r['resolved']})" if r["resolved"] else "")
         table.append([name, fmt(r["ms"]), fmt(r["tokens_per_s_per_rank"], ".0f"), fmt(r["speedup_vs_unfused"], ".2f"),
-                      fmt(r["speedup_vs_asynctp"], ".2f")])
+                      fmt(r["speedup_vs_asynctp"], ".2f"), fmt(r.get("graph_ms")), fmt(r.get("eager_over_graph"), ".2f")])
     return table
 
