@@ -145,6 +145,7 @@ class Workspace:
         self._views: dict[object, torch.Tensor] = {}
         self.state: dict[object, object] = {}   # what a strategy keeps with its buffers (never evicted)
         self._stream: torch.cuda.Stream | None = None
+        self._wait_bound: tuple[int, bool] | None = None   # (spin bound, inline PTX), fixed at the first wait
 
     # -- addressing ---------------------------------------------------------------------------
     @property
@@ -215,8 +216,8 @@ class Workspace:
         table = self.pointer_table(key, sources)
         block_r, block_c = 4, 256
         grid = (triton_cdiv(rows, block_r) * triton_cdiv(cols, block_c),)
-        reduce_kernel[grid](table, len(sources), out, rows, cols, stride, out.stride(0), self.error,
-                            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+        _run(reduce_kernel, grid, (table, len(sources), out, rows, cols, stride, out.stride(0), self.error),
+             dict(BLOCK_R=block_r, BLOCK_C=block_c), 4, self.spec.device)
 
     def incoming(self, region: str | tuple[str, ...], peers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``region[p]`` for each peer ``p``: what peers write and this rank waits on."""
@@ -236,12 +237,14 @@ class Workspace:
 
     # -- flag kernels -------------------------------------------------------------------------
     def _launch(self, kernel, *args, **constexprs) -> None:
-        kernel[(1,)](*args, num_warps=1, **constexprs)
+        _run(kernel, (1,), args, constexprs, 1, self.spec.device)
 
     def _bound(self) -> tuple[int, bool]:
-        asm = self.spec.device.type == "cuda" and not _interpreting()
-        bound = int(timeout_s() * 1e9) if asm else max(1, int(timeout_s() * 1000))   # ns, or spins (~1 ms each interpreted)
-        return bound, asm
+        if self._wait_bound is None:
+            asm = self.spec.device.type == "cuda" and not _interpreting()
+            bound = int(timeout_s() * 1e9) if asm else max(1, int(timeout_s() * 1000))   # ns, or spins (~1 ms each interpreted)
+            self._wait_bound = (bound, asm)
+        return self._wait_bound
 
     def wait(self, table: tuple[torch.Tensor, torch.Tensor], what: int, *, lag: int = 0,
              advance: bool = False) -> None:
@@ -294,7 +297,8 @@ class Workspace:
             out, n1, out2, n2 = out2, n2, None, 0
         block = 1024
         grid = (min(_POISON_PROGRAMS, triton_cdiv(max(n1, n2), block)),)
-        poison_on_error_kernel[grid](self.error, out, n1, out2 if n2 else out, n2, BLOCK=block)
+        _run(poison_on_error_kernel, grid, (self.error, out, n1, out2 if n2 else out, n2), dict(BLOCK=block), 4,
+             self.spec.device)
 
     def failed(self) -> bool:
         """True once a wait of this workspace timed out, as far as the host can see now (its
@@ -318,6 +322,51 @@ class Workspace:
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# Direct launches of the workspace's small kernels (the pattern of tpfuse/gemm/launch.py):
+# Triton's JIT launch binds and specializes every argument on every call (tens of us of host
+# time, several times per op call); the first launch of a specialization goes through it and
+# keeps the CompiledKernel, later ones call that directly.  The key holds everything the JIT
+# specializes on: the kernel, its constexprs and warps, each pointer's dtype and 16-byte
+# alignment, each integer's size class, divisibility by 16 and equality to 1.
+_COMPILED: dict = {}
+_DIRECT_BROKEN = [False]
+
+
+def _arg_key(x) -> object:
+    if isinstance(x, torch.Tensor):
+        return (x.dtype, x.data_ptr() % 16 == 0)
+    if isinstance(x, bool) or not isinstance(x, int):
+        return x
+    return (-2**31 <= x < 2**31, x % 16 == 0, x == 1)
+
+
+def _run(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, device: torch.device) -> None:
+    """``kernel[grid](*args, **constexprs)`` (constexprs are the kernel's last parameters, in
+    order), launched directly once compiled on CUDA."""
+    if device.type != "cuda" or _interpreting():
+        kernel[grid](*args, num_warps=num_warps, **constexprs)
+        return
+    key = None
+    if not _DIRECT_BROKEN[0]:
+        key = (kernel, num_warps, tuple(constexprs.items()), tuple(_arg_key(x) for x in args))
+        compiled = _COMPILED.get(key)
+        if compiled is not None:
+            try:
+                compiled[grid](*args, *constexprs.values(), stream=torch._C._cuda_getCurrentRawStream(device.index))
+                return
+            except Exception as exc:   # a change of Triton's internals: say so once, then always JIT
+                import warnings
+
+                warnings.warn(f"tpfuse.symm: direct kernel launch failed ({type(exc).__name__}: {exc}); using "
+                              f"Triton's JIT launch from now on (slower on the host)", RuntimeWarning, stacklevel=2)
+                _DIRECT_BROKEN[0] = True
+                _COMPILED.clear()
+                key = None
+    compiled = kernel[grid](*args, num_warps=num_warps, **constexprs)
+    if key is not None and compiled is not None:
+        _COMPILED[key] = compiled
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,10 +18,15 @@
   ``copy_engine``'s one-shot path (every rank reads all partials in place and sums them in
   float32 in rank order), as does an M that W does not divide.
 
-The arrival words (and the epilogue hook's per-chunk words) are this rank's own (one producer, one consumer, in stream order): they
+The arrival words are this rank's own (one producer, one consumer, in stream order): they
 hold 1 while a call runs and are reset to 0 on the compute stream after the GEMM, before the
-next call's side stream can touch them.  So the hooks' generation is the constant 1, which a
-CUDA graph may replay; cross-rank flags keep the workspace's device-memory generations.
+next call's side stream can touch them; the epilogue hook's per-chunk words are published with 1
+and read by nobody (READY follows the launch).  So the hooks' generation is the constant 1, which
+a CUDA graph may replay; cross-rank flags keep the workspace's device-memory generations.
+
+No call waits for the GPU: a timed-out wait (a flag's or the GEMM's hook, which shares the
+workspace's error word) breaks the workspace, the outputs of that call and of every later one
+are NaN, and the next call on the group raises ``TimeoutError`` (tpfuse/symm.py).
 
 The GEMM's grid obeys an SM budget (:func:`sm_budget`): on one GPU shared by W processes (the
 bed) the same-device copies the kernels wait for run on SMs, so the W persistent grids together
@@ -273,7 +278,8 @@ class _PartialsPlan:
         self.credits = ws.incoming("DONE", self.peers)
         self.ready_out = ws.outgoing("READY", self.peers)
         self.done_out = ws.outgoing("DONE", self.peers)
-        # the hook's per-chunk words are this rank's own (published with 1, reset after the GEMM)
+        # the hook's per-chunk words are this rank's own, published with 1 and read by nobody (READY
+        # follows the launch): never reset, a launch less per call
         self.sent = _local_words(ws, "sent", world_size)
         dests = [ws.data(owner, (slot_rows, n), offset=rank * slot_rows * n) for owner in range(world_size)]
         self.epilogue = EpilogueSpec.from_tensors(dests, self.sent, generation=1, chunk_m=self.chunk_m)
@@ -293,7 +299,6 @@ def _fused_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: 
     the GEMM had finished and timed out.)"""
     _gemm("fused GEMM (epilogue to owners)", plan.chunk_m, a, b, tile_order="owner", start_chunk=plan.start_chunk,
           epilogue=plan.epilogue, num_sms=sm_budget(a.device, ws.world_size))
-    plan.sent.zero_()
     return plan.sources
 
 
