@@ -1,8 +1,10 @@
 """Issue 22.2: the eager dispatch path is lean (per-shape work cached; no custom-op dispatcher
-outside tracing), measured with tpfuse.bench.host on one gloo rank."""
+outside tracing), measured with tpfuse.bench.host on one gloo rank; issue 34: the symmetric-memory
+strategies' eager calls never read the device back."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import tpfuse
@@ -52,3 +54,85 @@ def direct_and_custom_op_agree(rank, world_size):
 
 def test_direct_path_matches_the_custom_op(rank_pool):
     assert all(rank_pool(2).run(direct_and_custom_op_agree, timeout=60))
+
+
+def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
+    """Issue 34: an eager copy_engine/fused call (every op, both ar modes), after its first
+    call, never synchronizes and never reads a tensor back to the host: its launches are faked
+    here (CPU), the workspace's device error word is made unreadable, and ``item``/``tolist``/
+    ``cpu``/``synchronize`` raise.  A timeout reaches the host through the pinned record only."""
+    import contextlib
+    import sys
+    import types
+
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from _symm_interp import fake_ranks
+
+    from tpfuse import symm
+    import tpfuse.gemm
+    from tpfuse.strategies import copy_engine, fused
+
+    class Stream:
+        def wait_stream(self, s): pass
+
+        def wait_event(self, e): pass
+
+    class Event:
+        def record(self, s=None): pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
+    launches = []
+    monkeypatch.setattr(symm.Workspace, "_launch", lambda self, k, *a, **kw: launches.append(k.__name__))
+    monkeypatch.setattr(symm.Workspace, "reduce", lambda self, *a, **kw: launches.append("reduce"))
+    monkeypatch.setattr(symm.Workspace, "poison_on_error", lambda self, *a: launches.append("poison"))
+    monkeypatch.setattr(symm.Workspace, "stream", property(lambda self: Stream()))
+    monkeypatch.setattr(tpfuse.gemm, "matmul", lambda *a, **kw: launches.append("gemm"))
+    monkeypatch.setattr(fused, "_set_word", lambda words, i: None)
+    monkeypatch.setattr(fused, "sm_budget", lambda device, w: 8)
+    monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 2)
+    world_size = 2
+    made = {}
+
+    def get_workspace(ctx, op, dtype, device, need):
+        symm.check_group(ctx.group_name, op)
+        if op not in made:
+            made[op] = fake_ranks(world_size, max(need, 1 << 16) * 2, dtype, op)[0]
+        return made[op]
+
+    monkeypatch.setattr(symm, "get_workspace", get_workspace)
+    ctx = types.SimpleNamespace(rank=0, world_size=world_size, group_name="hostcost", group=None)
+    g = torch.Generator().manual_seed(0)
+    a_shard, a, b = (torch.randn(*s, generator=g).half() for s in ((16, 8), (32, 8), (8, 12)))
+    a_big, b_big = torch.randn(1024, 8, generator=g).half(), torch.randn(8, 1024, generator=g).half()
+    calls = [lambda m=m: m.ag_gemm(a_shard, b, ctx) for m in (copy_engine, fused)]
+    calls += [lambda m=m: m.gemm_rs(a, b, ctx) for m in (copy_engine, fused)]
+    calls += [lambda m=m, x=x, y=y: m.gemm_ar(x, y, ctx) for m in (copy_engine, fused) for x, y in ((a, b), (a_big, b_big))]
+    for call in calls:
+        call()   # first call of the shape: plans and tables built (may sync on CUDA)
+
+    class Unreadable:
+        def __getattr__(self, name):
+            raise AssertionError(f"an eager call read the device error word ({name})")
+
+    for ws in made.values():
+        ws.error = Unreadable()
+
+    def refuse(*a, **kw):
+        raise AssertionError("an eager call synchronized with the device")
+
+    for name in ("item", "tolist", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
+    launches.clear()
+    for call in calls:
+        call()
+    assert launches.count("poison") + launches.count("reduce") >= len(calls)   # every output has its NaN fill
+    # fused gemm_rs: begin, GEMM, READY + wait in one launch, reduce (the NaN fill), DONE
+    launches.clear()
+    fused.gemm_rs(a, b, ctx)
+    assert launches == ["wait_kernel", "gemm", "signal_wait_kernel", "reduce", "signal_kernel"]
