@@ -12,8 +12,8 @@
 #   it writes its JSON after every shape, so a capped run keeps the shapes it finished.
 #   PACK=1: at the end, pack everything under $OUT into $OUT/gpu_check.tgz and leave only that
 #     (for a runner that brings back only a few files).
-#   STEPS: the steps to run (default all: gpu_tests symm_bed bench_bed demo demo_large bench
-#     host_overhead gemm_bench calibrate). All of them take ~25 min on one H200, more than one
+#   STEPS: the steps to run (default all: gpu_tests symm_bed bench_bed host_bed2 host_bed4 layer_bed_t4096
+#     layer_bed_t512 demo demo_large bench host_overhead gemm_bench calibrate). All of them take ~25 min on one H200, more than one
 #     device call (10 min): split them, e.g. STEPS="gpu_tests symm_bed" then STEPS=gemm_bench.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -21,7 +21,7 @@ OUT=${OUT:-$PWD/.out}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 summary=()
-STEPS=${STEPS:-gpu_tests symm_bed bench_bed demo demo_large bench host_overhead gemm_bench calibrate}
+STEPS=${STEPS:-gpu_tests symm_bed bench_bed host_bed2 host_bed4 layer_bed_t4096 layer_bed_t512 demo demo_large bench host_overhead gemm_bench calibrate}
 step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember pass/fail and seconds
   local name=$1; shift
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -46,6 +46,16 @@ if [ "${SKIP_BED:-0}" != 1 ]; then
     step bench_bed timeout "${BENCH_BED_LIMIT_S:-240}" $PY -m tpfuse bench --bed 2 --quick --json "$OUT/bench_bed2.json" \
       --png "$OUT/bench_bed2.png" --timeline "$OUT/bench_bed2_timeline.png"
   fi
+  # issue 34: host time of eager calls with the GPU busy ahead, next to async-TP (W = 2 and 4), and
+  # the TP MLP block eager vs its CUDA-graph replay at T = 4096 and 512
+  for w in ${HOST_BED_WORLD_SIZES:-2 4}; do
+    step host_bed$w timeout "${HOST_BED_LIMIT_S:-240}" $PY -m tpfuse.bench.host --bed "$w" --m 2048 --n 1536 --k 2048 \
+      --calls 50 --rounds 5 --json "$OUT/host_overhead_h200_bed$w.json"
+  done
+  for t in ${LAYER_BED_TOKENS:-4096 512}; do
+    step layer_bed_t$t timeout "${LAYER_BED_LIMIT_S:-300}" $PY -m tpfuse bench layer --bed 2 --tokens "$t" \
+      --strategies copy_engine fused --no-asynctp --json "$OUT/layer_bed2_t$t.json"
+  done
   [ "$mps_started" = 0 ] && echo quit | nvidia-cuda-mps-control
 fi
 if [ "${SKIP_DEMO:-0}" != 1 ]; then
