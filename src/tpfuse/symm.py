@@ -37,8 +37,8 @@ host learns of it without synchronizing: the next call on the group raises ``Tim
 the watchdog thread logs one line.  Calls then raise until :func:`release_workspaces`.
 
 Host syncs: only where a workspace is created or grown (allocation and rendezvous, the first
-call of a capacity) and the first call of each shape (its flag and pointer tables are copied to
-the device once); every other eager call returns without waiting for the GPU.
+call of a capacity); the flag and pointer tables a new shape needs are copied to the device from
+pinned memory, asynchronously.  Every other eager call returns without waiting for the GPU.
 
 Capacity grows (to the next power of two) when a call needs more; the sizes come from fields
 every rank agrees on (M, K for ag_gemm; M, N for gemm_rs/gemm_ar), so every rank grows at the
@@ -188,8 +188,7 @@ class Workspace:
                     word = flag_index(reg, index, self.world_size)
                     addrs.append(self.flags[owner].data_ptr() + 4 * word)
                     peers.append(owner if owner != self.rank else index)
-            hit = (torch.tensor(addrs, dtype=torch.int64, device=self.spec.device),
-                   torch.tensor(peers, dtype=torch.int64, device=self.spec.device))
+            hit = (_device_table(addrs, self.spec.device), _device_table(peers, self.spec.device))
             self._tables[key] = hit
         return hit
 
@@ -198,7 +197,7 @@ class Workspace:
         (the tensors are views of the workspace's buffers, which live as long as it does)."""
         hit = self._tables.get(("ptr", key))
         if hit is None:
-            hit = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=self.spec.device)
+            hit = _device_table([t.data_ptr() for t in tensors], self.spec.device)
             self._tables[("ptr", key)] = hit
         return hit
 
@@ -322,6 +321,17 @@ class Workspace:
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _device_table(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 table on ``device`` without waiting for the GPU: on CUDA copied from pinned
+    memory, asynchronously (the caching host allocator keeps the source until the copy ran).
+    Under a CUDA graph capture the copy would be replayed from a source since reused, so there it
+    is the plain copy, which refuses loudly (build tables with an eager call first)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 # Direct launches of the workspace's small kernels (the pattern of tpfuse/gemm/launch.py):

@@ -32,8 +32,8 @@ Either way every rank's ``gemm_ar`` output is bitwise the same (one sum order, o
 sum copied).  Partials are rounded to the input dtype once and summed in float32, as in
 ``unfused``.  Per-chunk GEMMs are ``torch.matmul`` (cuBLAS).
 
-An eager call never waits for the GPU (after the first call of a workspace capacity and shape:
-allocation, rendezvous and the flag tables may sync).  A timed-out wait breaks the workspace:
+An eager call never waits for the GPU (except the first call of a workspace capacity: allocation
+and rendezvous).  A timed-out wait breaks the workspace:
 the outputs of that call and of every call queued after it are NaN (eager and graph replays
 alike), and the next call on the group, :func:`tpfuse.synchronize` or the watchdog report it
 (tpfuse/symm.py).  Build the workspace with one eager call before capturing.
