@@ -221,3 +221,77 @@ def test_the_next_call_on_the_group_and_synchronize_raise(monkeypatch):
             tpfuse.synchronize()
     finally:
         symm.release_workspaces()
+
+
+@pytest.mark.parametrize("strategy, op", [("copy_engine", "gemm_rs"), ("copy_engine", "ag_gemm"),
+                                          ("copy_engine", "gemm_ar"), ("copy_engine", "gemm_ar two_shot"),
+                                          ("fused", "gemm_rs"), ("fused", "ag_gemm"), ("fused", "gemm_ar two_shot")])
+def test_a_call_whose_peer_is_dead_returns_nan_then_the_next_call_raises(monkeypatch, strategy, op):
+    """The strategy's own code on rank 0 of 2 under the interpreter (streams faked: one CPU
+    "stream"), rank 1 dead: the call returns without raising and its outputs are NaN; a call
+    queued after it (issued before the host looked) returns at once, NaN too; then the next
+    call on the group raises TimeoutError naming rank 1; after release_workspaces calls work."""
+    import contextlib
+    import types
+
+    from tpfuse.strategies import copy_engine, fused
+
+    class Stream:
+        def wait_stream(self, s): pass
+
+        def wait_event(self, e): pass
+
+    class Event:
+        def record(self, s=None): pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
+    monkeypatch.setattr(symm.Workspace, "stream", property(lambda self: Stream()))
+    monkeypatch.setattr(fused, "sm_budget", lambda device, w: 2)
+    monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 1)
+    monkeypatch.setattr(fused, "_set_word", lambda words, i: words.__setitem__(i, 1))   # the stream memory op
+    op, _, mode = op.partition(" ")
+    if mode:
+        monkeypatch.setattr(copy_engine, "ar_mode", lambda *a: mode)
+    made = {}
+    checking = [False]
+
+    def get_workspace(ctx, op_name, dtype, device, need):
+        if checking[0]:
+            symm.check_group(ctx.group_name, op_name)
+        if op_name not in made:
+            made[op_name] = fake_ranks(2, max(need, 4096) * 2, dtype, op_name)[0]
+            symm._LIVE[(ctx.group_name, op_name, dtype, device)] = made[op_name]
+        return made[op_name]
+
+    monkeypatch.setattr(symm, "get_workspace", get_workspace)
+    # the interpreter runs each kernel before the host goes on: hide the record until the host
+    # would have learned of it (on a GPU the second call is queued before the first times out)
+    real_failed = watchdog.HostRecord.failed
+    monkeypatch.setattr(watchdog.HostRecord, "failed", lambda self: checking[0] and real_failed(self))
+    ctx = types.SimpleNamespace(rank=0, world_size=2, group_name="deadpeer", group=None)
+    module = {"copy_engine": copy_engine, "fused": fused}[strategy]
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(32 if op != "ag_gemm" else 16, 16, generator=g).half()
+    b = torch.randn(16, 24, generator=g).half()
+    fn = getattr(module, op)
+    symm.release_workspaces()
+    try:
+        t0 = time.perf_counter()
+        first = fn(a, b, ctx)
+        queued = fn(a, b, ctx)
+        for out in (first, queued):
+            for x in (out if isinstance(out, tuple) else (out,)):
+                assert x.isnan().all(), f"{strategy} {op}: an output of a call of a broken workspace is not NaN"
+        assert time.perf_counter() - t0 < 30
+        checking[0] = True
+        with pytest.raises(TimeoutError, match=r"rank 0 waited more than .* for rank 1"):
+            fn(a, b, ctx)
+        symm.release_workspaces()
+        made.clear()
+        assert not symm.get_workspace(ctx, op, a.dtype, a.device, 16).failed()
+    finally:
+        symm.release_workspaces()
