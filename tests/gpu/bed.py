@@ -445,7 +445,8 @@ def case_queued_after_timeout(rank, world_size, strategy):
     host never waits).  All three outputs must be NaN, the next tpfuse call must raise
     TimeoutError naming the last rank within TPFUSE_TIMEOUT_S + 2 s of the first call, the
     watchdog must log its line within TPFUSE_TIMEOUT_S + 1 s, and ``tpfuse.synchronize()`` must
-    raise too.  Then every rank releases its workspaces and calls work again."""
+    raise too.  Then every rank releases its workspaces and calls work again; and the same for
+    CUDA graph replays (:func:`_graph_after_timeout`)."""
     import tpfuse
 
     rows_out = []
@@ -489,9 +490,44 @@ def case_queued_after_timeout(rank, world_size, strategy):
         out = _call(op, strategy, prob, rank)
         torch.cuda.synchronize()
         err, tol, ok_after = _check(op, out, prob, rank)
-        row.update(passed=bool(ok and ok_after), max_rel_err=err)
+        ok = ok and ok_after and _graph_after_timeout(op, strategy, prob, rank, world_size, row)
+        row.update(passed=bool(ok), max_rel_err=err)
         rows_out.append(row)
     return rows_out
+
+
+def _graph_after_timeout(op, strategy, prob, rank, world_size, row) -> bool:
+    """The same with CUDA graph replays: every rank replays a captured call once (correct), then
+    the last rank skips while the others replay twice: both replays' outputs NaN and
+    ``tpfuse.synchronize()`` raises TimeoutError.  Released after (the workspace was warm)."""
+    import tpfuse
+
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _call(op, strategy, prob, rank)
+    graph.replay()
+    torch.cuda.synchronize()
+    _, _, ok_first = _check(op, out, prob, rank)
+    dist.barrier()
+    ok = ok_first
+    if rank != world_size - 1:
+        for _ in range(2):   # the static output: NaN after the last replay (each fills it)
+            graph.replay()
+        try:
+            tpfuse.synchronize()
+            raised = False
+        except TimeoutError:
+            raised = True
+        all_nan = _all_nan(out)
+        row.update(graph_replays_nan=all_nan, graph_synchronize_raised=raised)
+        ok = ok and all_nan and raised
+    dist.barrier()
+    del graph
+    tpfuse.release_workspaces()
+    dist.barrier()
+    row["graph_first_replay_ok"] = bool(ok_first)
+    return bool(ok)
 
 
 def case_asynctp(rank, world_size, strategy):
