@@ -282,22 +282,22 @@ class Workspace:
         self.calls += 1
         self.wait(credits, what, lag=1, advance=True)
 
-    def poison_on_error(self, out: torch.Tensor, out2: torch.Tensor | None = None) -> None:
-        """Enqueue: NaN into ``out`` (and ``out2``, same dtype) if the workspace is broken -- a
-        wait of this call or of an earlier one timed out.  Runs on every call that has no other
-        kernel to fill its outputs (the reduce does it for gemm_rs)."""
+    def poison_on_error(self, *outputs: torch.Tensor) -> None:
+        """Enqueue: NaN into ``outputs`` (floating point, the workspace's dtype) if the workspace
+        is broken -- a wait of this call or of an earlier one timed out.  Runs on every call that
+        has no other kernel to fill its outputs (the reduce does it for gemm_rs); one launch per
+        two outputs."""
         from tpfuse.kernels.flags import poison_on_error_kernel
 
-        n1 = out.numel() if out.is_floating_point() else 0
-        n2 = out2.numel() if out2 is not None and out2.is_floating_point() else 0
-        if n1 == 0 and n2 == 0:
-            return
-        if n1 == 0:
-            out, n1, out2, n2 = out2, n2, None, 0
+        todo = [t for t in outputs if t is not None and t.numel() and t.is_floating_point()]
         block = 1024
-        grid = (min(_POISON_PROGRAMS, triton_cdiv(max(n1, n2), block)),)
-        _run(poison_on_error_kernel, grid, (self.error, out, n1, out2 if n2 else out, n2), dict(BLOCK=block), 4,
-             self.spec.device)
+        for i in range(0, len(todo), 2):
+            out = todo[i]
+            out2 = todo[i + 1] if i + 1 < len(todo) else out
+            n2 = out2.numel() if i + 1 < len(todo) else 0
+            grid = (min(_POISON_PROGRAMS, triton_cdiv(max(out.numel(), n2), block)),)
+            _run(poison_on_error_kernel, grid, (self.error, out, out.numel(), out2, n2), dict(BLOCK=block), 4,
+                 self.spec.device)
 
     def failed(self) -> bool:
         """True once a wait of this workspace timed out, as far as the host can see now (its

@@ -86,11 +86,12 @@ def test_a_broken_word_stops_waits_signals_and_fills_nan():
     out = torch.zeros(3, 5)
     ws[0].reduce(("t", 3, 5), src, out)
     assert out.isnan().all()
-    # the poison kernel, one and two outputs (the second larger than its grid x block)
+    # the poison kernel, two outputs a launch (one larger than its grid x block), and a third
     c = torch.zeros(7, 3, dtype=torch.bfloat16)
     a_full = torch.zeros(70_000, dtype=torch.bfloat16)
-    ws[0].poison_on_error(c, a_full)
-    assert c.isnan().all() and a_full.isnan().all()
+    third = torch.zeros(5, dtype=torch.float16)
+    ws[0].poison_on_error(c, a_full, third, torch.zeros(3, dtype=torch.int32))
+    assert c.isnan().all() and a_full.isnan().all() and third.isnan().all()
 
 
 def test_a_healthy_word_passes_everything_through():
