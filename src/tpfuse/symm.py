@@ -338,7 +338,7 @@ def _device_table(values: list[int], device: torch.device) -> torch.Tensor:
 # Triton's JIT launch binds and specializes every argument on every call (tens of us of host
 # time, several times per op call); the first launch of a specialization goes through it and
 # keeps the CompiledKernel, later ones call that directly.  The key holds everything the JIT
-# specializes on: the kernel, its constexprs and warps, each pointer's dtype and 16-byte
+# specializes on: the kernel, the device, its constexprs and warps, each pointer's dtype and 16-byte
 # alignment, each integer's size class, divisibility by 16 and equality to 1.
 _COMPILED: dict = {}
 _DIRECT_BROKEN = [False]
@@ -360,7 +360,7 @@ def _run(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, dev
         return
     key = None
     if not _DIRECT_BROKEN[0]:
-        key = (kernel, num_warps, tuple(constexprs.items()), tuple(_arg_key(x) for x in args))
+        key = (kernel, device.index, num_warps, tuple(constexprs.items()), tuple(_arg_key(x) for x in args))
         compiled = _COMPILED.get(key)
         if compiled is not None:
             try:
