@@ -364,7 +364,9 @@ def _run(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, dev
         compiled = _COMPILED.get(key)
         if compiled is not None:
             try:
-                compiled[grid](*args, *constexprs.values(), stream=torch._C._cuda_getCurrentRawStream(device.index))
+                # a CompiledKernel reads grid[0..2]: a 1-D grid raised IndexError on the H200 bed
+                compiled[grid + (1,) * (3 - len(grid))](*args, *constexprs.values(),
+                                                         stream=torch._C._cuda_getCurrentRawStream(device.index))
                 return
             except Exception as exc:   # a change of Triton's internals: say so once, then always JIT
                 import warnings
