@@ -278,7 +278,9 @@ class Task:
 @dataclass
 class Launch:
     """A worker launch's device tables (kept with the workspace): the tasks, one counter per
-    task (zero between launches), whether every address is 16-byte aligned, and the tasks."""
+    task (zero between launches), whether every source and destination is 16-byte aligned
+    (then the whole blocks of every stripe are: a block is a power of two >= 256 bytes), and
+    the tasks."""
 
     table: torch.Tensor
     counters: torch.Tensor
@@ -296,7 +298,7 @@ def _launch_tables(ws: symm.Workspace, key: tuple, make_tasks) -> Launch:
         device = ws.spec.device
         table = torch.tensor(rows, dtype=torch.int64, device=device).reshape(len(rows), K.TASK_COLUMNS.value)
         elem = torch.empty((), dtype=ws.spec.dtype).element_size()
-        aligned = all(t.src % 16 == 0 and t.dst % 16 == 0 and (t.numel * elem) % 16 == 0 for t in tasks)
+        aligned = all(t.src % 16 == 0 and t.dst % 16 == 0 for t in tasks)   # whole blocks: BLOCK x elem is
         return Launch(table, torch.zeros(max(1, len(tasks)), dtype=torch.int32, device=device), aligned, tasks)
 
     return _state(ws, ("launch",) + key, make)
