@@ -306,7 +306,7 @@ def test_kernels_compile_for_sm90_with_vector_copies_and_system_scope_ordering()
     K = _kernels()
     i32, i64 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.int64)
     args = dict(tasks_ptr=i64, task_lo=0, task_hi=1, dst_base=0, gen_ptr=i32, counters_ptr=i32, err_ptr=i32,
-                where_ptr=i32, stats_ptr=i64, timeout=1, rank=0)
+                where_ptr=i32, stats_ptr=i64, scratch_ptr=i32, timeout=1, rank=0)
     for vec, stats in ((8, False), (1, True)):
         ptx = _compile(K.worker_kernel, args, dict(ELEM=16, BLOCK=8192, VEC=vec, USE_ASM=True, STATS=stats),
                        8).asm["ptx"]

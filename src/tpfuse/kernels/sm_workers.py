@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.flags import _record
-from tpfuse.kernels.signals import now_ns, wait_geq
+from tpfuse.kernels.signals import ld_acquire_sys, now_ns, wait_geq
 
 # Columns of the int64 task table (the host side, tpfuse/strategies/sm_workers.py, reads the
 # ``.value`` of these: one definition for both sides).
@@ -110,13 +110,28 @@ def _note_where(where_ptr, task, chunk):
         tl.store(where_ptr + 1, chunk)
 
 
+@triton.jit
+def _uniform(value, scratch_ptr):
+    """``value`` as one thread of the CTA holds it, in every thread: the warps of a worker CTA
+    spin on a flag independently and may leave the spin with different outcomes (one sees the
+    flag just as another times out, or sees another program's error); the branches after it
+    hold CTA barriers, which every thread must reach.  (A scalar store is made by one thread;
+    the barrier orders it before every thread's load, and the load before the next store.)"""
+    tl.store(scratch_ptr, value)
+    tl.debug_barrier()
+    out = tl.load(scratch_ptr, volatile=True)
+    tl.debug_barrier()
+    return out
+
+
 @triton.jit(do_not_specialize=["task_lo", "task_hi", "dst_base", "timeout", "rank"])
 def worker_kernel(tasks_ptr, task_lo, task_hi, dst_base, gen_ptr, counters_ptr, err_ptr, where_ptr, stats_ptr,
-                  timeout, rank, ELEM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+                  scratch_ptr, timeout, rank, ELEM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
                   USE_ASM: tl.constexpr, STATS: tl.constexpr):
     """Tasks ``[task_lo, task_hi)`` of the table (module docstring); destinations are
     ``dst_base`` + the table's (a byte address: the call's fresh output, or 0); elements are
-    copied as ELEM-bit integers (bit-exact whatever the dtype)."""
+    copied as ELEM-bit integers (bit-exact whatever the dtype).  ``scratch``: one int32 per
+    program (:func:`_uniform`)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     if ELEM == 16:
@@ -125,25 +140,28 @@ def worker_kernel(tasks_ptr, task_lo, task_hi, dst_base, gen_ptr, counters_ptr, 
         ty = tl.int32
     else:
         ty = tl.int8
+    scratch = scratch_ptr + pid
     gen = tl.load(gen_ptr).to(tl.int64)
-    stop = tl.load(err_ptr, volatile=True) != 0
+    stop = _uniform((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), scratch) != 0
     for t in range(task_lo, task_hi):
         if not stop:
             row = tasks_ptr + t * TASK_COLUMNS
             flag = tl.load(row + T_WAIT)
             t_wait = now_ns(USE_ASM)
             status = tl.full((), 0, tl.int32)
+            seen = tl.full((), 0, tl.int32)
+            target = tl.full((), 0, tl.int32)
             waited = tl.full((), 0, tl.int64)
             if flag != 0:
                 target = (tl.load(row + T_WAIT_CONST) + tl.load(row + T_WAIT_GEN) * gen).to(tl.int32)
                 flag_ptr = flag.to(tl.pointer_type(tl.int32))
-                seen0 = tl.atomic_add(flag_ptr, 0, sem="relaxed", scope="sys")
-                waited = (seen0 < target).to(tl.int64)
+                waited = (ld_acquire_sys(flag_ptr, USE_ASM) < target).to(tl.int64)
                 status, seen = wait_geq(flag_ptr, target, timeout, err_ptr, USE_ASM)
-                if status == 1:
-                    _record(err_ptr, tl.load(row + T_WHAT).to(tl.int32), tl.load(row + T_PEER).to(tl.int32),
-                            target, seen, rank)
-                    _note_where(where_ptr, t, tl.load(row + T_CHUNK).to(tl.int32))
+            status = _uniform(status, scratch)
+            if status == 1:
+                _record(err_ptr, tl.load(row + T_WHAT).to(tl.int32), tl.load(row + T_PEER).to(tl.int32),
+                        target, seen, rank)
+                _note_where(where_ptr, t, tl.load(row + T_CHUNK).to(tl.int32))
             stop = status != 0
             if not stop:
                 t_copy = now_ns(USE_ASM)

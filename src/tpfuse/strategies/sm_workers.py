@@ -101,6 +101,7 @@ SLOTS = 2
 # measures (tpfuse/bench/comm.py, 4096 int32 words per program).
 BLOCK_BYTES = 16384
 _NUM_WARPS = 8        # 256 threads x 64 B: four 16-byte vectors each in flight per iteration
+MAX_COMM_SMS = 1024   # worker programs: one scratch word each
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,8 @@ class SmWorkersKnobs:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SmWorkersKnobs.{name}={value!r}: must be a positive int"
                                  + (" or None" if name == "chunk_rows" else ""))
+        if self.comm_sms > MAX_COMM_SMS:
+            raise ValueError(f"SmWorkersKnobs.comm_sms={self.comm_sms}: at most {MAX_COMM_SMS} worker CTAs")
         b = self.block_bytes
         if b & (b - 1) or not 256 <= b <= 65536:
             raise ValueError(f"SmWorkersKnobs.block_bytes={b}: must be a power of two from 256 to 65536")
@@ -318,7 +321,7 @@ def launch_workers(ws: symm.Workspace, launch: Launch, kn: SmWorkersKnobs, *, ds
     device = ws.spec.device
     worker_kernel[(kn.comm_sms,)](
         launch.table, task_lo, hi, dst_base, ws.gen, launch.counters, ws.error, _where(ws),
-        stats if stats is not None else launch.counters, _bound(device), ws.rank,
+        stats if stats is not None else launch.counters, _words(ws, "scratch", MAX_COMM_SMS), _bound(device), ws.rank,
         ELEM=8 * elem, BLOCK=kn.block_bytes // elem, VEC=vec, USE_ASM=_cuda(device), STATS=stats is not None,
         num_warps=_NUM_WARPS if device.type == "cuda" else 1)
 
