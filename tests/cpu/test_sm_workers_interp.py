@@ -115,6 +115,17 @@ def test_worker_wait_times_out_recording_rank_peer_chunk_and_generation(interp):
     assert ws.broken is not None and "broken" in ws.broken
 
 
+@pytest.mark.parametrize("numel, chunk_bytes, ctas", [(1000, 256, 3), (77, 4096, 2), (4096, 1024, 1)])
+def test_make_copy_the_bench_grid_copies_int32_exactly(interp, numel, chunk_bytes, ctas):
+    """``tpfuse bench comm``'s sm_workers rows: the worker kernel alone, chunks of ``chunk_bytes``."""
+    src = torch.randint(-2**31, 2**31 - 1, (numel,), dtype=torch.int32)
+    dst = torch.zeros(numel + 4, dtype=torch.int32)
+    S.make_copy(src, dst[:numel], chunk_bytes, S.SmWorkersKnobs(comm_sms=ctas, block_bytes=256))()
+    assert torch.equal(dst[:numel], src) and dst[numel:].eq(0).all()
+    with pytest.raises(ValueError, match="make_copy: src and dst"):
+        S.make_copy(src, dst, chunk_bytes, S.SmWorkersKnobs(comm_sms=1))
+
+
 # --------------------------------------------------------------------------------------------
 # the staging ring
 # --------------------------------------------------------------------------------------------

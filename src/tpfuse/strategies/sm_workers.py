@@ -73,7 +73,8 @@ from tpfuse.strategies import copy_engine
 from tpfuse.strategies.ring import _row_bounds
 
 __all__ = ["NAME", "MODEL", "DESCRIPTION", "ORDER", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar",
-           "SmWorkersKnobs", "default_knobs", "gemm_programs", "summarize", "WAIT_SLOT_READY", "WAIT_SLOT_FREE"]
+           "SmWorkersKnobs", "default_knobs", "gemm_programs", "summarize", "make_copy", "WAIT_SLOT_READY",
+           "WAIT_SLOT_FREE"]
 
 NAME = "sm_workers"
 # The simulator cannot express worker CTAs yet (a resource with a bandwidth(chunk, workers,
@@ -728,6 +729,47 @@ def ar_gather(ws: symm.Workspace, kn: SmWorkersKnobs, peers: list[int], sources:
             launch_workers(ws, launch, kn, dst_base=_addr(c))
         ws.signal(ws.outgoing("DONE2", peers))
     _main_waits_side(ws, c)
+
+
+# --------------------------------------------------------------------------------------------
+# the worker kernel alone (``tpfuse bench comm``)
+# --------------------------------------------------------------------------------------------
+def make_copy(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int, knobs: SmWorkersKnobs):
+    """A callable that enqueues ``dst <- src`` by the worker kernel on ``dst``'s device (a pull,
+    as ag_gemm's workers make; ``src`` may be a peer GPU's memory with peer access on): tasks of
+    ``chunk_bytes`` (the communication chunk), ``knobs.comm_sms`` CTAs, ``knobs.block_bytes`` in
+    flight per CTA, no waits or flags.  ``src``, ``dst``: contiguous vectors of one dtype
+    (1, 2 or 4 bytes per element) and size."""
+    from tpfuse.kernels.sm_workers import worker_kernel
+
+    if src.shape != dst.shape or src.dtype != dst.dtype or src.dim() != 1 or not (
+            src.is_contiguous() and dst.is_contiguous()) or src.element_size() not in (1, 2, 4):
+        raise ValueError(f"make_copy: src and dst must be contiguous vectors of one shape and a 1, 2 or 4-byte dtype, "
+                         f"got {src.dtype} {tuple(src.shape)} and {dst.dtype} {tuple(dst.shape)}")
+    if chunk_bytes < 1:
+        raise ValueError(f"make_copy: chunk_bytes={chunk_bytes} must be >= 1")
+    elem = src.element_size()
+    per = max(1, chunk_bytes // elem)
+    total = src.numel()
+    tasks = [Task(src=src.data_ptr() + i * elem, dst=dst.data_ptr() + i * elem, numel=min(per, total - i))
+             for i in range(0, total, per)]
+    device = dst.device
+    table = torch.tensor([t.row() for t in tasks] or [Task(0, 0, 0).row()], dtype=torch.int64, device=device)
+    counters = torch.zeros(max(1, len(tasks)), dtype=torch.int32, device=device)
+    words = torch.zeros(1 + symm.ERROR_WORDS + 2 + MAX_COMM_SMS, dtype=torch.int32, device=device)
+    gen, error, where, scratch = (words[:1], words[1:1 + symm.ERROR_WORDS], words[1 + symm.ERROR_WORDS:3 + symm.ERROR_WORDS],
+                                  words[3 + symm.ERROR_WORDS:])
+    vec = 16 // elem if all(t.src % 16 == 0 and t.dst % 16 == 0 for t in tasks) else 1
+    cuda = _cuda(device)
+
+    def run() -> None:
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            worker_kernel[(knobs.comm_sms,)](table, 0, len(tasks), 0, gen, counters, error, where, counters, scratch,
+                                             _bound(device), 0, ELEM=8 * elem, BLOCK=knobs.block_bytes // elem,
+                                             VEC=vec, USE_ASM=cuda, STATS=False,
+                                             num_warps=_NUM_WARPS if device.type == "cuda" else 1)
+
+    return run
 
 
 # --------------------------------------------------------------------------------------------
