@@ -113,6 +113,12 @@ def test_worker_wait_times_out_recording_rank_peer_chunk_and_generation(interp):
     with pytest.raises(TimeoutError, match=r"rank 1 waited .* for rank 0 to publish .*generation >= 3.*chunk 11"):
         S._finish(ws, "ag_gemm", None)
     assert ws.broken is not None and "broken" in ws.broken
+    # the GEMM waited in vain for the chunks the stopped workers would have delivered: the
+    # workers' wait stays the reported cause (it names the peer)
+    gemm_error = S._gemm_error(ws)
+    gemm_error[:6] = torch.tensor([1, 5, 11, 1, 0, 0])
+    with pytest.raises(TimeoutError, match=r"for rank 0 to publish .*chunk 11.*GEMM's tiles then timed out"):
+        S._finish(ws, "ag_gemm", gemm_error)
 
 
 @pytest.mark.parametrize("numel, chunk_bytes, ctas", [(1000, 256, 3), (77, 4096, 2), (4096, 1024, 1)])

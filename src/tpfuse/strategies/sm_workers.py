@@ -381,18 +381,24 @@ def _finish(ws: symm.Workspace, op: str, gemm_error: torch.Tensor | None, *outpu
                                                                                   BLOCK=1024)
         return
     breadcrumb(f"sm_workers {op}: checking the waits")
+    cause = None
     try:
         ws.check(op)
     except TimeoutError as exc:
-        raise TimeoutError(_explain(ws, op, exc)) from None
-    finally:
-        if gemm_error is not None:
-            try:
-                check_error_word(gemm_error, rank=ws.rank, timeout_ns=int(symm.timeout_s() * 1e9))
-            except TimeoutError as exc:
+        cause = TimeoutError(_explain(ws, op, exc))
+    if gemm_error is not None:
+        try:
+            check_error_word(gemm_error, rank=ws.rank, timeout_ns=int(symm.timeout_s() * 1e9))
+        except TimeoutError as exc:
+            if cause is None:   # the GEMM's own wait is the first failure seen
                 ws.broken = (f"tpfuse {op}: workspace broken by an earlier timeout ({exc}); "
                              "call tpfuse.release_workspaces()")
                 raise
+            # the workers stopped at a peer's missing flag, so the GEMM's tiles then waited in vain
+            # for the chunks they would have delivered: the workers' wait is the cause to report
+            cause = TimeoutError(f"{cause} (the GEMM's tiles then timed out waiting for those chunks)")
+    if cause is not None:
+        raise cause
 
 
 # --------------------------------------------------------------------------------------------
