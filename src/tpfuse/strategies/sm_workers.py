@@ -578,6 +578,22 @@ class Ring:
                               pub1=_addr(self.free) + 4 * p.slot, pub1_const=p.use + 1,
                               pub2=_flag_addr(ws, "READY", p.owner, rank) if p.last else 0, pub2_gen=1))
         self.tasks = tasks
+        if _cuda(dev):   # compile the ring's kernels now, not while the workers spin on them
+            self._warm_up(ws)
+
+    def _warm_up(self, ws: symm.Workspace) -> None:
+        from tpfuse.kernels.sm_workers import slot_acquire_kernel, slot_ready_kernel
+
+        dev = ws.spec.device
+        try:
+            slot_acquire_kernel.warmup(self.free, 0, 1, ws.error, _where(ws), self.stalls, _bound(dev), ws.rank, 0, 0,
+                                       WAIT_SLOT_FREE, USE_ASM=True, num_warps=1, grid=(1,))
+            slot_ready_kernel.warmup(self.ready, 0, 0, self.stamps, 0, USE_ASM=True, num_warps=1, grid=(1,))
+        except Exception as exc:  # noqa: BLE001 - the first launches compile instead
+            import warnings
+
+            warnings.warn(f"sm_workers: compiling the staging ring's kernels ahead failed ({exc!r}); their first "
+                          "launches compile them while the worker CTAs wait (bounded by TPFUSE_TIMEOUT_S)")
 
     def slot(self, s: int) -> torch.Tensor:
         return self.buffer[s * self.slot_elems:(s + 1) * self.slot_elems]
