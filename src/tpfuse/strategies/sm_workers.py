@@ -8,7 +8,7 @@ rank r of W (``peers`` = r+1, r+2, ... mod W)::
   ag_gemm   compute: begin (credits: peers done reading r's slot of the last call)
                      r's slot <- a_shard; READY[r] on every peer; a_full[r] <- a_shard; arrival
                      words of r's chunks = 1; ONE persistent GEMM (tpfuse.gemm.matmul, wait
-                     hook, round order from r's chunk) on every SM but the workers'
+                     hook, round order from r's chunk) on fused's SM budget less the workers'
             workers: for each peer chunk (peer order): wait READY[p] >= gen, pull it into
                      a_full (vector ld/st), the last worker CTA sets the chunk's arrival word
             side:    after the workers: DONE[r] on every peer (credits back)
