@@ -13,7 +13,8 @@ One process, every visible GPU (no process group): from GPU 0 to each peer GPU `
 
 With one GPU the copies are local (GPU 0 to GPU 0), labelled ``local_copy`` ("same device: SM
 copy, not copy engine"), ``sm_copy`` and ``sm_workers`` to ``cuda:0`` (the bed's "peer" is the
-same GPU): they tell the one-GPU bed's cost, not NVLink's.  On CPU only ``host_copy`` rows are measured (``torch.Tensor.copy_`` in host memory);
+same GPU): they tell the one-GPU bed's cost, not NVLink's.
+On CPU only ``host_copy`` rows are measured (``torch.Tensor.copy_`` in host memory);
 the GPU kinds are rows with null numbers and a reason.
 
 Per row: ``latency_us`` is the median time of one copy of ``bytes`` (CUDA events on the
@@ -181,11 +182,13 @@ def _worker_rows(cfg: CommConfig, src_dev: torch.device, dst_dev: torch.device, 
                             dst.fill_(0)
                             copy = make_copy(src, dst, chunk, SmWorkersKnobs(comm_sms=ctas, block_bytes=inflight))
                             ms = _time_cuda(copy, dst_dev, cfg.iters, cfg.warmup)
-                            reason = None if torch.equal(dst.to(src_dev), src) else "the sm_workers copy wrote wrong data"
+                            same = torch.equal(dst.to(src_dev), src)
+                            reason = None if same else "the sm_workers copy wrote wrong data"
                         except Exception as exc:  # noqa: BLE001 - e.g. no peer access for the kernel
                             reason = common.short_reason(exc)
                     rows.append(_row("sm_workers", label, str(src_dev), str(dst_dev), ctas, words * 4,
-                                     ms if reason is None else None, reason, chunk_bytes=chunk, inflight_bytes=inflight))
+                                     ms if reason is None else None, reason, chunk_bytes=chunk,
+                                     inflight_bytes=inflight))
         del src, dst
     return rows
 

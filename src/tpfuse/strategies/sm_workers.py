@@ -779,8 +779,8 @@ def make_copy(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int, knobs: SmW
     table = torch.tensor([t.row() for t in tasks] or [Task(0, 0, 0).row()], dtype=torch.int64, device=device)
     counters = torch.zeros(max(1, len(tasks)), dtype=torch.int32, device=device)
     words = torch.zeros(1 + symm.ERROR_WORDS + 2 + MAX_COMM_SMS, dtype=torch.int32, device=device)
-    gen, error, where, scratch = (words[:1], words[1:1 + symm.ERROR_WORDS], words[1 + symm.ERROR_WORDS:3 + symm.ERROR_WORDS],
-                                  words[3 + symm.ERROR_WORDS:])
+    e = symm.ERROR_WORDS
+    gen, error, where, scratch = words[:1], words[1:1 + e], words[1 + e:3 + e], words[3 + e:]
     vec = 16 // elem if all(t.src % 16 == 0 and t.dst % 16 == 0 for t in tasks) else 1
     cuda = _cuda(device)
 
