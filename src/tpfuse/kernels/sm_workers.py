@@ -214,7 +214,7 @@ def slot_ready_kernel(ready_ptr, slot, use, stamp_ptr, chunk, USE_ASM: tl.conste
     tl.atomic_xchg(ready_ptr + slot, use + 1, sem="release", scope="sys")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["index"])
 def stamp_kernel(stamp_ptr, index, USE_ASM: tl.constexpr):
     """``stamp[index]`` = %globaltimer (0 without inline PTX): a point in a stream's order."""
     tl.store(stamp_ptr + index, now_ns(USE_ASM))
