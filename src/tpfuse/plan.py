@@ -262,13 +262,13 @@ def _reason(op, strategy, w, predicted, gemm_ms, comm_ms, measured, margin_kept=
 
 
 # Strategies that run only the op's fast dtypes (DESIGN §1: float64 is for unfused and ring).
-_FAST_DTYPE_ONLY = ("copy_engine", "fused")
+_FAST_DTYPE_ONLY = ("copy_engine", "fused", "sm_workers")
 # What a group spanning hosts can run (DESIGN §3: symmetric memory only inside one NVLink domain).
 _NCCL_STRATEGIES = ("unfused", "ring")
 
 
-# fused's Triton GEMM would multiply float32 in TF32: it refuses float32 (strategies/fused.py).
-_NO_FP32 = ("fused",)
+# fused's and sm_workers' Triton GEMM would multiply float32 in TF32: they refuse float32.
+_NO_FP32 = ("fused", "sm_workers")
 
 
 def _runnable_dtype(candidates: tuple[str, ...], dtype: str) -> tuple[str, ...]:

@@ -140,12 +140,12 @@ def test_comm_bench_schema_on_cpu(tmp_path, capsys):
         assert tuple(r) == COMM_ROW_FIELDS
         kinds.setdefault(r["kind"], []).append(r)
         check_nulls_have_reasons(r, ("latency_us", "gb_per_s"))
-    assert sorted(kinds) == ["copy_engine", "host_copy", "sm_copy"]
+    assert sorted(kinds) == ["copy_engine", "host_copy", "sm_copy", "sm_workers"]
     assert [r["bytes"] for r in kinds["host_copy"]] == [2**16, 2**20, 2**24]
     for r in kinds["host_copy"]:
         assert r["gb_per_s"] == pytest.approx(r["bytes"] / (r["latency_us"] * 1e-6) / 1e9)
     assert all(r["latency_us"] is None and "no CUDA" in r["reasons"]["latency_us"]
-               for r in kinds["copy_engine"] + kinds["sm_copy"])
+               for r in kinds["copy_engine"] + kinds["sm_copy"] + kinds["sm_workers"])
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -16,10 +16,10 @@ def _ctx(backend="gloo"):
 
 
 def test_names_derive_from_the_registry():
-    assert strategies.STRATEGY_NAMES == ("unfused", "ring", "copy_engine", "fused")
+    assert strategies.STRATEGY_NAMES == ("unfused", "ring", "copy_engine", "fused", "sm_workers")
     assert _checks.STRATEGY_NAMES is strategies.STRATEGY_NAMES
     assert simulate.STRATEGIES == strategies.STRATEGY_NAMES
-    assert strategies.IMPLEMENTED_NAMES == ("unfused", "ring", "copy_engine", "fused")
+    assert strategies.IMPLEMENTED_NAMES == ("unfused", "ring", "copy_engine", "fused", "sm_workers")
     assert strategies.get("ring").NAME == "ring" and strategies.get("unfused").MODEL == simulate.COLLECTIVE_THEN_GEMM
     for name in strategies.STRATEGY_NAMES:
         assert isinstance(strategies.model(name), simulate.Schedule) and strategies.description(name)

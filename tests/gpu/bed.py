@@ -29,7 +29,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-STRATEGIES = ("copy_engine", "fused")
+STRATEGIES = ("copy_engine", "fused", "sm_workers")
 TIMEOUT_S = 4.0                      # TPFUSE_TIMEOUT_S of the bed's ranks (the dead-peer case times it)
 ENV = {"TPFUSE_POISON": "1", "TPFUSE_DEBUG": "1", "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1",
        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "TPFUSE_TIMEOUT_S": str(TIMEOUT_S)}
@@ -122,7 +122,7 @@ def case_shapes(rank, world_size, strategy, shapes, dtypes):
     rows_out = []
     for rows, k, n in shapes:
         for dname in dtypes:
-            if strategy == "fused" and dname == "fp32":
+            if strategy in ("fused", "sm_workers") and dname == "fp32":
                 continue
             for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
                 m = world_size * rows
@@ -307,6 +307,75 @@ def case_mixed(rank, world_size, calls):
         rows_out.append(dict(case="mixed", op=op, strategy="copy_engine+fused", world_size=world_size, dtype="bf16",
                              shape=None, passed=failed == 0, max_rel_err=worst, calls=calls, failures=failed))
     return rows_out
+
+
+def case_mixed_workers(rank, world_size, calls):
+    """case_mixed with sm_workers in the rotation (its workspaces are the same as the others'):
+    one workspace per op shared by calls of the three strategies and of changing shapes."""
+    plan = [("sm_workers", 48, 72, 200), ("copy_engine", 512, 1024, 256), ("sm_workers", 512, 1024, 256),
+            ("fused", 64, 96, 128), ("sm_workers", 40, 96, 128), ("fused", 256, 2048, 64), ("sm_workers", 256, 2048, 64)]
+    rows_out = []
+    for op in ("gemm_ar", "ag_gemm", "gemm_rs"):
+        failed, worst = 0, 0.0
+        for i in range(calls):
+            strategy, rows, n, k = plan[i % len(plan)]
+            prob = Problem(7500 + i, world_size, world_size * rows, k, n, torch.bfloat16)
+            out = _call(op, strategy, prob, rank)
+            err, tol, ok = _check(op, out, prob, rank)
+            failed += not ok
+            worst = max(worst, err)
+        rows_out.append(dict(case="mixed_workers", op=op, strategy="copy_engine+fused+sm_workers",
+                             world_size=world_size, dtype="bf16", shape=None, passed=failed == 0, max_rel_err=worst,
+                             calls=calls, failures=failed))
+    return rows_out
+
+
+def case_queue_wrap(rank, world_size, calls):
+    """sm_workers' staging ring wrapping around: 1 or 2 slots (alternating every 3 calls) for 4
+    pieces per owner (chunk_rows 16 of 64), one worker CTA with 1 KiB blocks (slower than the
+    producer's GEMMs), a moving straggler (0-5 ms before each call), ``calls`` calls in a row
+    alternating gemm_rs, gemm_ar (two-shot: > 1 MiB) and ag_gemm (chunks of 16 rows).  Every
+    call is checked; every 25th fills ``stats=``, and over all ranks the producers must have
+    waited on credits at least once (the ring's backpressure ran).  One call per op keeps its
+    stats in the rows."""
+    from tpfuse._dist import group_context
+    from tpfuse.strategies import sm_workers
+
+    ctx = group_context(None)
+    rnd = random.Random(rank * 104729 + 3)
+    rows, k, n = 64, 96, 4608
+    ops = ("gemm_rs", "gemm_ar", "ag_gemm")
+    worst, failed, counts = {op: 0.0 for op in ops}, {op: 0 for op in ops}, {op: 0 for op in ops}
+    kept, stalls = {}, 0
+    for i in range(calls):
+        op = ops[i % 3]
+        knobs = sm_workers.SmWorkersKnobs(comm_sms=1, slots=1 if (i // 3) % 2 == 0 else 2, block_bytes=1024,
+                                          chunk_rows=16)
+        prob = Problem(9100 + i, world_size, world_size * rows, k, n, torch.bfloat16)
+        stats = {} if i % 25 < 3 else None
+        time.sleep(rnd.uniform(0, 0.005))
+        if op == "ag_gemm":
+            out = sm_workers.ag_gemm(prob.a_shard(rank), prob.w[rank].t(), ctx, knobs=knobs, stats=stats)
+        else:
+            fn = sm_workers.gemm_rs if op == "gemm_rs" else sm_workers.gemm_ar
+            out = fn(prob.a_rs[rank], prob.w[rank].t(), ctx, knobs=knobs, stats=stats)
+        err, tol, ok = _check(op, out, prob, rank)
+        worst[op] = max(worst[op], err)
+        failed[op] += not ok
+        counts[op] += 1
+        if stats:
+            stalls += stats.get("producer_stalls", 0)
+            if op not in kept:
+                chunks = stats.pop("chunks")
+                stats["max_chunk_latency_us"] = max(c["latency_ns"] for c in chunks) / 1e3
+                stats["chunks"] = len(chunks)
+                kept[op] = stats
+    total = torch.tensor([stalls], dtype=torch.int64)
+    dist.all_reduce(total)   # gloo, CPU
+    return [dict(case="queue_wrap", op=op, strategy="sm_workers", world_size=world_size, dtype="bf16",
+                 shape=[world_size * rows, n, k], passed=failed[op] == 0 and total.item() > 0, max_rel_err=worst[op],
+                 calls=counts[op], failures=failed[op], producer_stalls_all_ranks=total.item(), stats=kept.get(op))
+            for op in ops]
 
 
 def case_straggler(rank, world_size, strategy, calls):
@@ -578,6 +647,9 @@ def run_all(rank, world_size, strategy, quick, dead_peer=False, cases=None):
         ("graph", lambda: case_graph(rank, world_size, strategy, 5 if quick else 8)),
         ("asynctp", lambda: case_asynctp(rank, world_size, strategy)),
         ("mixed", lambda: case_mixed(rank, world_size, 12 if quick else 36) if strategy == "fused" else []),
+        ("mixed_workers", lambda: case_mixed_workers(rank, world_size, 14 if quick else 42)
+         if strategy == "sm_workers" else []),
+        ("queue_wrap", lambda: case_queue_wrap(rank, world_size, 30 if quick else 200) if strategy == "sm_workers" else []),
         ("chunks", lambda: case_chunks(rank, world_size, strategy, shapes + llama[:1]) if strategy == "fused" else []),
         ("timing", lambda: case_timing(rank, world_size, strategy, llama, 10 if quick else 30)),
     ]
@@ -665,8 +737,8 @@ def main(argv=None) -> int:
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cases", nargs="+", default=None,
-                        help="run only these cases (shapes llama stress straggler graph asynctp mixed chunks timing dead_peer "
-                             "queued_after_timeout)")
+                        help="run only these cases (shapes llama stress straggler graph asynctp mixed mixed_workers queue_wrap "
+                             "chunks timing dead_peer queued_after_timeout)")
     parser.add_argument("--timeout", type=float, default=500)
     parser.add_argument("--out", default="symm_1gpu.json")
     args = parser.parse_args(argv)

@@ -48,7 +48,9 @@ def test_comm_bench_on_gpu():
     assert torch.equal(src, dst)
     result = run_comm_bench(quick_comm_config(iters=3))
     kinds = {r["kind"] for r in result["rows"]}
-    assert kinds == ({"copy_engine", "sm_copy"} if torch.cuda.device_count() > 1 else {"local_copy", "sm_copy"})
+    assert kinds == ({"copy_engine", "sm_copy", "sm_workers"} if torch.cuda.device_count() > 1
+                     else {"local_copy", "sm_copy", "sm_workers"})
+    assert all(r["gb_per_s"] for r in result["rows"] if r["kind"] == "sm_workers")
     for r in result["rows"]:
         assert (r["latency_us"] is None) == bool(r["reasons"]), r
         assert "wrong data" not in str(r["reasons"])

@@ -49,7 +49,7 @@ __all__ = ["BenchConfig", "ROW_FIELDS", "run_bench", "format_rows", "write_resul
 L2_BYTES = 60 * 2**20  # H200 (the largest L2 we run on); rotating past it on smaller GPUs is harmless
 # Strategies that move data through symmetric memory, not the process group: the only ones that
 # run in the one-GPU bed (its gloo group cannot carry CUDA tensors).
-SYMMETRIC_STRATEGIES = ("copy_engine", "fused")
+SYMMETRIC_STRATEGIES = ("copy_engine", "fused", "sm_workers")
 # Every row has these keys, in this order (the table above; null + a reason where not measured).
 ROW_FIELDS = ("cell", "model", "phase", "gemm", "op", "m", "n", "k", "world_size", "dtype", "strategy", "resolved",
               "ms", "unfused_ms", "asynctp_ms", "gemm_ms", "comm_ms", "exposed_comm_ms", "overlap_efficiency",

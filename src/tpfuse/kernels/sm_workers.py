@@ -1,0 +1,220 @@
+"""Kernels of the ``sm_workers`` strategy (tpfuse/strategies/sm_workers.py): communication
+worker CTAs that move chunks over peer pointers, and the one-program flag kernels of its
+staging ring.
+
+**Worker kernel.**  A grid of ``comm_sms`` programs (one CTA, so one SM, each) works through a
+*task table* in order, every program taking a 1/G stripe of every task (G = grid size)::
+
+    for task t in [task_lo, task_hi):
+        wait until *wait[t] >= target(t)         (acquire, system scope; bounded; skipped if wait[t] == 0)
+        dst[t][i] = src[t][i] for this program's stripe of the numel[t] elements
+        CTA barrier; counters[t] += 1           (acq_rel, GPU scope)
+        the program that made it G (the last):  counters[t] = 0 (for the next launch), then
+            *pub1[t] = value1(t), *pub2[t] = value2(t)   (release, system scope; skipped if 0)
+
+``target`` and the published values are ``const + per_gen * gen`` with ``gen`` the workspace's
+generation in device memory (so a CUDA graph replay publishes the generation of the replay),
+e.g. a peer's READY flag (``0 + 1 * gen``) or a ring slot's use count (``u + 1 + 0 * gen``).
+
+Memory ordering: the peer data a task reads was published by its owner with a system-scope
+release and is read after this program's system-scope acquire of the flag (``wait_geq``).  The
+publisher's release is cumulative over every program's stores: each program's stores precede
+its counter increment (the CTA barrier orders the CTA's threads before the one thread that
+increments; the increment is a release), and the last incrementer acquires them all (acq_rel
+read-modify-write) before its own system-scope release of ``pub1``/``pub2``.  So one release
+makes the whole task *remote visible* (a peer's READY) and the source *reusable* (a ring slot's
+FREE word): two words with two readers, written at the point where both conditions hold.
+
+Stripes are 16-byte vectors when the host says every address and length is 16-byte aligned
+(``VEC`` elements per vector): the unmasked body of each stripe loads ``BLOCK`` elements per
+iteration (the bytes one worker CTA has in flight), and a masked tail copies what is left.
+
+A wait that times out records (what, peer, target, last seen, rank) in the workspace's error
+word through ``flags._record`` (the first one wins) and the task and its chunk in ``where``
+(``[1 + task, chunk]``, first writer wins); the program then stops, and so, within one spin,
+does every other wait of the workspace.  The others' counters never complete, so their
+consumers time out too: every wait is bounded.
+
+**Stats** (``STATS=True``): ``stats[t] = [first wait start, first copy start, last copy end,
+waited (0/1 per program, summed)]`` in ``%globaltimer`` ns (0 without inline PTX).
+
+**Ring kernels** (one program, one warp, on the compute stream): :func:`slot_acquire_kernel`
+(the producer waits for a FREE slot: ``free[slot] >= use``, counting stalls and their time) and
+:func:`slot_ready_kernel` (``ready[slot] = use + 1`` after the chunk's GEMM, with a time stamp).
+"""
+import triton
+import triton.language as tl
+
+from tpfuse.kernels.flags import _record
+from tpfuse.kernels.signals import ld_acquire_sys, now_ns, wait_geq
+
+# Columns of the int64 task table (the host side, tpfuse/strategies/sm_workers.py, reads the
+# ``.value`` of these: one definition for both sides).
+T_SRC = tl.constexpr(0)           # byte address of the source elements
+T_DST = tl.constexpr(1)           # byte address of the destination elements
+T_NUMEL = tl.constexpr(2)         # elements to copy
+T_WAIT = tl.constexpr(3)          # byte address of the int32 flag to wait for (0: no wait)
+T_WAIT_CONST = tl.constexpr(4)    # target = const + per_gen * gen
+T_WAIT_GEN = tl.constexpr(5)
+T_WHAT = tl.constexpr(6)          # the wait's code in the error word (tpfuse/symm.py WAIT_KINDS)
+T_PEER = tl.constexpr(7)          # group rank the wait is for (error word)
+T_CHUNK = tl.constexpr(8)         # communication chunk (``where`` and stats)
+T_PUB1 = tl.constexpr(9)          # byte address of an int32 published when the task is done (0: none)
+T_PUB1_CONST = tl.constexpr(10)
+T_PUB1_GEN = tl.constexpr(11)
+T_PUB2 = tl.constexpr(12)
+T_PUB2_CONST = tl.constexpr(13)
+T_PUB2_GEN = tl.constexpr(14)
+TASK_COLUMNS = tl.constexpr(15)
+
+# Columns of the int64 stats table (one row per task)
+S_WAIT_START = tl.constexpr(0)    # min over programs: the task's wait began
+S_COPY_START = tl.constexpr(1)    # min over programs: the wait was over, loads issued
+S_COPY_END = tl.constexpr(2)      # max over programs: the program's stores issued and counted
+S_WAITED = tl.constexpr(3)        # programs whose wait found the flag not yet there
+STATS_COLUMNS = tl.constexpr(4)
+
+
+@triton.jit
+def _copy_stripe(src, dst, numel, pid, num_programs, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """This program's stripe of ``dst[:numel] = src[:numel]``: blocks pid, pid + G, ... of
+    BLOCK elements, unmasked (vectors of VEC elements) while whole, then the masked tail."""
+    whole = numel // BLOCK
+    for blk in range(pid, whole, num_programs):
+        offs = tl.arange(0, BLOCK).to(tl.int64) + blk * BLOCK   # blk: int64 (whole is)
+        s = src + offs
+        d = dst + offs
+        if VEC > 1:   # host-checked: every address and BLOCK are 16-byte multiples
+            s = tl.multiple_of(s, 16)
+            d = tl.multiple_of(d, 16)
+        tl.store(d, tl.load(s))
+    if pid == whole % num_programs:
+        offs = whole.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _publish_if(row_ptr, COL: tl.constexpr, gen):
+    addr = tl.load(row_ptr + COL)
+    if addr != 0:
+        value = (tl.load(row_ptr + COL + 1) + tl.load(row_ptr + COL + 2) * gen).to(tl.int32)
+        tl.atomic_xchg(addr.to(tl.pointer_type(tl.int32)), value, sem="release", scope="sys")
+
+
+@triton.jit
+def _note_where(where_ptr, task, chunk):
+    """First writer wins: ``where = [1 + task, chunk]`` of the wait that timed out."""
+    old = tl.atomic_cas(where_ptr, 0, 1 + task, sem="relaxed", scope="gpu")
+    if old == 0:
+        tl.store(where_ptr + 1, chunk)
+
+
+@triton.jit
+def _uniform(value, scratch_ptr):
+    """``value`` as one thread of the CTA holds it, in every thread: the warps of a worker CTA
+    spin on a flag independently and may leave the spin with different outcomes (one sees the
+    flag just as another times out, or sees another program's error); the branches after it
+    hold CTA barriers, which every thread must reach.  (A scalar store is made by one thread;
+    the barrier orders it before every thread's load, and the load before the next store.)"""
+    tl.store(scratch_ptr, value)
+    tl.debug_barrier()
+    out = tl.load(scratch_ptr, volatile=True)
+    tl.debug_barrier()
+    return out
+
+
+@triton.jit(do_not_specialize=["task_lo", "task_hi", "dst_base", "timeout", "rank"])
+def worker_kernel(tasks_ptr, task_lo, task_hi, dst_base, gen_ptr, counters_ptr, err_ptr, where_ptr, stats_ptr,
+                  scratch_ptr, timeout, rank, ELEM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+                  USE_ASM: tl.constexpr, STATS: tl.constexpr):
+    """Tasks ``[task_lo, task_hi)`` of the table (module docstring); destinations are
+    ``dst_base`` + the table's (a byte address: the call's fresh output, or 0); elements are
+    copied as ELEM-bit integers (bit-exact whatever the dtype).  ``scratch``: one int32 per
+    program (:func:`_uniform`)."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    if ELEM == 16:
+        ty = tl.int16
+    elif ELEM == 32:
+        ty = tl.int32
+    else:
+        ty = tl.int8
+    scratch = scratch_ptr + pid
+    gen = tl.load(gen_ptr).to(tl.int64)
+    stop = _uniform((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), scratch) != 0
+    for t in range(task_lo, task_hi):
+        if not stop:
+            row = tasks_ptr + t * TASK_COLUMNS
+            flag = tl.load(row + T_WAIT)
+            t_wait = now_ns(USE_ASM)
+            status = tl.full((), 0, tl.int32)
+            seen = tl.full((), 0, tl.int32)
+            target = tl.full((), 0, tl.int32)
+            waited = tl.full((), 0, tl.int64)
+            if flag != 0:
+                target = (tl.load(row + T_WAIT_CONST) + tl.load(row + T_WAIT_GEN) * gen).to(tl.int32)
+                flag_ptr = flag.to(tl.pointer_type(tl.int32))
+                waited = (ld_acquire_sys(flag_ptr, USE_ASM) < target).to(tl.int64)
+                status, seen = wait_geq(flag_ptr, target, timeout, err_ptr, USE_ASM)
+            status = _uniform(status, scratch)
+            if status == 1:
+                _record(err_ptr, tl.load(row + T_WHAT).to(tl.int32), tl.load(row + T_PEER).to(tl.int32),
+                        target, seen, rank)
+                _note_where(where_ptr, t, tl.load(row + T_CHUNK).to(tl.int32))
+            stop = status != 0
+            if not stop:
+                t_copy = now_ns(USE_ASM)
+                src = tl.load(row + T_SRC).to(tl.pointer_type(ty))
+                dst = (tl.load(row + T_DST) + dst_base).to(tl.pointer_type(ty))
+                _copy_stripe(src, dst, tl.load(row + T_NUMEL), pid, num_programs, BLOCK, VEC)
+                tl.debug_barrier()   # every thread's stores before the count (cumulativity)
+                old = tl.atomic_add(counters_ptr + t, 1, sem="acq_rel", scope="gpu")
+                if old == num_programs - 1:
+                    tl.store(counters_ptr + t, 0)
+                    _publish_if(row, T_PUB1, gen)
+                    _publish_if(row, T_PUB2, gen)
+                if STATS:
+                    srow = stats_ptr + t * STATS_COLUMNS
+                    tl.atomic_min(srow + S_WAIT_START, t_wait, sem="relaxed", scope="gpu")
+                    tl.atomic_min(srow + S_COPY_START, t_copy, sem="relaxed", scope="gpu")
+                    tl.atomic_max(srow + S_COPY_END, now_ns(USE_ASM), sem="relaxed", scope="gpu")
+                    tl.atomic_add(srow + S_WAITED, waited, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["slot", "use", "timeout", "rank", "peer", "chunk", "what"])
+def slot_acquire_kernel(free_ptr, slot, use, err_ptr, where_ptr, stall_ptr, timeout, rank, peer, chunk, what,
+                        USE_ASM: tl.constexpr):
+    """The producer takes ring slot ``slot`` for its ``use``-th use of this call: wait until
+    ``free[slot] >= use`` (every earlier use drained by the workers; acquire, system scope,
+    bounded).  ``stall = [stalls, stalled ns]`` counts the waits that found it not yet free.
+    On timeout: the error word (``what``, ``peer`` = the owner of the chunk waiting, target
+    ``use``) and ``where = [-1 - slot, chunk]``."""
+    flag = free_ptr + slot
+    if tl.load(err_ptr, volatile=True) == 0:
+        seen0 = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        if seen0 < use:
+            start = now_ns(USE_ASM)
+            status, seen = wait_geq(flag, use, timeout, err_ptr, USE_ASM)
+            tl.atomic_add(stall_ptr, 1, sem="relaxed", scope="gpu")
+            tl.atomic_add(stall_ptr + 1, now_ns(USE_ASM) - start, sem="relaxed", scope="gpu")
+            if status == 1:
+                _record(err_ptr, what, peer, use, seen, rank)
+                old = tl.atomic_cas(where_ptr, 0, -1 - slot, sem="relaxed", scope="gpu")
+                if old == 0:
+                    tl.store(where_ptr + 1, chunk)
+
+
+@triton.jit(do_not_specialize=["slot", "use", "chunk"])
+def slot_ready_kernel(ready_ptr, slot, use, stamp_ptr, chunk, USE_ASM: tl.constexpr):
+    """After the chunk's GEMM (stream order): ``stamp[chunk]`` = %globaltimer (the chunk entered
+    the ready queue; 0 without inline PTX), then ``ready[slot] = use + 1`` (release, system
+    scope)."""
+    tl.store(stamp_ptr + chunk, now_ns(USE_ASM))
+    tl.atomic_xchg(ready_ptr + slot, use + 1, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["index"])
+def stamp_kernel(stamp_ptr, index, USE_ASM: tl.constexpr):
+    """``stamp[index]`` = %globaltimer (0 without inline PTX): a point in a stream's order."""
+    tl.store(stamp_ptr + index, now_ns(USE_ASM))

@@ -1,0 +1,374 @@
+"""The ``sm_workers`` strategy on CPU: its worker kernel's index math, its staging ring's
+queue/credit protocol on fake ranks under TRITON_INTERPRET=1 (CPU tensors stand in for the
+ranks' symmetric allocations, tpfuse/symm.py), its knobs and stats, the sm_90 compile of its
+kernels, and its refusal on a gloo group.  The concurrent schedule runs on the GPU bed
+(tests/gpu/bed.py): here the interpreter runs kernels one after another, so each ring piece's
+worker launch follows its producer (``push_partials`` on a CPU device)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed; the interpreter tests need it")
+
+import tpfuse.kernels  # noqa: E402
+from tpfuse import symm  # noqa: E402
+from tpfuse.strategies import sm_workers as S  # noqa: E402
+
+from _symm_interp import fake_ranks, interpreted  # noqa: E402
+
+_MODULE = "tpfuse.kernels.sm_workers"
+
+
+def _drop_module() -> None:
+    sys.modules.pop(_MODULE, None)
+    vars(tpfuse.kernels).pop("sm_workers", None)
+
+
+@contextlib.contextmanager
+def _interp():
+    """The shared interpreter switch, plus this strategy's kernel module decorated afresh."""
+    with interpreted():
+        _drop_module()
+        try:
+            yield
+        finally:
+            _drop_module()
+
+
+@pytest.fixture
+def interp():
+    with _interp():
+        yield
+
+
+def _kernels():
+    import importlib
+
+    return importlib.import_module(_MODULE)
+
+
+# --------------------------------------------------------------------------------------------
+# the worker kernel
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("comm_sms, aligned", [(1, True), (3, True), (3, False)])
+def test_worker_copy_covers_odd_sizes_exactly_and_publishes_once(interp, comm_sms, aligned):
+    """Tasks of 0, 1, 127, 128, 129, 1000 and 3 x 128 + 5 elements over 1 or 3 worker
+    programs (blocks of 128 elements): every element copied bit-exactly, nothing written past
+    a task's end, each counter back at 0, each task's words published with const + per_gen x gen."""
+    ws = fake_ranks(1, 4096, torch.float16, op="ag_gemm")[0]
+    ws.gen.fill_(7)
+    sizes = [0, 1, 127, 128, 129, 1000, 3 * 128 + 5]
+    pad = 0 if aligned else 1                        # odd element offsets: no 16-byte vectors
+    total = sum(-(-(s + 8) // 8) * 8 + pad for s in sizes)
+    src = torch.randint(-2**15, 2**15 - 1, (total,), dtype=torch.int16).view(torch.float16)
+    dst = torch.full((total,), -1, dtype=torch.int16).view(torch.float16)
+    words = torch.zeros(2 * len(sizes), dtype=torch.int32)
+    tasks, offsets, at = [], [], pad
+    for i, size in enumerate(sizes):
+        offsets.append(at)
+        tasks.append(S.Task(src=src.data_ptr() + 2 * at, dst=2 * at, numel=size, chunk=i,
+                            pub1=words.data_ptr() + 4 * i, pub1_const=i + 1,
+                            pub2=words.data_ptr() + 4 * (len(sizes) + i), pub2_gen=1))
+        at += -(-(size + 8) // 8) * 8 + pad          # aligned: tasks start on 16-byte boundaries
+    kn = S.SmWorkersKnobs(comm_sms=comm_sms, block_bytes=256)
+    launch = S._launch_tables(ws, ("test", comm_sms, aligned), lambda: tasks)
+    assert launch.aligned == aligned
+    S.launch_workers(ws, launch, kn, dst_base=dst.data_ptr())
+    got, want = dst.view(torch.int16), src.view(torch.int16)
+    for off, size in zip(offsets, sizes):
+        assert torch.equal(got[off:off + size], want[off:off + size]), f"task of {size} elements"
+        assert got[off + size:off + size + 8].eq(-1).all(), f"written past the end of a task of {size}"
+    assert got[:pad].eq(-1).all()
+    assert launch.counters.eq(0).all()
+    assert words[:len(sizes)].tolist() == list(range(1, len(sizes) + 1))
+    assert words[len(sizes):].eq(7).all()
+    assert ws.error[0].item() == 0
+
+
+def test_worker_wait_times_out_recording_rank_peer_chunk_and_generation(interp):
+    """Task 1 waits for a peer's READY that never comes: the error word names the wait
+    (what, peer, target generation, last seen, rank), ``where`` the task and chunk; task 0 was
+    done, task 2 (after the failed wait) was not; the host check raises a TimeoutError naming
+    them and breaks the workspace."""
+    ws = fake_ranks(2, 4096, torch.float16, op="ag_gemm")[1]
+    ws.gen.fill_(3)
+    ws.calls = 3
+    flag = torch.zeros(1, dtype=torch.int32)
+    flag.fill_(2)                                   # the peer is a call behind
+    src = torch.arange(64, dtype=torch.float16)
+    dst = torch.zeros(3 * 64, dtype=torch.float16)
+    tasks = [S.Task(src=src.data_ptr(), dst=dst.data_ptr() + 128 * i, numel=64, chunk=10 + i, peer=0,
+                    what=symm.WAIT_READY, wait=flag.data_ptr() if i == 1 else 0, wait_gen=1) for i in range(3)]
+    launch = S._launch_tables(ws, ("timeout",), lambda: tasks)
+    S.launch_workers(ws, launch, S.SmWorkersKnobs(comm_sms=2, block_bytes=256))
+    assert ws.error.tolist()[:6] == [1, symm.WAIT_READY, 0, 3, 2, 1]
+    assert S._where(ws).tolist() == [2, 11]
+    assert torch.equal(dst[:64], src) and dst[64:].eq(0).all()
+    with pytest.raises(TimeoutError, match=r"rank 1 waited .* for rank 0 to publish .*generation >= 3.*chunk 11"):
+        S._finish(ws, "ag_gemm", None)
+    assert ws.broken is not None and "broken" in ws.broken
+    # the GEMM waited in vain for the chunks the stopped workers would have delivered: the
+    # workers' wait stays the reported cause (it names the peer)
+    gemm_error = S._gemm_error(ws)
+    gemm_error[:6] = torch.tensor([1, 5, 11, 1, 0, 0])
+    with pytest.raises(TimeoutError, match=r"for rank 0 to publish .*chunk 11.*GEMM's tiles then timed out"):
+        S._finish(ws, "ag_gemm", gemm_error)
+
+
+@pytest.mark.parametrize("numel, chunk_bytes, ctas", [(1000, 256, 3), (77, 4096, 2), (4096, 1024, 1)])
+def test_make_copy_the_bench_grid_copies_int32_exactly(interp, numel, chunk_bytes, ctas):
+    """``tpfuse bench comm``'s sm_workers rows: the worker kernel alone, chunks of ``chunk_bytes``."""
+    src = torch.randint(-2**31, 2**31 - 1, (numel,), dtype=torch.int32)
+    dst = torch.zeros(numel + 4, dtype=torch.int32)
+    S.make_copy(src, dst[:numel], chunk_bytes, S.SmWorkersKnobs(comm_sms=ctas, block_bytes=256))()
+    assert torch.equal(dst[:numel], src) and dst[numel:].eq(0).all()
+    with pytest.raises(ValueError, match="make_copy: src and dst"):
+        S.make_copy(src, dst, chunk_bytes, S.SmWorkersKnobs(comm_sms=1))
+
+
+# --------------------------------------------------------------------------------------------
+# the staging ring
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world_size, m, chunk_rows, slots", [(3, 15, None, 2), (3, 15, 2, 1), (4, 10, 1, 2),
+                                                                (4, 2, None, 1), (2, 9, 4, 3)])
+def test_ring_pieces_cover_every_peer_row_once_in_owner_order_and_wrap_the_slots(world_size, m, chunk_rows, slots):
+    from tpfuse.strategies.ring import _row_bounds
+
+    bounds = _row_bounds(m, world_size)
+    for rank in range(world_size):
+        pieces = S.ring_pieces(rank, world_size, bounds, chunk_rows, slots)
+        owners = [(rank + i) % world_size for i in range(1, world_size)]
+        assert [p.owner for p in pieces] == sorted((p.owner for p in pieces), key=owners.index)
+        covered = torch.zeros(m, dtype=torch.int32)
+        for j, p in enumerate(pieces):
+            assert (p.slot, p.use) == (j % slots, j // slots)
+            lo, hi = bounds[p.owner]
+            assert lo <= p.lo <= p.hi <= hi and (chunk_rows is None or p.hi - p.lo <= chunk_rows)
+            covered[p.lo:p.hi] += 1
+            assert p.last == (j + 1 == len(pieces) or pieces[j + 1].owner != p.owner)
+        lo, hi = bounds[rank]
+        assert covered[lo:hi].eq(0).all() and (covered.sum() == m - (hi - lo))
+        assert covered.le(1).all()
+
+
+def _rs_calls(world_size, shard, n, k, kn, calls, dtype=torch.float16):
+    """gemm_rs's schedule on fake ranks, ``calls`` calls in a row: begin, push_partials (ring
+    + workers), the owner's READY wait and fp32 reduce, DONE.  Returns per call the max error
+    against the float64 reference, and checks the ring's words and the generations."""
+    m = world_size * shard
+    ws = fake_ranks(world_size, world_size * shard * n * 2, dtype)
+    bounds = [(r * shard, (r + 1) * shard) for r in range(world_size)]
+    errors = []
+    for call in range(1, calls + 1):
+        g = torch.Generator().manual_seed(call)
+        a = [torch.randn(m, k, generator=g).to(dtype) for _ in range(world_size)]
+        b = [torch.randn(n, k, generator=g).to(dtype).t() for _ in range(world_size)]
+        sources = {}
+        for r in range(world_size):
+            ws[r].data(r, (world_size * shard * n,)).fill_(float("nan"))   # poisoned inboxes
+        for r in range(world_size):
+            peers = [(r + i) % world_size for i in range(1, world_size)]
+            ws[r].begin(ws[r].incoming("DONE", peers))
+            stats = {}
+            sources[r] = S.push_partials(a[r], b[r], ws[r], bounds, shard, kn, stats)
+            ring, _ = S._ring(ws[r], bounds, shard, n, kn)
+            assert ring.words.eq(0).all(), "ring words not reset after the workers"
+            assert len(stats["chunks"]) == len(ring.pieces) > kn.slots or kn.chunk_rows is None
+            assert ws[r].error[0].item() == 0
+        worst = 0.0
+        for r in range(world_size):
+            peers = [(r + i) % world_size for i in range(1, world_size)]
+            assert ws[r].gen.item() == call
+            for p in peers:   # the generation of this call, raised by p's workers after its last piece
+                assert ws[r].flags[r][symm.flag_index("READY", p, world_size)].item() == call
+            out = torch.full((shard, n), float("nan"), dtype=dtype)
+            ws[r].wait(ws[r].incoming("READY", peers), symm.WAIT_READY)
+            ws[r].reduce(("rs", shard, n), sources[r], out)
+            ws[r].signal(ws[r].outgoing("DONE", peers))
+            lo, hi = bounds[r]
+            want = sum(a[s][lo:hi].double() @ b[s].double() for s in range(world_size))
+            assert torch.isfinite(out).all()
+            worst = max(worst, ((out.double() - want).abs().max() / want.abs().max()).item())
+        errors.append(worst)
+    return errors
+
+
+@pytest.mark.parametrize("world_size, shard, chunk_rows, slots, calls", [(3, 5, 2, 1, 3), (2, 7, 3, 2, 2),
+                                                                        (3, 4, None, 1, 2)])
+def test_ring_wraps_around_across_calls_and_every_owner_gets_the_reduce_scatter(interp, world_size, shard,
+                                                                               chunk_rows, slots, calls):
+    """More pieces than slots (5 rows in pieces of 2 through 1 slot: 6 pieces per call), calls
+    in a row: each piece waits for its slot's credit, the owners' READY flags carry the
+    call's generation, the ring's words return to 0 after every call, and every owner's fp32
+    reduce is the reduce-scatter of the W products."""
+    kn = S.SmWorkersKnobs(comm_sms=2, slots=slots, block_bytes=256, chunk_rows=chunk_rows)
+    errors = _rs_calls(world_size, shard, 24, 20, kn, calls=calls)
+    assert max(errors) < 5e-3, errors
+
+
+def test_a_producer_without_a_credit_times_out_with_a_clear_error(interp):
+    """One slot, two pieces: the second piece's producer waits for the slot's credit, which
+    no worker returns (the first piece's worker launch never ran): the wait ends within the
+    bound and the host raises a TimeoutError naming the rank, the slot, the chunk and the owner."""
+    world_size, shard, n, k = 2, 6, 8, 8
+    kn = S.SmWorkersKnobs(comm_sms=2, slots=1, block_bytes=256, chunk_rows=3)
+    ws = fake_ranks(world_size, world_size * shard * n * 2, torch.float16)[0]
+    ws.begin(ws.incoming("DONE", [1]))
+    bounds = [(r * shard, (r + 1) * shard) for r in range(world_size)]
+    ring, _ = S._ring(ws, bounds, shard, n, kn)
+    a, b = torch.randn(world_size * shard, k).half(), torch.randn(k, n).half()
+    ring.produce(ws, 0, a, b)
+    assert ring.ready.tolist() == [1] and ws.error[0].item() == 0
+    ring.produce(ws, 1, a, b)                  # slot 0's use 1: needs free[0] >= 1
+    assert ws.error.tolist()[:6] == [1, S.WAIT_SLOT_FREE, 1, 1, 0, 0]
+    assert ring.stalls[0].item() == 1
+    with pytest.raises(TimeoutError, match=r"rank 0's producer waited .* FREE slot 0 .*chunk 1, for owner rank 1"):
+        S._finish(ws, "gemm_rs", None)
+
+
+def test_ag_gemm_workers_fill_the_gathered_input_and_the_gemm_waits_per_chunk(interp):
+    """ag_gemm's two phases on 3 fake ranks, two calls in a row, shards of 6 rows in chunks of 3
+    (each with an arrival word): the gathered input is bitwise the shards, c is the product, the
+    arrival words are 0 again after the call, and the DONE credits let the next call begin."""
+    world_size, m_shard, n, k = 3, 6, 7, 9
+    kn = S.SmWorkersKnobs(comm_sms=2, block_bytes=256, chunk_rows=3)
+    ws = fake_ranks(world_size, m_shard * k * 2, torch.float16, op="ag_gemm")
+    for call in range(2):
+        g = torch.Generator().manual_seed(call)
+        a = torch.randn(world_size * m_shard, k, generator=g).half()
+        b = torch.randn(n, k, generator=g).half().t()
+        for r in range(world_size):
+            S.ag_publish(a[r * m_shard:(r + 1) * m_shard], ws[r])
+        for r in range(world_size):
+            a_full = torch.full((world_size * m_shard, k), float("nan")).half()
+            c = torch.full((world_size * m_shard, n), float("nan")).half()
+            stats = {}
+            S.ag_pull_and_gemm(a[r * m_shard:(r + 1) * m_shard], b, ws[r], kn, a_full, c, stats)
+            assert ws[r].error[0].item() == 0 and S._gemm_error(ws[r])[0].item() == 0
+            assert torch.equal(a_full, a)
+            ref = a.double() @ b.double()
+            assert (c.double() - ref).abs().max() <= 5e-3 * ref.abs().max()
+            assert S._words(ws[r], "arrived", world_size * 2).eq(0).all()
+            assert [ch["chunk"] for ch in stats["chunks"]] == [((r + i) % world_size) * 2 + q
+                                                               for i in (1, 2) for q in (0, 1)]
+    with pytest.raises(ValueError, match="chunk_rows=4 does not divide the shard's 6 rows"):
+        S._ag_chunk_rows(6, S.SmWorkersKnobs(comm_sms=1, chunk_rows=4))
+
+
+# --------------------------------------------------------------------------------------------
+# knobs and stats (plain Python)
+# --------------------------------------------------------------------------------------------
+def test_knobs_are_checked_and_defaults_are_a_pure_function_of_the_gpu_and_w():
+    for bad in (dict(comm_sms=0), dict(comm_sms=True), dict(comm_sms=2, slots=0), dict(comm_sms=2, block_bytes=1000),
+                dict(comm_sms=2, block_bytes=128), dict(comm_sms=2, chunk_rows=0)):
+        with pytest.raises(ValueError, match="SmWorkersKnobs"):
+            S.SmWorkersKnobs(**bad)
+    assert S.default_knobs(4, 132) == S.SmWorkersKnobs(comm_sms=16, slots=2, block_bytes=16384)
+    assert S.default_knobs(4, 132, shared_gpu=True).comm_sms == 132 // 5 // 4
+    assert S.default_knobs(2, 8).comm_sms == 2
+    # the AG GEMM leaves the workers' SMs free, within fused's budget
+    assert S.gemm_programs(132, 4, 16) == 131 - 16
+    assert S.gemm_programs(132, 4, 6, shared_gpu=True) == 132 // 5 - 6
+    assert S.gemm_programs(8, 2, 16) == 1
+    with pytest.raises(TypeError, match="knobs: expected"):
+        S._knobs({"comm_sms": 2}, 2, torch.device("cpu"))
+
+
+def test_summarize_derives_in_flight_bytes_queue_depth_and_the_tail_from_the_stamps():
+    tasks = [S.Task(src=0, dst=0, numel=100, chunk=j, peer=1) for j in range(3)]
+    #              wait start, copy start, copy end, waited CTAs   (ns)
+    stats = torch.tensor([[0, 10, 50, 0], [5, 20, 70, 2], [60, 80, 120, 1]])
+    kn = S.SmWorkersKnobs(comm_sms=2, block_bytes=256, slots=2)
+    got = S.summarize(tasks, stats, kn, elem=2, gemm_end_ns=torch.tensor(65), ready_ns=torch.tensor([5, 8, 15]),
+                      stalls=torch.tensor([3, 400]))
+    assert [c["latency_ns"] for c in got["chunks"]] == [40, 50, 40]
+    assert [c["wait_ns"] for c in got["chunks"]] == [10, 15, 20]
+    assert got["max_bytes_in_flight"] == 400 and got["bytes_in_flight_bound"] == 512   # two tasks at once
+    assert got["bytes_outstanding_at_gemm_end"] == 400                                  # tasks 1 and 2
+    assert got["max_ready_queue_depth"] == 2                                            # 0 and 1 ready at 8
+    assert (got["producer_stalls"], got["producer_stall_ns"]) == (3, 400)
+    capped = S.summarize(tasks, stats, S.SmWorkersKnobs(comm_sms=1, block_bytes=256), elem=2)
+    assert capped["max_bytes_in_flight"] == 256
+
+
+# --------------------------------------------------------------------------------------------
+# sm_90 compile (no GPU: Triton ships ptxas)
+# --------------------------------------------------------------------------------------------
+def _compile(fn, args, constexprs, num_warps):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tpfuse.gemm.offline import _signature
+
+    pointers = {name for name, v in args.items() if isinstance(v, torch.Tensor)}
+    sig, attrs, cons = _signature(fn.arg_names, args, constexprs, lambda name, v: name in pointers)
+    return triton.compile(ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=cons),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+
+def test_kernels_compile_for_sm90_with_vector_copies_and_system_scope_ordering():
+    """The worker kernel as launched on the H200 (bf16, 16 KiB blocks, 8 warps): 16-byte vector
+    loads and stores when aligned, the flag waited with ld.acquire.sys, the count an acq_rel
+    GPU-scope add, the publishes release.sys exchanges; the ring kernels compile too."""
+    import triton
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("compiling needs Triton's compiler, not the interpreter")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("Triton without its bundled ptxas")
+    if not triton.__version__.startswith("3.6."):   # the PTX patterns are what Triton 3.6 emits
+        pytest.skip(f"the PTX checks are pinned to Triton 3.6.x; this is {triton.__version__}")
+    _drop_module()
+    K = _kernels()
+    i32, i64 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.int64)
+    args = dict(tasks_ptr=i64, task_lo=0, task_hi=1, dst_base=0, gen_ptr=i32, counters_ptr=i32, err_ptr=i32,
+                where_ptr=i32, stats_ptr=i64, scratch_ptr=i32, timeout=1, rank=0)
+    for vec, stats in ((8, False), (1, True)):
+        ptx = _compile(K.worker_kernel, args, dict(ELEM=16, BLOCK=8192, VEC=vec, USE_ASM=True, STATS=stats),
+                       8).asm["ptx"]
+        v4 = len(re.findall(r"ld\.global(\.\w+)*\.v4", ptx)), len(re.findall(r"st\.global(\.\w+)*\.v4", ptx))
+        assert (v4[0] > 0 and v4[1] > 0) == (vec == 8), v4
+        assert re.search(r"ld\.global\.acquire\.sys", ptx)
+        assert re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx)
+        assert len(re.findall(r"atom\.global\.sys\.release\.exch", ptx)) == 2
+    ptx = _compile(K.slot_acquire_kernel, dict(free_ptr=i32, slot=0, use=1, err_ptr=i32, where_ptr=i32, stall_ptr=i64,
+                                               timeout=1, rank=0, peer=0, chunk=0, what=6), dict(USE_ASM=True),
+                   1).asm["ptx"]
+    assert re.search(r"ld\.global\.acquire\.sys", ptx) and "globaltimer" in ptx
+    ptx = _compile(K.slot_ready_kernel, dict(ready_ptr=i32, slot=0, use=1, stamp_ptr=i64, chunk=0),
+                   dict(USE_ASM=True), 1).asm["ptx"]
+    assert re.search(r"atom\.global\.sys\.release\.exch", ptx)
+    _compile(K.stamp_kernel, dict(stamp_ptr=i64, index=0), dict(USE_ASM=True), 1)
+    _drop_module()
+
+
+# --------------------------------------------------------------------------------------------
+# a gloo group: refused on every rank, with the reason
+# --------------------------------------------------------------------------------------------
+def _refused(rank, world_size):
+    import tpfuse
+    from conftest import caught_then_probe
+
+    a = torch.randn(4, 8)
+    b = torch.randn(8, 6)
+    return [caught_then_probe(rank, call) for call in (
+        lambda: tpfuse.ag_gemm(a, b, strategy="sm_workers"),
+        lambda: tpfuse.gemm_rs(a.repeat(world_size, 1), b, strategy="sm_workers"),
+        lambda: tpfuse.gemm_ar(a, b, strategy="sm_workers"))]
+
+
+def test_sm_workers_on_a_gloo_group_raises_value_error_on_every_rank(rank_pool):
+    results = rank_pool(2).run(_refused, timeout=120)
+    for per_rank in results:
+        for caught, probe in per_rank:
+            assert probe == 1.0                                     # no rank left in a collective
+            assert caught is not None and caught[0] == "ValueError", caught
+            assert "sm_workers needs CUDA symmetric memory" in caught[1] and "gloo" in caught[1], caught
