@@ -546,7 +546,16 @@ def case_queued_after_timeout(rank, world_size, strategy):
                 except TimeoutError:
                     sync_raised = True
                 nan = [_all_nan(out) for out in outs]
-                seen = log.first(f"for rank {world_size - 1}") or log.first(f"rank {world_size - 1}, whose rows")
+
+                def watchdog_line():
+                    return log.first(f"for rank {world_size - 1}") or log.first(f"rank {world_size - 1}, whose rows")
+
+                # the next call can see the record before the watchdog's next poll: wait for the
+                # line within its bound instead of leaving the log capture at once (the H200 bed
+                # missed every line that way)
+                while watchdog_line() is None and time.monotonic() - t0 < TIMEOUT_S + 1.5:
+                    time.sleep(0.02)
+                seen = watchdog_line()
             row.update(raised_after_s=raised and round(raised, 2), message=message[:300], nan=nan,
                        synchronize_raised=sync_raised,
                        watchdog_after_s=seen and round(seen[0] - t0, 2), watchdog_line=seen and seen[1][:300])

@@ -49,6 +49,9 @@ __all__ = ["NAME", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar", "FusedOpt
 
 NAME = "fused"
 
+# seconds the GEMM's per-chunk waits outlast TPFUSE_TIMEOUT_S (see _AgPlan: the flag waits report first)
+GEMM_WAIT_SLACK_S = 1.0
+
 
 @dataclass(frozen=True)
 class FusedOptions:
@@ -213,8 +216,13 @@ class _AgPlan:
             ready = None if src in waited else ws.incoming("READY", [src])
             waited.add(src)
             self.pulls.append((src, lo, hi, chunk, ready, ws.data(src, (m_shard, k))[lo - base:hi - base], last))
-        self.wait = WaitSpec(signal=arrived, generation=1, chunk_m=chunk_m, timeout_ns=int(symm.timeout_s() * 1e9),
-                             max_spins=max(1, int(symm.timeout_s() * 1000)), error=ws.error, rank=rank)
+        # The tiles wait a little longer than the side stream's flag waits: when a peer is dead
+        # both would time out together, and only the flag wait knows which peer it was (the
+        # GEMM's wait for chunk 0 won the record on the H200 bed at W = 4 and named rank 0, not
+        # the dead rank 3). A recorded error ends the tiles' waits at once anyway.
+        bound_s = symm.timeout_s() + GEMM_WAIT_SLACK_S
+        self.wait = WaitSpec(signal=arrived, generation=1, chunk_m=chunk_m, timeout_ns=int(bound_s * 1e9),
+                             max_spins=max(1, int(bound_s * 1000)), error=ws.error, rank=rank)
         self.start_chunk = rank * m_shard // chunk_m
         self.chunk_owner = lambda chunk: min(chunk * chunk_m // m_shard, world_size - 1)   # first rows' owner
 
