@@ -97,6 +97,10 @@ def group_world_size(group_name: str) -> int:
 def _ag_gemm_setup(ctx, inputs, output):
     _, b, group_name, strategy = inputs
     _, a_full = output
+    # Unused outputs get None, not zeros: a zero grad_a_full would cost a reduce-scatter of
+    # [M, K] zeros in every backward (through torch's collectives: it broke the one-GPU bed's
+    # CUDA-graph capture of the layers, whose gloo group cannot carry CUDA tensors).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(a_full if ctx.needs_input_grad[1] else None, b)
     ctx.group_name, ctx.strategy = group_name, strategy
     ctx.rows = a_full.shape[0]
