@@ -280,6 +280,10 @@ def test_ag_gemm_workers_fill_the_gathered_input_and_the_gemm_waits_per_chunk(in
             ref = a.double() @ b.double()
             assert (c.double() - ref).abs().max() <= 5e-3 * ref.abs().max()
             assert S._words(ws[r], "arrived", world_size * 2).eq(0).all()
+            # the GEMM's waits share the workspace's error word and outlast the flag waits (fused's slack)
+            wait = S._ag_plan(ws[r], m_shard, k, 3).wait
+            assert wait.error is ws[r].error
+            assert wait.max_spins == int((symm.timeout_s() + S.GEMM_WAIT_SLACK_S) * 1000)
             assert [ch["chunk"] for ch in stats["chunks"]] == [((r + i) % world_size) * 2 + q
                                                                for i in (1, 2) for q in (0, 1)]
     with pytest.raises(ValueError, match="chunk_rows=4 does not divide the shard's 6 rows"):
