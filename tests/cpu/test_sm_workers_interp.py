@@ -295,13 +295,15 @@ def test_a_call_whose_peer_is_dead_returns_nan_then_the_next_call_raises(interp,
     """sm_workers' own code on rank 0 of 2 under the interpreter (streams faked: one CPU
     "stream"), rank 1 dead: the call returns without raising and its outputs are NaN; a call
     queued after it (issued before the host looked) returns at once, NaN too; then the next
-    call on the group raises TimeoutError naming rank 1 (from the host record: the workers'
-    READY wait, or the owner's reduce); after release_workspaces calls work.  gemm_ar takes
+    call on the group and ``tpfuse.synchronize()`` raise TimeoutError naming rank 1 (from the
+    host record: the workers' READY wait, or the owner's reduce); after release_workspaces
+    calls work.  gemm_ar takes
     the two-shot path (the workers' pulls)."""
     import contextlib
     import time
     import types
 
+    import tpfuse
     from tpfuse.strategies import copy_engine
 
     class Stream:
@@ -351,6 +353,8 @@ def test_a_call_whose_peer_is_dead_returns_nan_then_the_next_call_raises(interp,
         checking[0] = True
         with pytest.raises(TimeoutError, match=r"rank 0 waited more than .* for rank 1"):
             fn(a, b, ctx, knobs=kn)
+        with pytest.raises(TimeoutError, match=r"for rank 1 .*release_workspaces"):   # and the explicit check
+            tpfuse.synchronize()
         symm.release_workspaces()
         made.clear()
         assert not symm.get_workspace(ctx, op, a.dtype, a.device, 16).failed()
