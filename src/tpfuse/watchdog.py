@@ -40,6 +40,9 @@ WAIT_KINDS = {
     abi.WAIT_READY: ("ready", "to publish its data for this call"),
     abi.WAIT_CREDIT2: ("credit", "to finish reading this rank's gather buffer from the previous call"),
     abi.WAIT_READY2: ("ready", "to publish its reduced rows for this call"),
+    # sm_workers' staging ring (this rank's own words; :func:`describe` words these itself)
+    abi.WAIT_SLOT_FREE: ("ring credit", "the workers to drain a staging-ring slot (sm_workers' producer)"),
+    abi.WAIT_SLOT_READY: ("ring ready", "the producer to fill a staging-ring slot (sm_workers' workers)"),
 }
 
 
@@ -59,10 +62,21 @@ def describe(words: list[int], *, op: str, rank: int, timeout_s: float,
                 f"waited more than {timeout_s:g} s (TPFUSE_TIMEOUT_S) for chunk {chunk} of its input "
                 f"to land (its arrival word: wanted >= {gen}, last saw {seen}); {who} is "
                 f"dead, late, or called a different op sequence.")
+    chunk = words[abi.ERR_CHUNK]
+    if what == abi.WAIT_SLOT_FREE:
+        return (f"tpfuse {op} (sm_workers): rank {waiter}'s producer waited more than {timeout_s:g} s "
+                f"(TPFUSE_TIMEOUT_S) for a FREE slot {words[abi.ERR_TILE]} of its staging ring (chunk {chunk}, for "
+                f"owner rank {peer}: wanted the slot's use count >= {gen}, last saw {seen}). Its worker CTAs did not "
+                f"drain the slot: they wait on an earlier chunk, or a peer rank is dead or late.")
+    if what == abi.WAIT_SLOT_READY:
+        return (f"tpfuse {op} (sm_workers): rank {waiter}'s worker CTAs waited more than {timeout_s:g} s "
+                f"(TPFUSE_TIMEOUT_S) for ring chunk {chunk} (for owner rank {peer}) to be produced (wanted use "
+                f">= {gen}, last saw {seen}); its producer stalled.")
     kind, meaning = WAIT_KINDS.get(what, ("?", "to signal"))
+    where = f" (the wait was for chunk {chunk})" if chunk >= 0 else ""
     return (f"tpfuse {op}: rank {waiter} waited more than {timeout_s:g} s (TPFUSE_TIMEOUT_S) for rank {peer} "
-            f"{meaning} ({kind} flag: wanted generation >= {gen}, last saw {seen}). Rank {peer} is dead, late, "
-            f"or called a different op sequence.")
+            f"{meaning} ({kind} flag: wanted generation >= {gen}, last saw {seen}){where}. Rank {peer} is dead, "
+            f"late, or called a different op sequence.")
 
 
 class HostRecord:

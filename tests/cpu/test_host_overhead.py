@@ -57,7 +57,7 @@ def test_direct_path_matches_the_custom_op(rank_pool):
 
 
 def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
-    """Issue 34: an eager copy_engine/fused call (every op, both ar modes), after its first
+    """Issue 34: an eager copy_engine/fused/sm_workers call (every op, both ar modes), after its first
     call, never synchronizes and never reads a tensor back to the host: its launches are faked
     here (CPU), the workspace's device error word is made unreadable, and ``item``/``tolist``/
     ``cpu``/``synchronize`` raise.  A timeout reaches the host through the pinned record only."""
@@ -71,7 +71,7 @@ def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
 
     from tpfuse import symm
     import tpfuse.gemm
-    from tpfuse.strategies import copy_engine, fused
+    from tpfuse.strategies import copy_engine, fused, sm_workers
 
     class Stream:
         def wait_stream(self, s): pass
@@ -95,6 +95,8 @@ def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
     monkeypatch.setattr(fused, "_set_word", lambda words, i: None)
     monkeypatch.setattr(fused, "sm_budget", lambda device, w: 8)
     monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 2)
+    # sm_workers' own kernels (worker CTAs, ring credit/ready, stamps) all launch through its _launch
+    monkeypatch.setattr(sm_workers, "_launch", lambda k, grid, *a, **kw: launches.append(k.__name__))
     world_size = 2
     made = {}
 
@@ -112,6 +114,10 @@ def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
     calls = [lambda m=m: m.ag_gemm(a_shard, b, ctx) for m in (copy_engine, fused)]
     calls += [lambda m=m: m.gemm_rs(a, b, ctx) for m in (copy_engine, fused)]
     calls += [lambda m=m, x=x, y=y: m.gemm_ar(x, y, ctx) for m in (copy_engine, fused) for x, y in ((a, b), (a_big, b_big))]
+    kn = sm_workers.SmWorkersKnobs(comm_sms=2, slots=1, chunk_rows=4)   # 4 ring pieces through 1 slot: credit waits
+    kn_ag = sm_workers.SmWorkersKnobs(comm_sms=2, chunk_rows=8)
+    calls += [lambda: sm_workers.ag_gemm(a_shard, b, ctx, knobs=kn_ag), lambda: sm_workers.gemm_rs(a, b, ctx, knobs=kn)]
+    calls += [lambda x=x, y=y: sm_workers.gemm_ar(x, y, ctx, knobs=kn) for x, y in ((a, b), (a_big, b_big))]
     for call in calls:
         call()   # first call of the shape: plans and tables built (may sync on CUDA)
 
@@ -136,3 +142,14 @@ def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
     launches.clear()
     fused.gemm_rs(a, b, ctx)
     assert launches == ["wait_kernel", "gemm", "signal_wait_kernel", "reduce", "signal_kernel"]
+    # sm_workers gemm_rs (16 peer rows in 4 pieces through 1 slot): begin, per piece a credit wait
+    # (from the slot's 2nd use), its cuBLAS GEMM, ready and its worker launch (CPU: serialized), then
+    # the READY wait, the reduce (the NaN fill), DONE
+    launches.clear()
+    sm_workers.gemm_rs(a, b, ctx, knobs=kn)
+    assert launches[0] == "wait_kernel" and launches[-3:] == ["wait_kernel", "reduce", "signal_kernel"], launches
+    assert launches.count("slot_acquire_kernel") == 3 and launches.count("worker_kernel") == 4, launches
+    # sm_workers ag_gemm: the GEMM waits on the workspace's error word, fused's slack beyond the flag waits
+    launches.clear()
+    sm_workers.ag_gemm(a_shard, b, ctx, knobs=kn_ag)
+    assert "worker_kernel" in launches and launches[-1] == "poison", launches

@@ -18,7 +18,8 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed; the interpreter tests need it")
 
 import tpfuse.kernels  # noqa: E402
-from tpfuse import symm  # noqa: E402
+from tpfuse import symm, watchdog  # noqa: E402
+from tpfuse.kernels import abi  # noqa: E402
 from tpfuse.strategies import sm_workers as S  # noqa: E402
 
 from _symm_interp import fake_ranks, interpreted  # noqa: E402
@@ -93,33 +94,54 @@ def test_worker_copy_covers_odd_sizes_exactly_and_publishes_once(interp, comm_sm
 
 
 def test_worker_wait_times_out_recording_rank_peer_chunk_and_generation(interp):
-    """Task 1 waits for a peer's READY that never comes: the error word names the wait
-    (what, peer, target generation, last seen, rank), ``where`` the task and chunk; task 0 was
-    done, task 2 (after the failed wait) was not; the host check raises a TimeoutError naming
-    them and breaks the workspace."""
+    """Task 1 waits for a peer's READY that never comes: the error word (abi.py's layout) and
+    its host-visible record name the wait (what, peer, target generation, last seen, rank,
+    chunk, program); task 0 was copied, task 2 (after the failed wait) was not, and no task
+    published; the host raises a TimeoutError naming them from the record (no device
+    read) and the workspace is broken.  A launch on the broken word copies and publishes nothing."""
     ws = fake_ranks(2, 4096, torch.float16, op="ag_gemm")[1]
     ws.gen.fill_(3)
     ws.calls = 3
     flag = torch.zeros(1, dtype=torch.int32)
     flag.fill_(2)                                   # the peer is a call behind
+    done = torch.zeros(3, dtype=torch.int32)
     src = torch.arange(64, dtype=torch.float16)
     dst = torch.zeros(3 * 64, dtype=torch.float16)
     tasks = [S.Task(src=src.data_ptr(), dst=dst.data_ptr() + 128 * i, numel=64, chunk=10 + i, peer=0,
-                    what=symm.WAIT_READY, wait=flag.data_ptr() if i == 1 else 0, wait_gen=1) for i in range(3)]
+                    what=symm.WAIT_READY, wait=flag.data_ptr() if i == 1 else 0, wait_gen=1,
+                    pub1=done.data_ptr() + 4 * i, pub1_gen=1) for i in range(3)]
     launch = S._launch_tables(ws, ("timeout",), lambda: tasks)
     S.launch_workers(ws, launch, S.SmWorkersKnobs(comm_sms=2, block_bytes=256))
-    assert ws.error.tolist()[:6] == [1, symm.WAIT_READY, 0, 3, 2, 1]
-    assert S._where(ws).tolist() == [2, 11]
+    words = ws.error.tolist()
+    assert words[:7] == [1, symm.WAIT_READY, 0, 3, 2, 1, 11] and words[abi.ERR_PROGRAM] in (0, 1)
+    assert ws.host.record() == words[:abi.ERR_RECORD_WORDS]
     assert torch.equal(dst[:64], src) and dst[64:].eq(0).all()
+    # the interpreter runs program 0 to its end first: program 1 then finds the word broken and
+    # stops before its stripe of task 0, so task 0 never completes and publishes nothing
+    assert done.tolist() == [0, 0, 0]
     with pytest.raises(TimeoutError, match=r"rank 1 waited .* for rank 0 to publish .*generation >= 3.*chunk 11"):
-        S._finish(ws, "ag_gemm", None)
+        ws.check("ag_gemm")
     assert ws.broken is not None and "broken" in ws.broken
-    # the GEMM waited in vain for the chunks the stopped workers would have delivered: the
-    # workers' wait stays the reported cause (it names the peer)
-    gemm_error = S._gemm_error(ws)
-    gemm_error[:6] = torch.tensor([1, 5, 11, 1, 0, 0])
-    with pytest.raises(TimeoutError, match=r"for rank 0 to publish .*chunk 11.*GEMM's tiles then timed out"):
-        S._finish(ws, "ag_gemm", gemm_error)
+    # queued after the timeout: every task is skipped at once, nothing copied, nothing published
+    flag.fill_(3)
+    dst.zero_()
+    S.launch_workers(ws, launch, S.SmWorkersKnobs(comm_sms=2, block_bytes=256))
+    assert dst.eq(0).all() and done.tolist() == [0, 0, 0] and ws.error.tolist() == words
+
+
+def test_ring_kernels_do_nothing_once_the_word_is_broken(interp):
+    """A broken workspace: the producer's credit wait returns at once (no stall counted, no
+    second record) and READY of a ring slot is not published."""
+    ws = fake_ranks(1, 4096, torch.float16)[0]
+    ws.error[abi.ERR_STATUS] = 1
+    K = _kernels()
+    free, ready = torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    stalls, stamps = torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+    K.slot_acquire_kernel[(1,)](free, 1, 1, ws.error, stalls, 10_000, 0, 1, 2, S.WAIT_SLOT_FREE, USE_ASM=False,
+                                num_warps=1)
+    K.slot_ready_kernel[(1,)](ready, 1, 0, stamps, 2, ws.error, USE_ASM=False, num_warps=1)
+    assert stalls.tolist() == [0, 0] and ready.tolist() == [0, 0]
+    assert ws.error.tolist()[:abi.ERR_RECORD_WORDS] == [1] + [0] * (abi.ERR_RECORD_WORDS - 1)
 
 
 @pytest.mark.parametrize("numel, chunk_bytes, ctas", [(1000, 256, 3), (77, 4096, 2), (4096, 1024, 1)])
@@ -139,9 +161,9 @@ def test_make_copy_the_bench_grid_copies_int32_exactly(interp, numel, chunk_byte
 @pytest.mark.parametrize("world_size, m, chunk_rows, slots", [(3, 15, None, 2), (3, 15, 2, 1), (4, 10, 1, 2),
                                                                 (4, 2, None, 1), (2, 9, 4, 3)])
 def test_ring_pieces_cover_every_peer_row_once_in_owner_order_and_wrap_the_slots(world_size, m, chunk_rows, slots):
-    from tpfuse.strategies.ring import _row_bounds
+    from tpfuse.strategies._symm_steps import row_bounds
 
-    bounds = _row_bounds(m, world_size)
+    bounds = row_bounds(m, world_size)
     for rank in range(world_size):
         pieces = S.ring_pieces(rank, world_size, bounds, chunk_rows, slots)
         owners = [(rank + i) % world_size for i in range(1, world_size)]
@@ -227,10 +249,12 @@ def test_a_producer_without_a_credit_times_out_with_a_clear_error(interp):
     ring.produce(ws, 0, a, b)
     assert ring.ready.tolist() == [1] and ws.error[0].item() == 0
     ring.produce(ws, 1, a, b)                  # slot 0's use 1: needs free[0] >= 1
-    assert ws.error.tolist()[:6] == [1, S.WAIT_SLOT_FREE, 1, 1, 0, 0]
+    # what, peer (the chunk's owner), use awaited, seen, rank, chunk, slot (ERR_TILE), program
+    assert ws.error.tolist()[:9] == [1, S.WAIT_SLOT_FREE, 1, 1, 0, 0, 1, 0, -1]
+    assert ws.host.record() == ws.error.tolist()[:9]
     assert ring.stalls[0].item() == 1
     with pytest.raises(TimeoutError, match=r"rank 0's producer waited .* FREE slot 0 .*chunk 1, for owner rank 1"):
-        S._finish(ws, "gemm_rs", None)
+        ws.check("gemm_rs")
 
 
 def test_ag_gemm_workers_fill_the_gathered_input_and_the_gemm_waits_per_chunk(interp):
@@ -245,21 +269,111 @@ def test_ag_gemm_workers_fill_the_gathered_input_and_the_gemm_waits_per_chunk(in
         a = torch.randn(world_size * m_shard, k, generator=g).half()
         b = torch.randn(n, k, generator=g).half().t()
         for r in range(world_size):
-            S.ag_publish(a[r * m_shard:(r + 1) * m_shard], ws[r])
+            S.ag_publish(a[r * m_shard:(r + 1) * m_shard], ws[r], kn)
         for r in range(world_size):
             a_full = torch.full((world_size * m_shard, k), float("nan")).half()
             c = torch.full((world_size * m_shard, n), float("nan")).half()
             stats = {}
             S.ag_pull_and_gemm(a[r * m_shard:(r + 1) * m_shard], b, ws[r], kn, a_full, c, stats)
-            assert ws[r].error[0].item() == 0 and S._gemm_error(ws[r])[0].item() == 0
+            assert ws[r].error[0].item() == 0
             assert torch.equal(a_full, a)
             ref = a.double() @ b.double()
             assert (c.double() - ref).abs().max() <= 5e-3 * ref.abs().max()
             assert S._words(ws[r], "arrived", world_size * 2).eq(0).all()
+            # the GEMM's waits share the workspace's error word and outlast the flag waits (fused's slack)
+            wait = S._ag_plan(ws[r], m_shard, k, 3).wait
+            assert wait.error is ws[r].error
+            assert wait.max_spins == int((symm.timeout_s() + S.GEMM_WAIT_SLACK_S) * 1000)
             assert [ch["chunk"] for ch in stats["chunks"]] == [((r + i) % world_size) * 2 + q
                                                                for i in (1, 2) for q in (0, 1)]
     with pytest.raises(ValueError, match="chunk_rows=4 does not divide the shard's 6 rows"):
         S._ag_chunk_rows(6, S.SmWorkersKnobs(comm_sms=1, chunk_rows=4))
+
+
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs", "gemm_ar"])
+def test_a_call_whose_peer_is_dead_returns_nan_then_the_next_call_raises(interp, monkeypatch, op):
+    """sm_workers' own code on rank 0 of 2 under the interpreter (streams faked: one CPU
+    "stream"), rank 1 dead: the call returns without raising and its outputs are NaN; a call
+    queued after it (issued before the host looked) returns at once, NaN too; then the next
+    call on the group and ``tpfuse.synchronize()`` raise TimeoutError naming rank 1 (from the
+    host record: the workers' READY wait, or the owner's reduce); after release_workspaces
+    calls work.  gemm_ar takes
+    the two-shot path (the workers' pulls)."""
+    import contextlib
+    import time
+    import types
+
+    import tpfuse
+    from tpfuse.strategies import copy_engine
+
+    class Stream:
+        def wait_stream(self, s): pass
+
+        def wait_event(self, e): pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
+    monkeypatch.setattr(symm.Workspace, "stream", property(lambda self: Stream()))
+    monkeypatch.setattr(copy_engine, "ar_mode", lambda *a: "two_shot")
+    made = {}
+    checking = [False]
+
+    def get_workspace(ctx, op_name, dtype, device, need):
+        if checking[0]:
+            symm.check_group(ctx.group_name, op_name)
+        if op_name not in made:
+            made[op_name] = fake_ranks(2, max(need, 4096) * 2, dtype, op_name)[0]
+            symm._LIVE[(ctx.group_name, op_name, dtype, device)] = made[op_name]
+        return made[op_name]
+
+    monkeypatch.setattr(symm, "get_workspace", get_workspace)
+    # the interpreter runs each kernel before the host goes on: hide the record until the host
+    # would have learned of it (on a GPU the second call is queued before the first times out)
+    real_failed = watchdog.HostRecord.failed
+    monkeypatch.setattr(watchdog.HostRecord, "failed", lambda self: checking[0] and real_failed(self))
+    ctx = types.SimpleNamespace(rank=0, world_size=2, group_name="deadpeer_smw", group=None)
+    kn = S.SmWorkersKnobs(comm_sms=2, slots=1, block_bytes=256, chunk_rows=4 if op != "ag_gemm" else None)
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(32 if op != "ag_gemm" else 16, 16, generator=g).half()
+    b = torch.randn(16, 24, generator=g).half()
+    fn = getattr(S, op)
+    symm.release_workspaces()
+    try:
+        t0 = time.perf_counter()
+        first = fn(a, b, ctx, knobs=kn)
+        queued = fn(a, b, ctx, knobs=kn)
+        for out in (first, queued):
+            for x in (out if isinstance(out, tuple) else (out,)):
+                assert x.isnan().all(), f"sm_workers {op}: an output of a call of a broken workspace is not NaN"
+        assert time.perf_counter() - t0 < 30
+        record = made[next(iter(made))].host.record()
+        assert record[abi.ERR_WHAT] == abi.WAIT_READY and record[abi.ERR_PEER] == 1 and record[abi.ERR_RANK] == 0
+        checking[0] = True
+        with pytest.raises(TimeoutError, match=r"rank 0 waited more than .* for rank 1"):
+            fn(a, b, ctx, knobs=kn)
+        with pytest.raises(TimeoutError, match=r"for rank 1 .*release_workspaces"):   # and the explicit check
+            tpfuse.synchronize()
+        symm.release_workspaces()
+        made.clear()
+        assert not symm.get_workspace(ctx, op, a.dtype, a.device, 16).failed()
+    finally:
+        symm.release_workspaces()
+
+
+def test_the_ring_waits_are_explained_from_the_host_record():
+    """The watchdog's and the next call's words for this strategy's own wait codes (no
+    collision with the GEMM hook's WAIT_GEMM_CHUNK)."""
+    codes = [abi.WAIT_CREDIT, abi.WAIT_READY, abi.WAIT_CREDIT2, abi.WAIT_READY2, abi.WAIT_GEMM_CHUNK,
+             abi.WAIT_SLOT_FREE, abi.WAIT_SLOT_READY]
+    assert len(set(codes)) == len(codes) and (S.WAIT_SLOT_FREE, S.WAIT_SLOT_READY) == (6, 7)
+    words = [1, abi.WAIT_SLOT_READY, 3, 2, 1, 0, 5, -1, 4]
+    text = watchdog.describe(words, op="gemm_rs", rank=0, timeout_s=2.0)
+    assert "rank 0's worker CTAs waited more than 2 s" in text and "ring chunk 5 (for owner rank 3)" in text
+    words[abi.ERR_WHAT], words[abi.ERR_TILE] = abi.WAIT_SLOT_FREE, 1
+    text = watchdog.describe(words, op="gemm_ar", rank=0, timeout_s=2.0)
+    assert "rank 0's producer waited" in text and "FREE slot 1" in text and "chunk 5, for owner rank 3" in text
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,7 +444,7 @@ def test_kernels_compile_for_sm90_with_vector_copies_and_system_scope_ordering()
     K = _kernels()
     i32, i64 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.int64)
     args = dict(tasks_ptr=i64, task_lo=0, task_hi=1, dst_base=0, gen_ptr=i32, counters_ptr=i32, err_ptr=i32,
-                where_ptr=i32, stats_ptr=i64, scratch_ptr=i32, timeout=1, rank=0)
+                stats_ptr=i64, scratch_ptr=i32, timeout=1, rank=0)
     for vec, stats in ((8, False), (1, True)):
         ptx = _compile(K.worker_kernel, args, dict(ELEM=16, BLOCK=8192, VEC=vec, USE_ASM=True, STATS=stats),
                        8).asm["ptx"]
@@ -338,12 +452,14 @@ def test_kernels_compile_for_sm90_with_vector_copies_and_system_scope_ordering()
         assert (v4[0] > 0 and v4[1] > 0) == (vec == 8), v4
         assert re.search(r"ld\.global\.acquire\.sys", ptx)
         assert re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx)
-        assert len(re.findall(r"atom\.global\.sys\.release\.exch", ptx)) == 2
-    ptx = _compile(K.slot_acquire_kernel, dict(free_ptr=i32, slot=0, use=1, err_ptr=i32, where_ptr=i32, stall_ptr=i64,
-                                               timeout=1, rank=0, peer=0, chunk=0, what=6), dict(USE_ASM=True),
-                   1).asm["ptx"]
+        # the task's two publishes, and signals.record_error's release of the host mirror's status
+        assert len(re.findall(r"atom\.global\.sys\.release\.exch", ptx)) == 3
+        assert re.search(r"atom\.global\.acq_rel\.sys\.cas", ptx)   # record_error's CAS on the error word
+    ptx = _compile(K.slot_acquire_kernel, dict(free_ptr=i32, slot=0, use=1, err_ptr=i32, stall_ptr=i64,
+                                               timeout=1, rank=0, peer=0, chunk=0, what=S.WAIT_SLOT_FREE),
+                   dict(USE_ASM=True), 1).asm["ptx"]
     assert re.search(r"ld\.global\.acquire\.sys", ptx) and "globaltimer" in ptx
-    ptx = _compile(K.slot_ready_kernel, dict(ready_ptr=i32, slot=0, use=1, stamp_ptr=i64, chunk=0),
+    ptx = _compile(K.slot_ready_kernel, dict(ready_ptr=i32, slot=0, use=1, stamp_ptr=i64, chunk=0, err_ptr=i32),
                    dict(USE_ASM=True), 1).asm["ptx"]
     assert re.search(r"atom\.global\.sys\.release\.exch", ptx)
     _compile(K.stamp_kernel, dict(stamp_ptr=i64, index=0), dict(USE_ASM=True), 1)

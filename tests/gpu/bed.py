@@ -460,6 +460,14 @@ class _LogLines:
         return next(((t, line) for t, line in self.lines if line.startswith("tpfuse watchdog:") and text in line), None)
 
 
+def _dead_problem(seed, world_size, strategy):
+    """The dead-peer cases' problem: small, except for sm_workers, whose gemm_ar needs an output
+    over the one-shot limit to take its own two-shot path (the workers' pulls; below it is
+    copy_engine's one-shot)."""
+    m, k, n = (world_size * 256, 64, 1536) if strategy == "sm_workers" else (world_size * 32, 64, 48)
+    return Problem(seed, world_size, m, k, n, torch.bfloat16), [m, n, k]
+
+
 def case_dead_peer(rank, world_size, strategy):
     """The last rank skips a call: the call returns on the other ranks without waiting (its
     outputs NaN), ``tpfuse.synchronize()`` raises TimeoutError naming the last rank within the
@@ -469,7 +477,7 @@ def case_dead_peer(rank, world_size, strategy):
 
     rows_out = []
     for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
-        prob = Problem(31, world_size, world_size * 32, 64, 48, torch.bfloat16)
+        prob, shape = _dead_problem(31, world_size, strategy)
         _call(op, strategy, prob, rank)
         torch.cuda.synchronize()
         dist.barrier()
@@ -502,7 +510,7 @@ def case_dead_peer(rank, world_size, strategy):
                                          and host_ms < 0.5 * TIMEOUT_S * 1e3
                                          and f"rank {world_size - 1}" in message)) and broken_refused and ok_after
         rows_out.append(dict(case="dead_peer", op=op, strategy=strategy, world_size=world_size, dtype="bf16",
-                             shape=[world_size * 32, 48, 64], passed=bool(ok), max_rel_err=err, calls=3,
+                             shape=shape, passed=bool(ok), max_rel_err=err, calls=3,
                              outcome=outcome, seconds=round(seconds, 2), host_ms=round(host_ms, 2), nan=nan,
                              message=message[:300]))
     return rows_out
@@ -520,12 +528,12 @@ def case_queued_after_timeout(rank, world_size, strategy):
 
     rows_out = []
     for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
-        prob = Problem(32, world_size, world_size * 32, 64, 48, torch.bfloat16)
+        prob, shape = _dead_problem(32, world_size, strategy)
         _call(op, strategy, prob, rank)
         torch.cuda.synchronize()
         dist.barrier()
         row = dict(case="queued_after_timeout", op=op, strategy=strategy, world_size=world_size, dtype="bf16",
-                   shape=[world_size * 32, 48, 64], calls=3)
+                   shape=shape, calls=3)
         ok = True
         if rank != world_size - 1:
             with _LogLines() as log:

@@ -23,9 +23,9 @@ ERR_PEER = 2         # group rank whose flag never arrived (-1: not known to the
 ERR_GENERATION = 3   # the value awaited (flag >= generation)
 ERR_SEEN = 4         # last value seen in the flag
 ERR_RANK = 5         # the waiting rank (-1: not known to the kernel, e.g. the GEMM's hook)
-ERR_CHUNK = 6        # GEMM wait hook: the chunk whose signal never arrived (-1 otherwise)
-ERR_TILE = 7         # GEMM wait hook: linear tile id in tile-order space (-1 otherwise)
-ERR_PROGRAM = 8      # GEMM wait hook: the program that timed out (-1 otherwise)
+ERR_CHUNK = 6        # GEMM wait hook, sm_workers: the chunk whose signal never arrived (-1 otherwise)
+ERR_TILE = 7         # GEMM wait hook: linear tile id in tile-order space; WAIT_SLOT_FREE: the ring slot (-1 otherwise)
+ERR_PROGRAM = 8      # GEMM wait hook, sm_workers' worker CTAs: the program that timed out (-1 otherwise)
 ERR_MIRROR = 14      # words [14:16]: int64 address of a host-visible copy (pinned memory, UVA;
                      # 0 = none). After winning the CAS the recorder copies words [1:9] there,
                      # then ERR_STATUS last, so the host reads the record without a device sync.
@@ -38,6 +38,8 @@ WAIT_READY = 2       # a peer to publish its data for this call
 WAIT_CREDIT2 = 3     # a peer to finish reading this rank's gather buffer from the previous call
 WAIT_READY2 = 4      # a peer to publish its reduced rows for this call
 WAIT_GEMM_CHUNK = 5  # the GEMM's wait hook: a chunk of A to land (the chunk's copy never finished)
+WAIT_SLOT_FREE = 6   # sm_workers' producer: its worker CTAs to drain a staging-ring slot (a credit)
+WAIT_SLOT_READY = 7  # sm_workers' worker CTAs: their producer to fill a staging-ring slot
 
 # EPI_TMA (the epilogue hook's stores): 0 = pointer stores, 1..MAX_TMA_DESTS = one TMA
 # descriptor per chunk, EPI_TMA_STACKED = one descriptor over destinations stacked as the rows

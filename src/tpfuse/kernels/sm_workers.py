@@ -29,11 +29,13 @@ Stripes are 16-byte vectors when the host says every address and length is 16-by
 (``VEC`` elements per vector): the unmasked body of each stripe loads ``BLOCK`` elements per
 iteration (the bytes one worker CTA has in flight), and a masked tail copies what is left.
 
-A wait that times out records (what, peer, target, last seen, rank) in the workspace's error
-word through ``flags._record`` (the first one wins) and the task and its chunk in ``where``
-(``[1 + task, chunk]``, first writer wins); the program then stops, and so, within one spin,
-does every other wait of the workspace.  The others' counters never complete, so their
-consumers time out too: every wait is bounded.
+A wait that times out records (what, peer, target, last seen, rank, chunk, program) in the
+workspace's error word through ``signals.record_error`` (the first one wins; the record is
+copied to the host-visible mirror, so the host learns of it without a sync); the program then
+stops, and so, within one spin, does every other wait of the workspace.  The error word is read
+first: a program that finds it set ("broken", tpfuse/kernels/abi.py) copies nothing, and the
+last program of a task publishes nothing once it is set, so the peers time out (and fill NaN)
+rather than read what this rank no longer guards.  Every wait is bounded.
 
 **Stats** (``STATS=True``): ``stats[t] = [first wait start, first copy start, last copy end,
 waited (0/1 per program, summed)]`` in ``%globaltimer`` ns (0 without inline PTX).
@@ -41,12 +43,12 @@ waited (0/1 per program, summed)]`` in ``%globaltimer`` ns (0 without inline PTX
 **Ring kernels** (one program, one warp, on the compute stream): :func:`slot_acquire_kernel`
 (the producer waits for a FREE slot: ``free[slot] >= use``, counting stalls and their time) and
 :func:`slot_ready_kernel` (``ready[slot] = use + 1`` after the chunk's GEMM, with a time stamp).
+Both do nothing once the error word is set.
 """
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.flags import _record
-from tpfuse.kernels.signals import ld_acquire_sys, now_ns, wait_geq
+from tpfuse.kernels.signals import ld_acquire_sys, now_ns, record_error, wait_geq
 
 # Columns of the int64 task table (the host side, tpfuse/strategies/sm_workers.py, reads the
 # ``.value`` of these: one definition for both sides).
@@ -56,9 +58,9 @@ T_NUMEL = tl.constexpr(2)         # elements to copy
 T_WAIT = tl.constexpr(3)          # byte address of the int32 flag to wait for (0: no wait)
 T_WAIT_CONST = tl.constexpr(4)    # target = const + per_gen * gen
 T_WAIT_GEN = tl.constexpr(5)
-T_WHAT = tl.constexpr(6)          # the wait's code in the error word (tpfuse/symm.py WAIT_KINDS)
+T_WHAT = tl.constexpr(6)          # the wait's code in the error word (abi.py WAIT_*)
 T_PEER = tl.constexpr(7)          # group rank the wait is for (error word)
-T_CHUNK = tl.constexpr(8)         # communication chunk (``where`` and stats)
+T_CHUNK = tl.constexpr(8)         # communication chunk (error word ERR_CHUNK, stats)
 T_PUB1 = tl.constexpr(9)          # byte address of an int32 published when the task is done (0: none)
 T_PUB1_CONST = tl.constexpr(10)
 T_PUB1_GEN = tl.constexpr(11)
@@ -103,14 +105,6 @@ def _publish_if(row_ptr, COL: tl.constexpr, gen):
 
 
 @triton.jit
-def _note_where(where_ptr, task, chunk):
-    """First writer wins: ``where = [1 + task, chunk]`` of the wait that timed out."""
-    old = tl.atomic_cas(where_ptr, 0, 1 + task, sem="relaxed", scope="gpu")
-    if old == 0:
-        tl.store(where_ptr + 1, chunk)
-
-
-@triton.jit
 def _uniform(value, scratch_ptr):
     """``value`` as one thread of the CTA holds it, in every thread: the warps of a worker CTA
     spin on a flag independently and may leave the spin with different outcomes (one sees the
@@ -125,7 +119,7 @@ def _uniform(value, scratch_ptr):
 
 
 @triton.jit(do_not_specialize=["task_lo", "task_hi", "dst_base", "timeout", "rank"])
-def worker_kernel(tasks_ptr, task_lo, task_hi, dst_base, gen_ptr, counters_ptr, err_ptr, where_ptr, stats_ptr,
+def worker_kernel(tasks_ptr, task_lo, task_hi, dst_base, gen_ptr, counters_ptr, err_ptr, stats_ptr,
                   scratch_ptr, timeout, rank, ELEM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
                   USE_ASM: tl.constexpr, STATS: tl.constexpr):
     """Tasks ``[task_lo, task_hi)`` of the table (module docstring); destinations are
@@ -159,9 +153,8 @@ def worker_kernel(tasks_ptr, task_lo, task_hi, dst_base, gen_ptr, counters_ptr, 
                 status, seen = wait_geq(flag_ptr, target, timeout, err_ptr, USE_ASM)
             status = _uniform(status, scratch)
             if status == 1:
-                _record(err_ptr, tl.load(row + T_WHAT).to(tl.int32), tl.load(row + T_PEER).to(tl.int32),
-                        target, seen, rank)
-                _note_where(where_ptr, t, tl.load(row + T_CHUNK).to(tl.int32))
+                record_error(err_ptr, tl.load(row + T_WHAT).to(tl.int32), tl.load(row + T_PEER).to(tl.int32),
+                             target, seen, rank, tl.load(row + T_CHUNK).to(tl.int32), -1, pid)
             stop = status != 0
             if not stop:
                 t_copy = now_ns(USE_ASM)
@@ -172,8 +165,9 @@ def worker_kernel(tasks_ptr, task_lo, task_hi, dst_base, gen_ptr, counters_ptr, 
                 old = tl.atomic_add(counters_ptr + t, 1, sem="acq_rel", scope="gpu")
                 if old == num_programs - 1:
                     tl.store(counters_ptr + t, 0)
-                    _publish_if(row, T_PUB1, gen)
-                    _publish_if(row, T_PUB2, gen)
+                    if tl.load(err_ptr, volatile=True) == 0:   # broken: publish nothing
+                        _publish_if(row, T_PUB1, gen)
+                        _publish_if(row, T_PUB2, gen)
                 if STATS:
                     srow = stats_ptr + t * STATS_COLUMNS
                     tl.atomic_min(srow + S_WAIT_START, t_wait, sem="relaxed", scope="gpu")
@@ -183,13 +177,13 @@ def worker_kernel(tasks_ptr, task_lo, task_hi, dst_base, gen_ptr, counters_ptr, 
 
 
 @triton.jit(do_not_specialize=["slot", "use", "timeout", "rank", "peer", "chunk", "what"])
-def slot_acquire_kernel(free_ptr, slot, use, err_ptr, where_ptr, stall_ptr, timeout, rank, peer, chunk, what,
+def slot_acquire_kernel(free_ptr, slot, use, err_ptr, stall_ptr, timeout, rank, peer, chunk, what,
                         USE_ASM: tl.constexpr):
     """The producer takes ring slot ``slot`` for its ``use``-th use of this call: wait until
     ``free[slot] >= use`` (every earlier use drained by the workers; acquire, system scope,
     bounded).  ``stall = [stalls, stalled ns]`` counts the waits that found it not yet free.
     On timeout: the error word (``what``, ``peer`` = the owner of the chunk waiting, target
-    ``use``) and ``where = [-1 - slot, chunk]``."""
+    ``use``, ``chunk``, the slot in ERR_TILE).  Returns at once when the error word is set."""
     flag = free_ptr + slot
     if tl.load(err_ptr, volatile=True) == 0:
         seen0 = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
@@ -199,19 +193,17 @@ def slot_acquire_kernel(free_ptr, slot, use, err_ptr, where_ptr, stall_ptr, time
             tl.atomic_add(stall_ptr, 1, sem="relaxed", scope="gpu")
             tl.atomic_add(stall_ptr + 1, now_ns(USE_ASM) - start, sem="relaxed", scope="gpu")
             if status == 1:
-                _record(err_ptr, what, peer, use, seen, rank)
-                old = tl.atomic_cas(where_ptr, 0, -1 - slot, sem="relaxed", scope="gpu")
-                if old == 0:
-                    tl.store(where_ptr + 1, chunk)
+                record_error(err_ptr, what, peer, use, seen, rank, chunk, slot, -1)
 
 
 @triton.jit(do_not_specialize=["slot", "use", "chunk"])
-def slot_ready_kernel(ready_ptr, slot, use, stamp_ptr, chunk, USE_ASM: tl.constexpr):
+def slot_ready_kernel(ready_ptr, slot, use, stamp_ptr, chunk, err_ptr, USE_ASM: tl.constexpr):
     """After the chunk's GEMM (stream order): ``stamp[chunk]`` = %globaltimer (the chunk entered
     the ready queue; 0 without inline PTX), then ``ready[slot] = use + 1`` (release, system
-    scope)."""
+    scope); nothing once the error word is set (the workers stop anyway)."""
     tl.store(stamp_ptr + chunk, now_ns(USE_ASM))
-    tl.atomic_xchg(ready_ptr + slot, use + 1, sem="release", scope="sys")
+    if tl.load(err_ptr, volatile=True) == 0:
+        tl.atomic_xchg(ready_ptr + slot, use + 1, sem="release", scope="sys")
 
 
 @triton.jit(do_not_specialize=["index"])

@@ -50,14 +50,20 @@ the GEMM core's epilogue hook cannot take a credit per slot.
 
 Knobs: :class:`SmWorkersKnobs` (``knobs=`` of the three functions, else
 :func:`default_knobs`, a pure function of the shape, W and the GPU).  Observability: pass a
-dict as ``stats=`` (eager calls) and it is filled after the call (one synchronize) by
-:func:`summarize`: bytes in flight, producer stalls on credits, ready-queue depth,
-issue-to-completion latency per chunk, bytes still moving when the GEMM ended.
+dict as ``stats=`` (eager calls) and it is filled after the call by :func:`summarize`, which
+reads the kernels' stamps back (a device sync: only a call that asked for stats makes it):
+bytes in flight, producer stalls on credits, ready-queue depth, issue-to-completion latency per
+chunk, bytes still moving when the GEMM ended.
 
-An eager call checks the workspace's error word once (one host sync) and raises
-``TimeoutError`` naming the rank, the peer, the chunk and the generation; a captured call
-fills its outputs with NaN instead (:func:`tpfuse.symm.check_workspaces` raises).  float32 is
-refused (the GEMM core multiplies it in TF32), as in ``fused``.
+Errors, as in ``copy_engine`` and ``fused``: no eager call waits for the GPU (except the first
+call of a workspace capacity, and a call given ``stats=``).  Every wait -- the flag kernels',
+the worker CTAs', the ring's credit wait and the AG GEMM's per-chunk waits -- shares the
+workspace's error word; a timed-out wait records rank, peer, chunk and generation there and in
+its host-visible mirror (this strategy's ring waits are ``abi.WAIT_SLOT_FREE`` /
+``WAIT_SLOT_READY``).  A set word breaks the workspace: later kernels stop waiting and publish
+nothing, the outputs of that call and of every call queued after it are NaN, and the next call
+on the group (or :func:`tpfuse.synchronize`, or the watchdog's log line) reports it
+(tpfuse/symm.py).  float32 is refused (the GEMM core multiplies it in TF32), as in ``fused``.
 """
 from __future__ import annotations
 
@@ -68,9 +74,11 @@ import torch
 
 from tpfuse import symm, timeline
 from tpfuse._dist import GroupContext, breadcrumb, new_output
+from tpfuse.kernels import abi
 from tpfuse.model import simulate
+from tpfuse.strategies import _symm_steps as steps
 from tpfuse.strategies import copy_engine
-from tpfuse.strategies.ring import _row_bounds
+from tpfuse.strategies.fused import GEMM_WAIT_SLACK_S
 
 __all__ = ["NAME", "MODEL", "DESCRIPTION", "ORDER", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar",
            "SmWorkersKnobs", "default_knobs", "gemm_programs", "summarize", "make_copy", "WAIT_SLOT_READY",
@@ -87,9 +95,10 @@ ORDER = 40
 
 _DTYPES = (torch.bfloat16, torch.float16)
 
-# Codes of this strategy's own waits in the workspace's error word ([1]); symm.WAIT_KINDS has 1-4.
-WAIT_SLOT_READY = 5   # a worker waited for the producer to fill a ring slot
-WAIT_SLOT_FREE = 6    # the producer waited for the workers to drain a ring slot (a credit)
+# Codes of this strategy's own waits in the workspace's error word (abi.ERR_WHAT; their meaning:
+# tpfuse.watchdog.describe)
+WAIT_SLOT_FREE = abi.WAIT_SLOT_FREE     # the producer waited for the workers to drain a ring slot (a credit)
+WAIT_SLOT_READY = abi.WAIT_SLOT_READY   # a worker waited for the producer to fill a ring slot
 
 # Defaults of the knobs, with their sources.
 # ~15 SMs reach NVLink4/5 line rate with KB-sized SM-driven messages (published measurements
@@ -218,15 +227,6 @@ def _words(ws: symm.Workspace, name: str, count: int, dtype=torch.int32) -> torc
     return _state(ws, ("words", name, count, dtype), lambda: torch.zeros(count, dtype=dtype, device=ws.spec.device))
 
 
-def _where(ws: symm.Workspace) -> torch.Tensor:
-    """``[task + 1 | -1 - slot, chunk]`` of the wait that timed out (first writer wins)."""
-    return _words(ws, "where", 2)
-
-
-def _gemm_error(ws: symm.Workspace) -> torch.Tensor:
-    return _words(ws, "gemm_error", symm.ERROR_WORDS)
-
-
 def _side(ws: symm.Workspace):
     """The side stream's context (none on CPU, where kernels run one after another)."""
     return torch.cuda.stream(ws.stream) if ws.spec.device.type == "cuda" else contextlib.nullcontext()
@@ -247,6 +247,12 @@ def _main_waits_side(ws: symm.Workspace, *tensors: torch.Tensor) -> None:
 def _bound(device: torch.device) -> int:
     """The spin bound of the kernels: ns with inline PTX, else spins (~1 ms each interpreted)."""
     return int(symm.timeout_s() * 1e9) if _cuda(device) else max(1, int(symm.timeout_s() * 1000))
+
+
+def _launch(kernel, grid: tuple, *args, num_warps: int = 1, **constexprs) -> None:
+    """``kernel[grid](*args, **constexprs)``: every launch of this strategy's kernels (one place
+    to fake in the host-cost test, tests/cpu/test_host_overhead.py)."""
+    kernel[grid](*args, num_warps=num_warps, **constexprs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,11 +326,11 @@ def launch_workers(ws: symm.Workspace, launch: Launch, kn: SmWorkersKnobs, *, ds
     elem = torch.empty((), dtype=ws.spec.dtype).element_size()
     vec = 16 // elem if launch.aligned and dst_base % 16 == 0 else 1
     device = ws.spec.device
-    worker_kernel[(kn.comm_sms,)](
-        launch.table, task_lo, hi, dst_base, ws.gen, launch.counters, ws.error, _where(ws),
-        stats if stats is not None else launch.counters, _words(ws, "scratch", MAX_COMM_SMS), _bound(device), ws.rank,
-        ELEM=8 * elem, BLOCK=kn.block_bytes // elem, VEC=vec, USE_ASM=_cuda(device), STATS=stats is not None,
-        num_warps=_NUM_WARPS if device.type == "cuda" else 1)
+    _launch(worker_kernel, (kn.comm_sms,),
+            launch.table, task_lo, hi, dst_base, ws.gen, launch.counters, ws.error,
+            stats if stats is not None else launch.counters, _words(ws, "scratch", MAX_COMM_SMS), _bound(device),
+            ws.rank, ELEM=8 * elem, BLOCK=kn.block_bytes // elem, VEC=vec, USE_ASM=_cuda(device),
+            STATS=stats is not None, num_warps=_NUM_WARPS if device.type == "cuda" else 1)
 
 
 def _new_stats(tasks: int, device: torch.device) -> torch.Tensor:
@@ -346,62 +352,6 @@ def _flag_addr(ws: symm.Workspace, region: str, owner: int, index: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# the end of a call: errors
-# --------------------------------------------------------------------------------------------
-def _explain(ws: symm.Workspace, op: str, exc: TimeoutError) -> str:
-    """The workspace's TimeoutError, with this strategy's own waits (ring slots) spelled out
-    and the chunk the failed wait was for."""
-    words = ws.error.tolist()
-    where, chunk = _where(ws).tolist()
-    rank, peer, target, seen = words[5], words[2], words[3], words[4]
-    bound = f"{symm.timeout_s():g} s (TPFUSE_TIMEOUT_S)"
-    if words[1] == WAIT_SLOT_FREE:
-        return (f"tpfuse {op} (sm_workers): rank {rank}'s producer waited more than {bound} for a FREE slot "
-                f"{-1 - where} of its staging ring (chunk {chunk}, for owner rank {peer}: wanted the slot's "
-                f"use count >= {target}, saw {seen}). Its worker CTAs did not drain the slot: they wait on an "
-                f"earlier chunk, or a peer rank is dead or late (workspace generation {ws.calls}).")
-    if words[1] == WAIT_SLOT_READY:
-        return (f"tpfuse {op} (sm_workers): rank {rank}'s worker CTAs waited more than {bound} for ring "
-                f"chunk {chunk} (for owner rank {peer}) to be produced (wanted use {target}, saw {seen}); "
-                f"its producer stalled (workspace generation {ws.calls}).")
-    detail = f" (sm_workers: the wait was for chunk {chunk})" if where > 0 else ""
-    return f"{exc}{detail}"
-
-
-def _finish(ws: symm.Workspace, op: str, gemm_error: torch.Tensor | None, *outputs: torch.Tensor) -> None:
-    from tpfuse.gemm import check_error_word
-    from tpfuse.kernels.flags import poison_on_error_kernel
-
-    if ws.spec.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        ws.poison_on_error(*outputs)
-        if gemm_error is not None:
-            for out in outputs:
-                if out.numel() and out.is_floating_point():
-                    poison_on_error_kernel[(symm.triton_cdiv(out.numel(), 1024),)](gemm_error, out, out.numel(),
-                                                                                  BLOCK=1024)
-        return
-    breadcrumb(f"sm_workers {op}: checking the waits")
-    cause = None
-    try:
-        ws.check(op)
-    except TimeoutError as exc:
-        cause = TimeoutError(_explain(ws, op, exc))
-    if gemm_error is not None:
-        try:
-            check_error_word(gemm_error, rank=ws.rank, timeout_ns=int(symm.timeout_s() * 1e9))
-        except TimeoutError as exc:
-            if cause is None:   # the GEMM's own wait is the first failure seen
-                ws.broken = (f"tpfuse {op}: workspace broken by an earlier timeout ({exc}); "
-                             "call tpfuse.release_workspaces()")
-                raise
-            # the workers stopped at a peer's missing flag, so the GEMM's tiles then waited in vain
-            # for the chunks they would have delivered: the workers' wait is the cause to report
-            cause = TimeoutError(f"{cause} (the GEMM's tiles then timed out waiting for those chunks)")
-    if cause is not None:
-        raise cause
-
-
-# --------------------------------------------------------------------------------------------
 # ag_gemm
 # --------------------------------------------------------------------------------------------
 def _ag_chunk_rows(m_shard: int, kn: SmWorkersKnobs) -> int:
@@ -420,8 +370,7 @@ def _ag_tasks(ws: symm.Workspace, m_shard: int, k: int, chunk_m: int, arrived: t
     elem = torch.empty((), dtype=ws.spec.dtype).element_size()
     per_rank = m_shard // chunk_m
     tasks = []
-    for i in range(1, world_size):
-        p = (rank + i) % world_size
+    for p in steps.peers(rank, world_size):
         slot = ws.data(p, (m_shard, k))
         for q in range(per_rank):
             chunk = p * per_rank + q
@@ -432,49 +381,79 @@ def _ag_tasks(ws: symm.Workspace, m_shard: int, k: int, chunk_m: int, arrived: t
     return tasks
 
 
-def ag_publish(a_shard: torch.Tensor, ws: symm.Workspace) -> None:
+class _AgPlan:
+    """What an ag_gemm call of one (shape, chunk) needs, built once per workspace: the flag
+    tables, the arrival words, the worker launch, and the GEMM's wait spec on the workspace's
+    error word (a broken workspace stops the GEMM's waits too)."""
+
+    def __init__(self, ws: symm.Workspace, m_shard: int, k: int, chunk_m: int):
+        from tpfuse.gemm import WaitSpec
+
+        rank, world_size = ws.rank, ws.world_size
+        self.peers = steps.peers(rank, world_size)
+        self.credits = ws.incoming("DONE", self.peers)
+        self.ready_out = ws.outgoing("READY", self.peers)
+        self.done_out = ws.outgoing("DONE", self.peers)
+        self.per_rank = m_shard // chunk_m
+        self.mine = slice(rank * m_shard, (rank + 1) * m_shard)
+        self.own_words = slice(rank * self.per_rank, (rank + 1) * self.per_rank)
+        self.arrived = _words(ws, "arrived", world_size * self.per_rank)
+        self.launch = _launch_tables(ws, ("ag", m_shard, k, chunk_m),
+                                     lambda: _ag_tasks(ws, m_shard, k, chunk_m, self.arrived))
+        # fused's convention: the tiles wait GEMM_WAIT_SLACK_S longer than the workers' flag
+        # waits, so that when a peer is dead the workers' wait, which knows the peer, records
+        # first; a recorded error ends the tiles' waits at once anyway
+        bound_s = symm.timeout_s() + GEMM_WAIT_SLACK_S
+        self.wait = WaitSpec(signal=self.arrived, generation=1, chunk_m=chunk_m, timeout_ns=int(bound_s * 1e9),
+                             max_spins=max(1, int(bound_s * 1000)), error=ws.error, rank=rank)
+        self.start_chunk = rank * self.per_rank
+        per_rank = self.per_rank
+        self.chunk_owner = lambda chunk: min(chunk // per_rank, world_size - 1)
+
+
+def _ag_plan(ws: symm.Workspace, m_shard: int, k: int, chunk_m: int) -> _AgPlan:
+    return steps.cached(ws, ("sm_workers ag", m_shard, k, chunk_m), lambda: _AgPlan(ws, m_shard, k, chunk_m))
+
+
+def ag_publish(a_shard: torch.Tensor, ws: symm.Workspace, kn: SmWorkersKnobs) -> None:
     """Phase 1 of ag_gemm: begin (credits), this rank's slot <- a_shard, READY[rank] on peers."""
-    peers = [(ws.rank + i) % ws.world_size for i in range(1, ws.world_size)]
-    ws.begin(ws.incoming("DONE", peers))
-    ws.data(ws.rank, tuple(a_shard.shape)).copy_(a_shard)
-    ws.signal(ws.outgoing("READY", peers))
+    m_shard, k = a_shard.shape
+    plan = _ag_plan(ws, m_shard, k, _ag_chunk_rows(m_shard, kn))
+    steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out)
 
 
 def ag_pull_and_gemm(a_shard: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, kn: SmWorkersKnobs,
                      a_full: torch.Tensor, c: torch.Tensor, stats: dict | None = None) -> None:
     """Phase 2 of ag_gemm: the workers pull the peers' chunks (side stream) while one GEMM
-    waits per tile for their arrival words; then DONE[rank] on every peer."""
-    from tpfuse.gemm import WaitSpec, matmul
+    waits per tile for their arrival words; then DONE[rank] on every peer.  No NaN fill here
+    (:func:`ag_gemm` ends with it)."""
+    from tpfuse.gemm import matmul
 
-    rank, world_size = ws.rank, ws.world_size
+    world_size = ws.world_size
     m_shard, k = a_shard.shape
-    chunk_m = _ag_chunk_rows(m_shard, kn)
-    per_rank = m_shard // chunk_m
+    plan = _ag_plan(ws, m_shard, k, _ag_chunk_rows(m_shard, kn))
     dev = a_shard.device
-    arrived = _words(ws, "arrived", world_size * per_rank)
-    error = _gemm_error(ws)
-    launch = _launch_tables(ws, ("ag", m_shard, k, chunk_m), lambda: _ag_tasks(ws, m_shard, k, chunk_m, arrived))
-    peers = [(rank + i) % world_size for i in range(1, world_size)]
-    a_full[rank * m_shard:(rank + 1) * m_shard].copy_(a_shard)
-    arrived[rank * per_rank:(rank + 1) * per_rank].fill_(1)
+    ws.host.chunk_owner = plan.chunk_owner   # names the peer if the GEMM's wait records first
+    a_full[plan.mine].copy_(a_shard)
+    plan.arrived[plan.own_words].fill_(1)
+    launch = plan.launch
     task_stats = _new_stats(len(launch.tasks), dev) if stats is not None else None
     stamps = _words(ws, "stamps", 2, torch.int64) if stats is not None else None
     _side_waits_main(ws)
     with _side(ws):
         with timeline.span("copy", f"{kn.comm_sms} workers pull {len(launch.tasks)} chunks", device=dev):
             launch_workers(ws, launch, kn, dst_base=_addr(a_full), stats=task_stats)
-        ws.signal(ws.outgoing("DONE", peers))
-    wait = WaitSpec(signal=arrived, generation=1, chunk_m=chunk_m, timeout_ns=int(symm.timeout_s() * 1e9),
-                    max_spins=max(1, int(symm.timeout_s() * 1000)), error=error, rank=rank)
-    sms = _sm_count(dev)
-    programs = gemm_programs(sms, world_size, kn.comm_sms, shared_gpu=_shared_gpu()) if dev.type == "cuda" else None
+        ws.signal(plan.done_out)
+    programs = None
+    if dev.type == "cuda":
+        programs = gemm_programs(_sm_count(dev), world_size, kn.comm_sms, shared_gpu=_shared_gpu())
     with timeline.span("gemm", "GEMM (waits per chunk)", device=dev):
-        matmul(a_full, b, out=c, tile_order="round", start_chunk=rank * per_rank, wait=wait, check=False,
+        matmul(a_full, b, out=c, tile_order="round", start_chunk=plan.start_chunk, wait=plan.wait, check=False,
                num_sms=programs)
     if stamps is not None:
         _stamp(stamps, 0, dev)
     _main_waits_side(ws, a_full)
-    arrived.zero_()   # after the GEMM and the workers: the next call's words start at 0
+    plan.arrived.zero_()   # after the GEMM and the workers: the next call's words start at 0
     if stats is not None:
         stats.update(summarize(launch.tasks, task_stats, kn, elem=a_shard.element_size(),
                                gemm_end_ns=stamps[0], programs=programs))
@@ -483,7 +462,7 @@ def ag_pull_and_gemm(a_shard: torch.Tensor, b: torch.Tensor, ws: symm.Workspace,
 def _stamp(stamps: torch.Tensor, index: int, device: torch.device) -> None:
     from tpfuse.kernels.sm_workers import stamp_kernel
 
-    stamp_kernel[(1,)](stamps, index, USE_ASM=_cuda(device), num_warps=1)
+    _launch(stamp_kernel, (1,), stamps, index, USE_ASM=_cuda(device))
 
 
 def _check_stats(stats) -> None:
@@ -492,8 +471,8 @@ def _check_stats(stats) -> None:
     if not isinstance(stats, dict):
         raise TypeError(f"stats: expected a dict to fill (or None), got {type(stats).__name__}")
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise ValueError("stats: sm_workers fills stats= after a synchronize, which a CUDA graph capture cannot do; "
-                         "pass stats= to an eager call")
+        raise ValueError("stats: sm_workers fills stats= after reading the kernels' stamps back (a device sync), "
+                         "which a CUDA graph capture cannot do; pass stats= to an eager call")
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *, knobs: SmWorkersKnobs | None = None,
@@ -510,9 +489,9 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *, knobs:
     c = new_output((world_size * m_shard, n), dtype=a_shard.dtype, device=a_shard.device)
     ws = symm.get_workspace(ctx, "ag_gemm", a_shard.dtype, a_shard.device, a_shard.nbytes)
     breadcrumb("sm_workers ag_gemm: publishing the local shard")
-    ag_publish(a_shard, ws)
+    ag_publish(a_shard, ws, kn)
     ag_pull_and_gemm(a_shard, b, ws, kn, a_full, c, stats)
-    _finish(ws, "ag_gemm", _gemm_error(ws), c, a_full)
+    steps.finish(ws, c, a_full)   # NaN when broken: a wait of this call (workers', GEMM's) or an earlier one
     return c, a_full
 
 
@@ -538,8 +517,7 @@ def ring_pieces(rank: int, world_size: int, bounds: list[tuple[int, int]], chunk
     rows go straight to its inbox, not through the ring), each owner's rows cut into pieces of
     at most ``chunk_rows`` rows (None: one piece), piece j through slot j % slots."""
     pieces = []
-    for i in range(1, world_size):
-        owner = (rank + i) % world_size
+    for owner in steps.peers(rank, world_size):
         lo, hi = bounds[owner]
         step = (hi - lo) if chunk_rows is None else chunk_rows
         cuts = list(range(lo, hi, max(1, step))) or [lo]
@@ -578,6 +556,10 @@ class Ring:
                               pub1=_addr(self.free) + 4 * p.slot, pub1_const=p.use + 1,
                               pub2=_flag_addr(ws, "READY", p.owner, rank) if p.last else 0, pub2_gen=1))
         self.tasks = tasks
+        self.own_rows = slice(*bounds[rank])
+        # this rank's inbox slots in rank order (views of the rows it owns); its own is written directly
+        self.sources = [ws.data(rank, (slot_rows, n), offset=src * slot_rows * n)[: bounds[rank][1] - bounds[rank][0]]
+                        for src in range(world_size)]
         if _cuda(dev):   # compile the ring's kernels now, not while the workers spin on them
             self._warm_up(ws)
 
@@ -586,9 +568,9 @@ class Ring:
 
         dev = ws.spec.device
         try:
-            slot_acquire_kernel.warmup(self.free, 0, 1, ws.error, _where(ws), self.stalls, _bound(dev), ws.rank, 0, 0,
+            slot_acquire_kernel.warmup(self.free, 0, 1, ws.error, self.stalls, _bound(dev), ws.rank, 0, 0,
                                        WAIT_SLOT_FREE, USE_ASM=True, num_warps=1, grid=(1,))
-            slot_ready_kernel.warmup(self.ready, 0, 0, self.stamps, 0, USE_ASM=True, num_warps=1, grid=(1,))
+            slot_ready_kernel.warmup(self.ready, 0, 0, self.stamps, 0, ws.error, USE_ASM=True, num_warps=1, grid=(1,))
         except Exception as exc:  # noqa: BLE001 - the first launches compile instead
             import warnings
 
@@ -605,13 +587,13 @@ class Ring:
         p = self.pieces[j]
         dev = a.device
         if p.use > 0:
-            slot_acquire_kernel[(1,)](self.free, p.slot, p.use, ws.error, _where(ws), self.stalls, _bound(dev),
-                                      ws.rank, p.owner, j, WAIT_SLOT_FREE, USE_ASM=_cuda(dev), num_warps=1)
+            _launch(slot_acquire_kernel, (1,), self.free, p.slot, p.use, ws.error, self.stalls, _bound(dev),
+                    ws.rank, p.owner, j, WAIT_SLOT_FREE, USE_ASM=_cuda(dev))
         rows = p.hi - p.lo
         out = self.slot(p.slot)[:rows * self.n].view(rows, self.n)
         with timeline.span("gemm", f"GEMM piece {j} -> owner {p.owner}", device=dev, chunk=j):
             torch.matmul(a[p.lo:p.hi], b, out=out)
-        slot_ready_kernel[(1,)](self.ready, p.slot, p.use, self.stamps, j, USE_ASM=_cuda(dev), num_warps=1)
+        _launch(slot_ready_kernel, (1,), self.ready, p.slot, p.use, self.stamps, j, ws.error, USE_ASM=_cuda(dev))
 
 
 def _ring(ws: symm.Workspace, bounds, slot_rows: int, n: int, kn: SmWorkersKnobs) -> tuple[Ring, Launch]:
@@ -630,7 +612,7 @@ def push_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, bounds: 
     producer's GEMMs; on a CPU device (the interpreter: kernels run one after another, so a
     worker launch could not wait for a GEMM issued after it) each piece's worker launch follows
     its GEMM -- the same kernels, words and credits, serialized."""
-    rank, world_size, n = ws.rank, ws.world_size, b.shape[1]
+    rank, n = ws.rank, b.shape[1]
     dev = a.device
     ring, launch = _ring(ws, bounds, slot_rows, n, kn)
     task_stats = _new_stats(len(launch.tasks), dev) if stats is not None else None
@@ -648,20 +630,14 @@ def push_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, bounds: 
             launch_workers(ws, launch, kn, task_lo=j, task_hi=j + 1, stats=task_stats)
     if stats is not None:
         _stamp(ring.stamps, len(ring.pieces), dev)
-
-    def inbox(owner: int, src: int) -> torch.Tensor:
-        lo, hi = bounds[owner]
-        return ws.data(owner, (slot_rows, n), offset=src * slot_rows * n)[: hi - lo]
-
-    lo, hi = bounds[rank]
     with timeline.span("gemm", f"GEMM own rows {rank}", device=dev, chunk=rank):
-        torch.matmul(a[lo:hi], b, out=inbox(rank, rank))
+        torch.matmul(a[ring.own_rows], b, out=ring.sources[rank])
     _main_waits_side(ws)
     ring.words.zero_()   # after the workers: the next call's uses count from 0
     if stats is not None:
         stats.update(summarize(launch.tasks, task_stats, kn, elem=a.element_size(),
                                gemm_end_ns=ring.stamps[-1], ready_ns=ring.stamps[:-1], stalls=ring.stalls))
-    return [inbox(rank, src) for src in range(world_size)]
+    return ring.sources
 
 
 def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *, knobs: SmWorkersKnobs | None = None,
@@ -675,14 +651,13 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *, knobs: SmWor
     shard = m // world_size
     c_shard = new_output((shard, n), dtype=a.dtype, device=a.device)
     ws = symm.get_workspace(ctx, "gemm_rs", a.dtype, a.device, world_size * shard * n * a.element_size())
-    peers = [(ctx.rank + i) % world_size for i in range(1, world_size)]
+    peers = steps.peers(ctx.rank, world_size)
     breadcrumb("sm_workers gemm_rs: producing partials into the ring")
     ws.begin(ws.incoming("DONE", peers))
     bounds = [(r * shard, (r + 1) * shard) for r in range(world_size)]
     sources = push_partials(a, b, ws, bounds, shard, kn, stats)
-    copy_engine.reduce_inbox(ws, ("rs", shard, n), peers, sources, c_shard)
+    steps.reduce_inbox(ws, ("rs", shard, n), peers, sources, c_shard)   # NaN when broken
     ws.signal(ws.outgoing("DONE", peers))
-    _finish(ws, "gemm_rs", None, c_shard)
     return c_shard
 
 
@@ -695,8 +670,7 @@ def gather_tasks(ws: symm.Workspace, bounds, gathered, n: int) -> list[Task]:
     rank, world_size = ws.rank, ws.world_size
     elem = torch.empty((), dtype=ws.spec.dtype).element_size()
     tasks = []
-    for i in range(1, world_size):
-        p = (rank + i) % world_size
+    for p in steps.peers(rank, world_size):
         lo, hi = bounds[p]
         tasks.append(Task(src=_addr(gathered(p)), dst=lo * n * elem, numel=(hi - lo) * n,
                           wait=_flag_addr(ws, "READY2", rank, p), wait_gen=1, what=symm.WAIT_READY2, peer=p, chunk=p))
@@ -712,22 +686,20 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *, knobs: SmWor
         return copy_engine.gemm_ar(a, b, ctx)
     kn = _knobs(knobs, world_size, a.device)
     _check_stats(stats)
-    bounds = _row_bounds(m, world_size)
+    bounds = steps.row_bounds(m, world_size)
     slot_rows = -(-m // world_size)
-    ws = copy_engine.two_shot_workspace(ctx, a.dtype, a.device, slot_rows * n)   # copy_engine's layout and credits
-    gather_at = copy_engine.two_shot_gather_offset(ws)
-    peers = [(rank + i) % world_size for i in range(1, world_size)]
+    ws = steps.two_shot_workspace(ctx, a.dtype, a.device, slot_rows * n)   # copy_engine's layout and credits
+    gather_at = steps.two_shot_gather_offset(ws)
+    peers = steps.peers(rank, world_size)
     c = new_output((m, n), dtype=a.dtype, device=a.device)
-
-    def gathered(owner: int) -> torch.Tensor:
-        lo, hi = bounds[owner]
-        return ws.data(owner, (slot_rows, n), offset=gather_at)[: hi - lo]
+    views = steps.cached(ws, ("sm_workers ar2 gathered", m, n), lambda: [
+        ws.data(owner, (slot_rows, n), offset=gather_at)[: hi - lo] for owner, (lo, hi) in enumerate(bounds)])
 
     breadcrumb("sm_workers gemm_ar: producing partials into the ring")
     ws.begin(ws.incoming("DONE", peers))
     sources = push_partials(a, b, ws, bounds, slot_rows, kn, stats)
-    ar_gather(ws, kn, peers, sources, bounds, gathered, c)
-    _finish(ws, "gemm_ar", None, c)
+    ar_gather(ws, kn, peers, sources, bounds, views.__getitem__, c)
+    steps.finish(ws, c)   # NaN when broken: the workers copy whatever a broken peer left
     return c
 
 
@@ -739,9 +711,8 @@ def ar_gather(ws: symm.Workspace, kn: SmWorkersKnobs, peers: list[int], sources:
     rank, n = ws.rank, c.shape[1]
     ws.wait(ws.incoming("DONE2", peers), symm.WAIT_CREDIT2, lag=1)
     mine = gathered(rank)
-    copy_engine.reduce_inbox(ws, ("ar2",) + tuple(c.shape), peers, sources, mine)
-    ws.signal(ws.outgoing("DONE", peers))
-    ws.signal(ws.outgoing("READY2", peers))
+    steps.reduce_inbox(ws, ("ar2",) + tuple(c.shape), peers, sources, mine)
+    ws.signal(ws.outgoing(("DONE", "READY2"), peers))   # free the inbox, announce the chunk: one launch
     lo, hi = bounds[rank]
     c[lo:hi].copy_(mine)
     launch = _launch_tables(ws, ("gather", tuple(bounds), n), lambda: gather_tasks(ws, bounds, gathered, n))
@@ -778,15 +749,15 @@ def make_copy(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int, knobs: SmW
     device = dst.device
     table = torch.tensor([t.row() for t in tasks] or [Task(0, 0, 0).row()], dtype=torch.int64, device=device)
     counters = torch.zeros(max(1, len(tasks)), dtype=torch.int32, device=device)
-    words = torch.zeros(1 + symm.ERROR_WORDS + 2 + MAX_COMM_SMS, dtype=torch.int32, device=device)
+    words = torch.zeros(1 + symm.ERROR_WORDS + MAX_COMM_SMS, dtype=torch.int32, device=device)
     e = symm.ERROR_WORDS
-    gen, error, where, scratch = words[:1], words[1:1 + e], words[1 + e:3 + e], words[3 + e:]
+    gen, error, scratch = words[:1], words[1:1 + e], words[1 + e:]   # error: no mirror (its address word is 0)
     vec = 16 // elem if all(t.src % 16 == 0 and t.dst % 16 == 0 for t in tasks) else 1
     cuda = _cuda(device)
 
     def run() -> None:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            worker_kernel[(knobs.comm_sms,)](table, 0, len(tasks), 0, gen, counters, error, where, counters, scratch,
+            worker_kernel[(knobs.comm_sms,)](table, 0, len(tasks), 0, gen, counters, error, counters, scratch,
                                              _bound(device), 0, ELEM=8 * elem, BLOCK=knobs.block_bytes // elem,
                                              VEC=vec, USE_ASM=cuda, STATS=False,
                                              num_warps=_NUM_WARPS if device.type == "cuda" else 1)
