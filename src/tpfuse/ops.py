@@ -147,7 +147,7 @@ def _decide(op: str, strategy: str, rows: list[dict], world_size: int) -> str:
         raise RuntimeError(f"{op}: ranks are out of step (some did not post decision inputs for a new "
                            "signature); every rank must run the same sequence of tpfuse calls")
     common = set(rows[0]["candidates"]).intersection(*(row["candidates"] for row in rows[1:]))
-    candidates = tuple(s for s in strategies.STRATEGY_NAMES if s in common)
+    candidates = tuple(s for s in strategies.names() if s in common)
     from tpfuse.plan import choose
 
     measured = rows[local.index(big)]["measured"]

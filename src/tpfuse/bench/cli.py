@@ -39,11 +39,12 @@ def _positive(args: argparse.Namespace, *names: str, minimum: int = 1) -> None:
 
 
 def _check_strategies(args: argparse.Namespace) -> None:
-    from tpfuse.strategies import STRATEGY_NAMES
+    from tpfuse import strategies
 
+    known = strategies.names()
     for name in args.strategies or ():
-        if name != "auto" and name not in STRATEGY_NAMES:
-            raise _UsageError(f"--strategies: unknown strategy {name!r}; choose from auto, {', '.join(STRATEGY_NAMES)}")
+        if name != "auto" and name not in known:
+            raise _UsageError(f"--strategies: unknown strategy {name!r}; choose from auto, {', '.join(known)}")
 
 
 def _check_hardware(args: argparse.Namespace) -> None:
@@ -133,7 +134,7 @@ def _ops(args: argparse.Namespace) -> int:
     _setup(args, base.world_size)
     config = replace(base, **given, hardware=args.hardware, device=args.device, bed=args.bed or 0, dtype=args.dtype,
                      graph=not args.no_graph, timeline=bool(args.timeline))
-    from tpfuse.cli import _print_table, _Progress
+    from tpfuse.console import Progress as _Progress, print_table as _print_table
 
     def partial(result: dict) -> None:   # a run cut short keeps the cells it finished
         if args.json and _speaks():
@@ -201,7 +202,7 @@ def _layer(args: argparse.Namespace) -> int:
     base = quick_layer_config(_on_gpu(args)) if args.quick else LayerConfig()
     _setup(args, base.world_size)
     cfg = replace(base, **given, device=args.device, bed=args.bed or 0, dtype=args.dtype, asynctp=not args.no_asynctp)
-    from tpfuse.cli import _print_table, _Progress
+    from tpfuse.console import Progress as _Progress, print_table as _print_table
 
     result = run_layer_bench(cfg, progress=_Progress("bench layer") if _speaks() else None)
     if not _speaks():
@@ -234,7 +235,7 @@ def _comm(args: argparse.Namespace) -> int:
     cfg = replace(quick_comm_config() if args.quick else CommConfig(), **given, device=args.device)
     if args.device == "cuda" and not _on_gpu(args):
         raise _UsageError("--device cuda: no CUDA GPU is visible on this machine")
-    from tpfuse.cli import _print_table, _Progress
+    from tpfuse.console import Progress as _Progress, print_table as _print_table
 
     result = run_comm_bench(cfg, progress=_Progress("bench comm"))
     meta = result["meta"]

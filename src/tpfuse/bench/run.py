@@ -47,9 +47,15 @@ from tpfuse.spawn import RankError
 __all__ = ["BenchConfig", "ROW_FIELDS", "run_bench", "format_rows", "write_result", "quick_config"]
 
 L2_BYTES = 60 * 2**20  # H200 (the largest L2 we run on); rotating past it on smaller GPUs is harmless
-# Strategies that move data through symmetric memory, not the process group: the only ones that
-# run in the one-GPU bed (its gloo group cannot carry CUDA tensors).
-SYMMETRIC_STRATEGIES = ("copy_engine", "fused")
+
+
+def symmetric_strategies() -> tuple[str, ...]:
+    """Strategies that move data through symmetric memory, not the process group (they declare
+    ``SYMMETRIC_MEMORY``): the only ones that run in the one-GPU bed (its gloo group cannot carry
+    CUDA tensors)."""
+    from tpfuse import strategies
+
+    return tuple(s for s in strategies.names() if strategies.info(s).symmetric_memory)
 # Every row has these keys, in this order (the table above; null + a reason where not measured).
 ROW_FIELDS = ("cell", "model", "phase", "gemm", "op", "m", "n", "k", "world_size", "dtype", "strategy", "resolved",
               "ms", "unfused_ms", "asynctp_ms", "gemm_ms", "comm_ms", "exposed_comm_ms", "overlap_efficiency",
@@ -172,7 +178,7 @@ def strategy_plan(names, runnable, resolved: str, mode: str, why_unavailable) ->
         concrete = resolved if s == "auto" else s
         if s != "auto" and s not in runnable:
             skipped[s] = why_unavailable(s) or "not runnable here"
-        elif mode == "one-gpu-bed" and concrete not in SYMMETRIC_STRATEGIES:
+        elif mode == "one-gpu-bed" and concrete not in symmetric_strategies():
             skipped[s] = (f"{'auto resolved to ' if s == 'auto' else ''}{concrete} sends CUDA tensors through "
                           "the process group, and the one-GPU bed's group is gloo")
         else:
@@ -240,7 +246,7 @@ def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
             out[name]["graph"], out[name]["graph_reason"] = None, ("no CUDA (graphs need a GPU)" if device.type != "cuda"
                                                                    else "graph timing off (--no-graph)")
     out.update({name: {"reason": why} for name, why in skipped.items()})
-    unavailable = {s: strategies.why_unavailable(s, ctx, device, dtype) for s in strategies.STRATEGY_NAMES
+    unavailable = {s: strategies.why_unavailable(s, ctx, device, dtype) for s in strategies.names()
                    if s not in runnable}
     return {"variants": out, "strategies": names, "resolved": resolved, "unavailable": unavailable}
 
