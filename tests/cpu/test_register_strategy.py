@@ -1,0 +1,158 @@
+"""A strategy defined outside tpfuse/ -- here -- and registered with ``tpfuse.register_strategy``:
+the three ops run it on gloo ranks, ``tpfuse.plan`` predicts it from its own schedule, and
+``tpfuse bench`` times it.  No file inside tpfuse/ names it.  docs/strategies.md walks through
+this same toy."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpfuse
+from tpfuse import dtypes, strategies, testing
+from tpfuse.model import cost
+from tpfuse.model.simulate import Schedule
+
+
+# --- the toy strategy: the collective with torch.distributed, then torch.matmul ------------------
+def _why_unavailable(ctx, device, dtype):
+    return None   # torch.distributed collectives run on every backend
+
+
+def _ag_gemm(a_shard, b, ctx):
+    parts = [torch.empty_like(a_shard) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, a_shard.contiguous(), group=ctx.group)
+    a_full = torch.cat(parts)
+    return a_full @ b, a_full
+
+
+def _summed(a, b, ctx):
+    partial = (a @ b).to(dtypes.reduce_dtype(a.dtype, DTYPES))   # reduce in the policy's dtype
+    dist.all_reduce(partial, group=ctx.group)
+    return partial
+
+
+def _gemm_rs(a, b, ctx):
+    rows = a.shape[0] // ctx.world_size
+    return _summed(a, b, ctx)[ctx.rank * rows:(ctx.rank + 1) * rows].to(a.dtype)
+
+
+def _gemm_ar(a, b, ctx):
+    return _summed(a, b, ctx).to(a.dtype)
+
+
+def _schedule(g, c):
+    """The simulator's model: the collective on the comm engine, the GEMM on the compute engine,
+    one after the other (ag: gather first; rs/ar: GEMM first), each a host-issued launch."""
+    gemm_ms = cost.gemm_time_ms(c.m, c.n, c.k, c.dtype, c.hw)
+    comm_ms = cost.collective_ms("ag_gemm" if c.op == "ag_gemm" else "gemm_ar", c.m, c.n, c.k, c.w, c.dtype, c.hw)
+    for r in g.ranks:
+        if c.op == "ag_gemm":
+            gathered = g.add(r, "comm", "comm", comm_ms, label="all_gather", launch=True)
+            g.add(r, "gemm", "gemm", gemm_ms, deps=(gathered,), label="GEMM", launch=True)
+        else:
+            product = g.add(r, "gemm", "gemm", gemm_ms, label="GEMM", launch=True)
+            g.add(r, "comm", "comm", comm_ms, deps=(product,), label="all_reduce", launch=True)
+
+
+DTYPES = dtypes.EVERY
+toy = types.SimpleNamespace(
+    NAME="toy", DESCRIPTION="all-gather or all-reduce with torch.distributed, then torch.matmul (a toy)",
+    DTYPES=DTYPES, SCHEDULE=Schedule(_schedule, kind="collective"), why_unavailable=_why_unavailable,
+    ag_gemm=_ag_gemm, gemm_rs=_gemm_rs, gemm_ar=_gemm_ar)
+
+
+@pytest.fixture
+def registered():
+    tpfuse.register_strategy(toy)
+    yield toy
+    strategies.unregister("toy")
+
+
+# --- the planner and the registry, in this process ---------------------------------------------
+def test_the_planner_predicts_a_registered_strategy_from_its_schedule(registered):
+    assert "register_strategy" in tpfuse.__all__ and strategies.names()[-1] == "toy"
+    p = tpfuse.plan("ag_gemm", m=16384, n=7168, k=8192, world_size=8, dtype="bf16", hardware="h200")
+    assert p.predicted_ms["toy"] > 0 and p.chunks["toy"] == 1
+    # its own schedule: gather then GEMM, nothing overlapped, on the same cost model as unfused
+    gemm, comm = p.breakdown["gemm_ms"], cost.collective_ms("ag_gemm", 16384, 7168, 8192, 8, "bf16",
+                                                             tpfuse.model.hardware.get_profile("h200"))
+    assert p.predicted_ms["toy"] == pytest.approx(gemm + comm, rel=1e-6)
+    assert p.strategy != "toy"   # the overlapped strategies beat a collective-then-GEMM here
+    with pytest.raises(ValueError, match="the name 'toy' is taken"):
+        tpfuse.register_strategy(toy)
+
+
+def test_auto_never_picks_a_strategy_without_a_schedule():
+    unmodelled = types.SimpleNamespace(**{**vars(toy), "NAME": "toy_unmodelled", "SCHEDULE": None, "ORDER": -1})
+    tpfuse.register_strategy(unmodelled)
+    try:
+        p = tpfuse.plan("gemm_rs", m=4096, n=4096, k=1024, world_size=4)
+        assert "toy_unmodelled" not in p.predicted_ms and p.strategy in strategies.names()
+    finally:
+        strategies.unregister("toy_unmodelled")
+
+
+def test_a_strategy_missing_part_of_the_contract_is_refused():
+    half = types.SimpleNamespace(NAME="half", DESCRIPTION="x", DTYPES=dtypes.EVERY, ag_gemm=_ag_gemm)
+    with pytest.raises(TypeError, match="does not define why_unavailable, gemm_rs, gemm_ar"):
+        tpfuse.register_strategy(half)
+    assert "half" not in strategies.names()
+
+
+# --- the three ops on gloo ranks --------------------------------------------------------------
+def run_the_toy(rank, world_size):
+    tpfuse.register_strategy(toy)
+    try:
+        g = torch.Generator().manual_seed(7)
+        m, k, n = world_size * 37, 40, 31          # odd sizes
+        a_full = torch.randn(m, k, generator=g, dtype=torch.float64)
+        b = [torch.randn(k, n, generator=g, dtype=torch.float64) for _ in range(world_size)]
+        rows = slice(rank * 37, (rank + 1) * 37)
+        out = {}
+        for dtype in (torch.float32, torch.float64):
+            a, bb = a_full.to(dtype), b[rank].to(dtype)
+            c, gathered = tpfuse.ag_gemm(a[rows], bb, strategy="toy", return_gathered=True)
+            want = sum(a_full.to(dtype).double() @ b[r].to(dtype).double() for r in range(world_size))
+            out[dtype] = dict(
+                gathered=torch.equal(gathered, a),
+                ag=testing.rel_err(c, a.double() @ bb.double()),
+                rs=testing.rel_err(tpfuse.gemm_rs(a, bb, strategy="toy"), want[rows]),
+                ar=testing.rel_err(tpfuse.gemm_ar(a, bb, strategy="toy"), want))
+        return out
+    finally:
+        strategies.unregister("toy")
+
+
+def test_the_three_ops_run_a_registered_strategy_on_gloo_ranks(rank_pool):
+    for per_rank in rank_pool(2).run(run_the_toy, timeout=120):
+        for dtype, got in per_rank.items():
+            assert got["gathered"], dtype
+            bound = 1e-12 if dtype == torch.float64 else 1e-5
+            assert max(got["ag"], got["rs"], got["ar"]) < bound, (dtype, got)
+
+
+# --- tpfuse bench times it ----------------------------------------------------------------------
+def _register_on_rank(rank, world_size):
+    tpfuse.register_strategy(toy)
+
+
+def _unregister_on_rank(rank, world_size):
+    strategies.unregister("toy")
+
+
+def test_bench_times_a_registered_strategy(rank_pool, registered):
+    from tpfuse.bench.run import quick_config, run_bench
+
+    pool = rank_pool(2)
+    pool.run(_register_on_rank)
+    try:
+        result = run_bench(quick_config(phases=("decode",), models=("8b",), strategies=("toy", "unfused"),
+                                        iters=2, warmup=1), ranks=pool)
+    finally:
+        pool.run(_unregister_on_rank)
+    toy_rows = [r for r in result["rows"] if r["strategy"] == "toy"]
+    assert len(toy_rows) == 2 and all(r["ms"] > 0 and r["predicted_ms"] > 0 for r in toy_rows), toy_rows
