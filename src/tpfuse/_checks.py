@@ -170,8 +170,9 @@ class Signature:
 
 
 def call_signature(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor,
-                   return_gathered: bool = False) -> Signature:
-    """The :class:`Signature` of a call that passed :func:`check_call`."""
+                   return_gathered: bool = False, knobs: str = "") -> Signature:
+    """The :class:`Signature` of a call that passed :func:`check_call`; ``knobs``: the knobs
+    pinned on the group (``tpfuse.strategies.pinned_knobs``), agreed when there are any."""
     a_name, _ = _OPERANDS[op]
     rows = ("M/W (rows of a_shard)" if op == "ag_gemm" else "M (rows of a)", int(a.shape[0]))
     if op == "ag_gemm":
@@ -182,6 +183,8 @@ def call_signature(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor,
               ("layout", str(a.layout)), rows, agreed)
     if op == "ag_gemm":
         fields += (("return_gathered", bool(return_gathered)),)
+    if knobs:
+        fields += (("pinned knobs", knobs),)
     return Signature(op, fields, local)
 
 

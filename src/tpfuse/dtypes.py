@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["Rule", "HALF", "FLOAT32", "FLOAT64", "FAST", "EVERY", "name", "torch_dtype", "itemsize",
-           "rule", "accepts", "inputs", "out_dtype", "accumulate", "reduce_dtype", "rounding_floor",
+           "rule", "accepts", "inputs", "out_dtype", "accumulate", "reduce_dtype", "default", "rounding_floor",
            "describe"]
 
 # short name -> torch dtype, and the spellings users may pass for each
@@ -122,6 +122,12 @@ def accumulate(dtype: Any, rules: tuple[Rule, ...] = EVERY) -> torch.dtype:
 def reduce_dtype(dtype: Any, rules: tuple[Rule, ...] = EVERY) -> torch.dtype:
     """The dtype partial sums of ``dtype`` products are reduced across ranks in."""
     return (rule(rules, dtype) or _default(dtype)).reduce
+
+
+def default(device_type: str) -> torch.dtype:
+    """The dtype the demo and the benches run when none is named: bfloat16 on GPU, float32 on
+    CPU (CPU bfloat16 matmuls are slow and tell nothing)."""
+    return torch.bfloat16 if device_type == "cuda" else torch.float32
 
 
 def rounding_floor(dtype: torch.dtype) -> float:

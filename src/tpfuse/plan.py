@@ -181,7 +181,7 @@ def _num_sms(strategy: str, w: int, hw: HardwareProfile) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _best_per_strategy(op, m, n, k, w, dtype, hw: HardwareProfile, strategy, cuda_graph=False,
-                       ) -> tuple[float, int, SimResult]:
+                       schedule=None) -> tuple[float, int, SimResult]:
     """(ms, num_chunks, result) of the strategy as it runs: the chunking it is built with
     (its schedule's ``num_chunks``: fused ag_gemm's pieces per rank come from the same
     function fused dispatches with).  Replays one rank (``simulate(fast=True)``): ranks are
@@ -266,7 +266,9 @@ def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str
     comm_ms = _comm_alone_ms(op, m, n, k, w, dtype, hw)
     predicted, chunks, results = {}, {}, {}
     for s in candidates:
-        predicted[s], chunks[s], results[s] = _best_per_strategy(op, m, n, k, w, dtype, hw, s, cuda_graph)
+        # keyed on the schedule too: a name registered again with another schedule is predicted anew
+        predicted[s], chunks[s], results[s] = _best_per_strategy(op, m, n, k, w, dtype, hw, s, cuda_graph,
+                                                                 strategies.schedule(s))
     used = tuple(s for s in candidates if s in measured)
     for s in used:
         predicted[s] = float(measured[s])

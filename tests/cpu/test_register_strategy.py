@@ -6,6 +6,7 @@ this same toy."""
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -133,6 +134,53 @@ def test_the_three_ops_run_a_registered_strategy_on_gloo_ranks(rank_pool):
             assert got["gathered"], dtype
             bound = 1e-12 if dtype == torch.float64 else 1e-5
             assert max(got["ag"], got["rs"], got["ar"]) < bound, (dtype, got)
+
+
+# --- knobs: a per-group setting that the agreement round checks --------------------------------
+@dataclass(frozen=True)
+class ToyKnobs:
+    tag: str = "default"
+
+
+SEEN: list = []   # the knobs the knobbed toy's ag_gemm received, in this process
+
+
+def _ag_gemm_knobbed(a_shard, b, ctx, knobs=None):
+    SEEN.append(knobs)
+    return _ag_gemm(a_shard, b, ctx)
+
+
+knobbed = types.SimpleNamespace(**{**vars(toy), "NAME": "toy_knobbed", "KNOBS": ToyKnobs, "ag_gemm": _ag_gemm_knobbed})
+
+
+def pin_and_call(rank, world_size):
+    tpfuse.register_strategy(knobbed)
+    try:
+        a, b = torch.randn(8, 4), torch.randn(4, 3)
+        SEEN.clear()
+        tpfuse.ag_gemm(a, b, strategy="toy_knobbed")                  # nothing pinned: no knobs passed
+        strategies.pin_knobs("toy_knobbed", ToyKnobs("same"))
+        tpfuse.ag_gemm(a, b, strategy="toy_knobbed")
+        seen = list(SEEN)
+        strategies.pin_knobs("toy_knobbed", ToyKnobs(f"rank {rank}"))   # the ranks disagree
+        try:
+            tpfuse.ag_gemm(a, b, strategy="toy_knobbed")
+            mismatch = None
+        except ValueError as exc:
+            mismatch = str(exc)
+        return seen, mismatch
+    finally:
+        strategies.unregister("toy_knobbed")
+
+
+def test_pinned_knobs_reach_the_strategy_and_ranks_must_agree_on_them(rank_pool):
+    with pytest.raises(TypeError, match="knobs for 'fused' must be a FusedKnobs"):
+        strategies.pin_knobs("fused", ToyKnobs())
+    with pytest.raises(ValueError, match="'ring' declares no KNOBS"):
+        strategies.pin_knobs("ring", ToyKnobs())
+    for seen, mismatch in rank_pool(2).run(pin_and_call, timeout=120):
+        assert seen == [None, ToyKnobs("same")]
+        assert mismatch and "pinned knobs" in mismatch, mismatch
 
 
 # --- tpfuse bench times it ----------------------------------------------------------------------

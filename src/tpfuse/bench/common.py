@@ -70,7 +70,7 @@ def setup_and_dtype(world_size: int, device: str, bed: int, dtype: str, ranks=No
     setup = plan_ranks(world_size, device, bed)
     if ranks is not None:
         setup = replace(setup, world_size=ranks.world_size)
-    dtype = dtype if dtype != "auto" else ("bf16" if setup.device_type == "cuda" else "fp32")
+    dtype = dtype if dtype != "auto" else dtypes.name(dtypes.default(setup.device_type))
     if dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not benchmarked; use {', '.join(DTYPES)}")
     return setup, dtype

@@ -40,6 +40,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from tpfuse import dtypes
+
 __all__ = ["measure_host_overhead", "main"]
 
 
@@ -54,7 +56,7 @@ def _per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None])
 
 
 def measure_host_overhead(op: str = "gemm_ar", *, strategy: str = "unfused", m: int = 128, n: int = 256,
-                          k: int = 256, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+                          k: int = 256, dtype: torch.dtype = dtypes.default("cuda"), device: str = "cuda",
                           group: dist.ProcessGroup | None = None, calls: int = 2000, rounds: int = 5,
                           warmup: int = 100) -> dict:
     """Per-call host time (us) of ``tpfuse.<op>`` against calling its strategy directly.
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo", rank=0, world_size=1)
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = dtypes.default("cuda" if args.device.startswith("cuda") else "cpu")
     rows = [measure_host_overhead(op, strategy=s, m=args.m, n=args.n, k=args.k, dtype=dtype,
                                   device=args.device, calls=args.calls, rounds=args.rounds)
             for op in args.ops for s in args.strategies]
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bed_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
-    return [measure_host_overhead(op, strategy=s, m=args.m, n=args.n, k=args.k, dtype=torch.bfloat16,
+    return [measure_host_overhead(op, strategy=s, m=args.m, n=args.n, k=args.k, dtype=dtypes.default("cuda"),
                                   device="cuda", calls=args.calls, rounds=args.rounds, warmup=10)
             for op in args.ops for s in args.strategies]
 

@@ -46,7 +46,8 @@ from tpfuse.model import simulate as _engine
 from tpfuse.model.simulate import Schedule, SimResult
 
 __all__ = ["StrategyInfo", "register", "unregister", "names", "info", "get", "schedule", "model",
-           "description", "why_unavailable", "runnable", "simulate", "built_num_chunks", "FUNCTIONS"]
+           "description", "why_unavailable", "runnable", "simulate", "built_num_chunks", "pin_knobs",
+           "knobs_for", "pinned_knobs", "FUNCTIONS"]
 
 FUNCTIONS = ("ag_gemm", "gemm_rs", "gemm_ar")
 _REQUIRED = ("NAME", "DESCRIPTION", "DTYPES", "why_unavailable") + FUNCTIONS
@@ -110,12 +111,15 @@ def _validated(obj: Any) -> StrategyInfo:
 
 
 class _Registry:
-    """The strategies by name, in (ORDER, name) order; one lock, one owner."""
+    """The strategies by name, in (ORDER, name) order, and the knobs pinned per group; one lock,
+    one owner."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[str, StrategyInfo] = {}
         self._names: tuple[str, ...] = ()
+        self._pins: dict[tuple[str, str], Any] = {}   # (group name, strategy) -> its knobs
+        self.pins_generation = 0                       # bumped by every pin (the ops' call cache keys on it)
 
     def add(self, obj: Any) -> StrategyInfo:
         entry = _validated(obj)
@@ -133,6 +137,25 @@ class _Registry:
                 raise ValueError(f"unregister: no strategy named {name!r}")
             del self._entries[name]
             self._sort()
+            self._pins = {key: k for key, k in self._pins.items() if key[1] != name}
+            self.pins_generation += 1
+
+    def pin(self, group_name: str, name: str, knobs: Any) -> None:
+        with self._lock:
+            if knobs is None:
+                self._pins.pop((group_name, name), None)
+            else:
+                self._pins[(group_name, name)] = knobs
+            self.pins_generation += 1
+
+    def pinned(self, group_name: str, name: str) -> Any:
+        return self._pins.get((group_name, name)) if self._pins else None
+
+    def pinned_in(self, group_name: str) -> str:
+        if not self._pins:
+            return ""
+        return "; ".join(f"{s}={k!r}" for (g, s), k in sorted(self._pins.items(), key=lambda kv: kv[0][1])
+                         if g == group_name)
 
     def _sort(self) -> None:
         self._entries = dict(sorted(self._entries.items(), key=lambda kv: (kv[1].order, kv[0])))
@@ -164,6 +187,40 @@ def register(obj: Any) -> StrategyInfo:
 def unregister(name: str) -> None:
     """Remove strategy ``name`` (for tests that register their own)."""
     _REGISTRY.remove(name)
+
+
+def pin_knobs(name: str, knobs: Any, group: Any = None) -> None:
+    """Run strategy ``name`` with ``knobs`` (an instance of its ``KNOBS``; None: its defaults
+    again) on the process group ``group`` (None: the default group) in this process.  A
+    per-group setting: pin the same on every rank of the group; the agreement round of the next
+    call checks that they did (a mismatch is a ``ValueError`` on every rank)."""
+    from tpfuse._dist import group_context
+
+    entry = info(name)
+    if entry.knobs is None:
+        raise ValueError(f"pin_knobs: strategy {name!r} declares no KNOBS; it has nothing to pin")
+    if knobs is not None and not isinstance(knobs, entry.knobs):
+        raise TypeError(f"pin_knobs: knobs for {name!r} must be a {entry.knobs.__name__}, got "
+                        f"{type(knobs).__name__} {knobs!r}")
+    _REGISTRY.pin(group_context(group).group_name, name, knobs)
+
+
+def knobs_for(name: str, ctx: GroupContext) -> dict:
+    """``{"knobs": ...}`` when strategy ``name`` has knobs pinned on ``ctx``'s group, else ``{}``:
+    the keyword arguments the ops pass to its functions."""
+    knobs = _REGISTRY.pinned(ctx.group_name, name)
+    return {} if knobs is None else {"knobs": knobs}
+
+
+def pinned_knobs(ctx: GroupContext) -> str:
+    """Every knob pinned on ``ctx``'s group, as text ("" if none): a field of the agreed call
+    signature, so that every rank checks the others pinned the same."""
+    return _REGISTRY.pinned_in(ctx.group_name)
+
+
+def pins_generation() -> int:
+    """Changes whenever a knob is pinned (call caches key on it)."""
+    return _REGISTRY.pins_generation
 
 
 def names() -> tuple[str, ...]:
