@@ -130,3 +130,14 @@ def test_the_simulator_engine_imports_no_strategy():
         imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         assert not [m for m in imported if m and "strateg" in m], (mod.__name__, imported)
+
+
+def test_a_schedule_that_deadlocks_is_an_error_naming_the_stuck_task():
+    def cyclic(g, c):
+        for r in g.ranks:   # the GEMM waits for the copy queued after it on the same engine
+            g.add(r, "gemm", "gemm", 1.0, deps=(len(g.tasks) + 1,), label="GEMM")
+            g.add(r, "gemm", "copy", 1.0, label="copy")
+
+    with pytest.raises(ValueError, match="deadlocked at rank 0's gemm task 'GEMM'"):
+        simulate.simulate("ag_gemm", simulate.Schedule(cyclic), m=256, n=256, k=256, world_size=2,
+                          dtype="bf16", hw=get_profile("h200"))

@@ -206,7 +206,11 @@ class Graph:
                     other = (dt.rank, dt.engine)
                     if waiting[d] == 0 and other != key and queues[other][heads[other]] is dt:
                         ready.append(other)
-        assert finished == len(self.tasks), "simulator deadlock: a strategy built a cyclic schedule (a task waits for a later one)"
+        if finished != len(self.tasks):
+            stuck = next(t for t in self.tasks if math.isnan(t.start))
+            raise ValueError(f"schedule: the replay deadlocked at rank {stuck.rank}'s {stuck.engine} task "
+                             f"{stuck.label!r}: a task waits for one that can never finish (a cycle, or a task "
+                             "queued behind its own dependent on one engine); fix the schedule's build")
 
 def split_rows(total: int, parts: int) -> list[int]:
     """``total`` rows into ``parts`` near-equal integer pieces (the first ones one larger)."""

@@ -338,7 +338,8 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *,
 
 
 def _fused_partials(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, ws: symm.Workspace,
-                    bounds: list[tuple[int, int]], slot_rows: int, knobs: FusedKnobs | None = None) -> list[torch.Tensor]:
+                    bounds: list[tuple[int, int]], slot_rows: int,
+                    knobs: FusedKnobs | None = None) -> list[torch.Tensor]:
     """Phase 1 of gemm_rs/gemm_ar: ONE GEMM in owner order storing each owner's rows straight
     into that owner's inbox slot for this rank, then READY[rank] to every owner.  Returns this
     rank's inbox slots in rank order.
