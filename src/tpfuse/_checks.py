@@ -60,8 +60,8 @@ def check_call(op: str, a: object, b: object, ctx: GroupContext, strategy: objec
     """Raise ``TypeError``/``ValueError`` for a call that no strategy may run.
 
     Checks only this rank's arguments (no communication); the same checks in the same order
-    on every rank.  Strategy *availability* is checked separately by
-    :func:`tpfuse.strategies.why_unavailable`.
+    on every rank.  Strategy *availability* (including whether the named strategy takes the
+    dtype) is checked separately by :func:`tpfuse.strategies.why_unavailable`.
     """
     names = strategies.names()
     if not isinstance(strategy, str):
@@ -105,11 +105,6 @@ def check_call(op: str, a: object, b: object, ctx: GroupContext, strategy: objec
             f"gemm_rs: M = {a.shape[0]} rows of a must be divisible by the world size "
             f"{ctx.world_size} (each rank gets M/W rows of the result); pad M to "
             f"{-(-a.shape[0] // ctx.world_size) * ctx.world_size}"
-        )
-    if strategy != "auto" and strategy not in takers:
-        raise ValueError(
-            f"{op}: {a.dtype} runs only with strategy {' or '.join(repr(s) for s in takers)} "
-            f"(tpfuse.dtypes); got {strategy!r}"
         )
 
 

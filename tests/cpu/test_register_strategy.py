@@ -1,7 +1,7 @@
-"""A strategy defined outside tpfuse/ -- here -- and registered with ``tpfuse.register_strategy``:
-the three ops run it on gloo ranks, ``tpfuse.plan`` predicts it from its own schedule, and
-``tpfuse bench`` times it.  No file inside tpfuse/ names it.  docs/strategies.md walks through
-this same toy."""
+"""A strategy defined outside tpfuse/ -- tests/cpu/toy_strategy.py -- and registered with
+``tpfuse.register_strategy``: the three ops run it on gloo ranks, ``tpfuse.plan`` predicts it
+from its own schedule, and ``tpfuse bench`` times it.  No file inside tpfuse/ names it.
+docs/strategies.md walks through this same toy."""
 
 from __future__ import annotations
 
@@ -10,60 +10,17 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 
+import toy_strategy as toy
 import tpfuse
 from tpfuse import dtypes, strategies, testing
 from tpfuse.model import cost
-from tpfuse.model.simulate import Schedule
 
 
-# --- the toy strategy: the collective with torch.distributed, then torch.matmul ------------------
-def _why_unavailable(ctx, device, dtype):
-    return None   # torch.distributed collectives run on every backend
-
-
-def _ag_gemm(a_shard, b, ctx):
-    parts = [torch.empty_like(a_shard) for _ in range(ctx.world_size)]
-    dist.all_gather(parts, a_shard.contiguous(), group=ctx.group)
-    a_full = torch.cat(parts)
-    return a_full @ b, a_full
-
-
-def _summed(a, b, ctx):
-    partial = (a @ b).to(dtypes.reduce_dtype(a.dtype, DTYPES))   # reduce in the policy's dtype
-    dist.all_reduce(partial, group=ctx.group)
-    return partial
-
-
-def _gemm_rs(a, b, ctx):
-    rows = a.shape[0] // ctx.world_size
-    return _summed(a, b, ctx)[ctx.rank * rows:(ctx.rank + 1) * rows].to(a.dtype)
-
-
-def _gemm_ar(a, b, ctx):
-    return _summed(a, b, ctx).to(a.dtype)
-
-
-def _schedule(g, c):
-    """The simulator's model: the collective on the comm engine, the GEMM on the compute engine,
-    one after the other (ag: gather first; rs/ar: GEMM first), each a host-issued launch."""
-    gemm_ms = cost.gemm_time_ms(c.m, c.n, c.k, c.dtype, c.hw)
-    comm_ms = cost.collective_ms("ag_gemm" if c.op == "ag_gemm" else "gemm_ar", c.m, c.n, c.k, c.w, c.dtype, c.hw)
-    for r in g.ranks:
-        if c.op == "ag_gemm":
-            gathered = g.add(r, "comm", "comm", comm_ms, label="all_gather", launch=True)
-            g.add(r, "gemm", "gemm", gemm_ms, deps=(gathered,), label="GEMM", launch=True)
-        else:
-            product = g.add(r, "gemm", "gemm", gemm_ms, label="GEMM", launch=True)
-            g.add(r, "comm", "comm", comm_ms, deps=(product,), label="all_reduce", launch=True)
-
-
-DTYPES = dtypes.EVERY
-toy = types.SimpleNamespace(
-    NAME="toy", DESCRIPTION="all-gather or all-reduce with torch.distributed, then torch.matmul (a toy)",
-    DTYPES=DTYPES, SCHEDULE=Schedule(_schedule, kind="collective"), why_unavailable=_why_unavailable,
-    ag_gemm=_ag_gemm, gemm_rs=_gemm_rs, gemm_ar=_gemm_ar)
+def _declaration(mod) -> dict:
+    """The contract's attributes of a strategy module (to build variants of it)."""
+    names = ("NAME", "DESCRIPTION", "DTYPES", "SCHEDULE", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar")
+    return {name: getattr(mod, name) for name in names}
 
 
 @pytest.fixture
@@ -88,7 +45,8 @@ def test_the_planner_predicts_a_registered_strategy_from_its_schedule(registered
 
 
 def test_auto_never_picks_a_strategy_without_a_schedule():
-    unmodelled = types.SimpleNamespace(**{**vars(toy), "NAME": "toy_unmodelled", "SCHEDULE": None, "ORDER": -1})
+    unmodelled = types.SimpleNamespace(**{**_declaration(toy), "NAME": "toy_unmodelled", "SCHEDULE": None,
+                                          "ORDER": -1})
     tpfuse.register_strategy(unmodelled)
     try:
         p = tpfuse.plan("gemm_rs", m=4096, n=4096, k=1024, world_size=4)
@@ -98,7 +56,7 @@ def test_auto_never_picks_a_strategy_without_a_schedule():
 
 
 def test_a_strategy_missing_part_of_the_contract_is_refused():
-    half = types.SimpleNamespace(NAME="half", DESCRIPTION="x", DTYPES=dtypes.EVERY, ag_gemm=_ag_gemm)
+    half = types.SimpleNamespace(NAME="half", DESCRIPTION="x", DTYPES=dtypes.EVERY, ag_gemm=toy.ag_gemm)
     with pytest.raises(TypeError, match="does not define why_unavailable, gemm_rs, gemm_ar"):
         tpfuse.register_strategy(half)
     assert "half" not in strategies.names()
@@ -147,10 +105,11 @@ SEEN: list = []   # the knobs the knobbed toy's ag_gemm received, in this proces
 
 def _ag_gemm_knobbed(a_shard, b, ctx, knobs=None):
     SEEN.append(knobs)
-    return _ag_gemm(a_shard, b, ctx)
+    return toy.ag_gemm(a_shard, b, ctx)
 
 
-knobbed = types.SimpleNamespace(**{**vars(toy), "NAME": "toy_knobbed", "KNOBS": ToyKnobs, "ag_gemm": _ag_gemm_knobbed})
+knobbed = types.SimpleNamespace(**{**_declaration(toy), "NAME": "toy_knobbed", "KNOBS": ToyKnobs,
+                                   "ag_gemm": _ag_gemm_knobbed})
 
 
 def pin_and_call(rank, world_size):
@@ -184,23 +143,31 @@ def test_pinned_knobs_reach_the_strategy_and_ranks_must_agree_on_them(rank_pool)
 
 
 # --- tpfuse bench times it ----------------------------------------------------------------------
-def _register_on_rank(rank, world_size):
-    tpfuse.register_strategy(toy)
-
-
 def _unregister_on_rank(rank, world_size):
     strategies.unregister("toy")
 
 
-def test_bench_times_a_registered_strategy(rank_pool, registered):
+def test_bench_times_a_registered_strategy(rank_pool):
+    """``tpfuse bench --register-strategy toy_strategy``: the module is registered in this process
+    and on every rank before the cells run."""
     from tpfuse.bench.run import quick_config, run_bench
 
     pool = rank_pool(2)
-    pool.run(_register_on_rank)
     try:
         result = run_bench(quick_config(phases=("decode",), models=("8b",), strategies=("toy", "unfused"),
-                                        iters=2, warmup=1), ranks=pool)
+                                        strategy_modules=("toy_strategy",), iters=2, warmup=1), ranks=pool)
     finally:
         pool.run(_unregister_on_rank)
+        strategies.unregister("toy")
     toy_rows = [r for r in result["rows"] if r["strategy"] == "toy"]
     assert len(toy_rows) == 2 and all(r["ms"] > 0 and r["predicted_ms"] > 0 for r in toy_rows), toy_rows
+
+
+def test_the_bench_command_line_takes_a_strategy_module(capsys):
+    from tpfuse.cli import main
+
+    # a module that is no strategy: one line, exit 2, before any rank starts
+    assert main(["bench", "--quick", "--register-strategy", "json"]) == 2
+    assert "--register-strategy: json does not declare a strategy" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--register-strategy", "no_such_module_here"]) == 2
+    assert "--register-strategy: cannot import no_such_module_here" in capsys.readouterr().err

@@ -35,10 +35,17 @@ def test_strategies_say_why_they_cannot_run():
     assert "needs CUDA symmetric memory" in strategies.why_unavailable("copy_engine", _ctx(), cpu, torch.bfloat16)
     assert "this group is gloo" in strategies.why_unavailable("fused", _ctx(), cpu, torch.bfloat16)
     cuda = torch.device("cuda", 0)
-    # the dtype policy answers first, naming who takes the dtype
-    why = strategies.why_unavailable("fused", _ctx(), cuda, torch.float64)
-    assert "fused takes bfloat16/float16" in why and "'unfused', 'ring'" in why
-    assert "TF32" in strategies.get("fused").why_unavailable(_ctx(), cuda, torch.float32)
+    assert "float64" in strategies.why_unavailable("fused", _ctx(), cuda, torch.float64)
+    assert "TF32" in strategies.why_unavailable("fused", _ctx(), cuda, torch.float32)
+    # a strategy whose own check says nothing about the dtype: the dtype policy names who takes it
+    half = types.SimpleNamespace(NAME="half_only", DESCRIPTION="x", DTYPES=(dtypes.HALF,),
+                                 why_unavailable=lambda *a: None, ag_gemm=print, gemm_rs=print, gemm_ar=print)
+    strategies.register(half)
+    try:
+        why = strategies.why_unavailable("half_only", _ctx(), cpu, torch.float64)
+        assert "half_only takes bfloat16/float16, not torch.float64" in why and "'unfused', 'ring'" in why
+    finally:
+        strategies.unregister("half_only")
     assert strategies.runnable(_ctx(), cpu, torch.float32) == ("unfused", "ring")
     with pytest.raises(ValueError, match="unknown strategy 'zigzag'"):
         strategies.why_unavailable("zigzag", _ctx(), cpu, torch.float32)

@@ -38,6 +38,16 @@ def _positive(args: argparse.Namespace, *names: str, minimum: int = 1) -> None:
             raise _UsageError(f"--{name.replace('_', '-')}: {value} must be >= {minimum}")
 
 
+def _register_strategies(args: argparse.Namespace) -> None:
+    from tpfuse import strategies
+
+    for module in args.register_strategy or ():
+        try:
+            strategies.register_module(module)
+        except (TypeError, ValueError) as exc:
+            raise _UsageError(f"--register-strategy: {exc}") from None
+
+
 def _check_strategies(args: argparse.Namespace) -> None:
     from tpfuse import strategies
 
@@ -123,13 +133,15 @@ def _ops(args: argparse.Namespace) -> int:
     _positive(args, "world_size", "iters", "scale")
     _positive(args, "warmup", minimum=0)
     _check_outputs(args)
+    _register_strategies(args)
     _check_strategies(args)
     _check_hardware(args)
     given = {k: v for k, v in {
         "world_size": args.world_size, "models": tuple(args.models) if args.models else None,
         "phases": tuple(args.phases) if args.phases else None,
         "strategies": tuple(args.strategies) if args.strategies else None, "iters": args.iters,
-        "warmup": args.warmup, "scale": args.scale}.items() if v is not None}
+        "warmup": args.warmup, "scale": args.scale,
+        "strategy_modules": tuple(args.register_strategy) if args.register_strategy else None}.items() if v is not None}
     base = quick_config(_on_gpu(args)) if args.quick else BenchConfig()
     _setup(args, base.world_size)
     config = replace(base, **given, hardware=args.hardware, device=args.device, bed=args.bed or 0, dtype=args.dtype,
@@ -309,6 +321,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     bench.add_argument("--out", dest="json", default=None, help=argparse.SUPPRESS)  # old name of --json
     bench.add_argument("--hardware", default="auto", help="planner profile for predicted_ms (auto: detected)")
     bench.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay timing")
+    bench.add_argument("--register-strategy", action="append", default=None, metavar="MODULE",
+                       help="a strategy of your own: import MODULE (its declaration, docs/strategies.md) and "
+                            "register it in every process first; repeatable")
     bench.add_argument("--png", default=None, metavar="PATH", help="bar chart of the speedups (needs matplotlib)")
     bench.add_argument("--timeline", default=None, metavar="PATH",
                        help="record the first cell's calls: PATH (.png) and PATH with .json (Chrome trace)")

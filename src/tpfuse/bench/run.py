@@ -79,6 +79,7 @@ class BenchConfig:
     dtype: str = "auto"  # "auto" = bf16 on CUDA, fp32 on CPU; or bf16 / fp16 / fp32
     graph: bool = True  # also time CUDA-graph replay (GPU only)
     timeline: bool = False  # record the first cell's timeline (see run_bench)
+    strategy_modules: tuple[str, ...] = ()  # strategies of your own: modules registered in every process first
 
 
 def quick_config(on_gpu: bool = False, **overrides) -> BenchConfig:
@@ -101,6 +102,7 @@ class _CellJob:
     mode: str
     graph: bool
     progress: bool = False   # rank 0 prints each step of the cell on stderr (long GPU runs)
+    strategy_modules: tuple[str, ...] = ()   # registered on the rank before the cell (BenchConfig)
 
 
 _DTYPES = common.DTYPES
@@ -193,6 +195,8 @@ def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
     from tpfuse.ops import resolve_strategy
 
     started = time.monotonic()   # progress lines say the seconds since
+    for module in job.strategy_modules:
+        strategies.register_module(module)
     w = job.workload
     device = torch.device("cuda", torch.cuda.current_device()) if job.mode != "cpu-gloo" else torch.device("cpu")
     dtype = _DTYPES[job.dtype]
@@ -387,6 +391,10 @@ def run_bench(config: BenchConfig, progress=None, ranks=None, on_cell=None) -> d
     ``RankPool`` of the right kind) to reuse instead of starting new ones.  ``on_cell(result)``
     after every cell: the cells so far, ``meta["complete"]`` False (the CLI writes it, so a run
     cut short keeps what it measured)."""
+    from tpfuse import strategies
+
+    for module in config.strategy_modules:   # here for the planner's predictions; the ranks do it per cell
+        strategies.register_module(module)
     setup, dtype = common.setup_and_dtype(config.world_size, config.device, config.bed, config.dtype, ranks)
     cells = _cells(config, setup.world_size)
     hw = _hardware(config, setup)
@@ -406,7 +414,7 @@ def run_bench(config: BenchConfig, progress=None, ranks=None, on_cell=None) -> d
             if progress is not None:
                 progress(i, len(cells), w.name)
             job = _CellJob(w, config.strategies, config.iters, config.warmup, dtype, setup.mode, config.graph,
-                           progress=progress is not None)
+                           progress=progress is not None, strategy_modules=config.strategy_modules)
             p = tpfuse.plan(w.op, m=w.m, n=w.n, k=w.k, world_size=w.world_size, dtype=dtype, hardware=hw)
             try:
                 per_rank = pool.run(cell_job, job, timeout=1800)

@@ -46,7 +46,7 @@ from tpfuse.model import simulate as _engine
 from tpfuse.model.simulate import Schedule, SimResult
 
 __all__ = ["StrategyInfo", "register", "unregister", "names", "info", "get", "schedule", "model",
-           "description", "why_unavailable", "runnable", "simulate", "built_num_chunks", "pin_knobs",
+           "description", "why_unavailable", "runnable", "simulate", "built_num_chunks", "pin_knobs", "register_module",
            "knobs_for", "pinned_knobs", "FUNCTIONS"]
 
 FUNCTIONS = ("ag_gemm", "gemm_rs", "gemm_ar")
@@ -184,6 +184,22 @@ def register(obj: Any) -> StrategyInfo:
     return _REGISTRY.add(obj)
 
 
+def register_module(module_name: str) -> Any:
+    """Import the module ``module_name`` and register it as a strategy (the module is the
+    declaration), once: a module already registered is left as it is.  What ``tpfuse bench
+    --register-strategy`` runs in every process.  Returns the module."""
+    try:
+        mod = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import {module_name} ({exc}); give an importable module name") from None
+    if not hasattr(mod, "NAME"):
+        raise ValueError(f"{module_name} does not declare a strategy (no NAME); see docs/strategies.md")
+    if mod.NAME in _REGISTRY.names() and get(mod.NAME) is mod:
+        return mod
+    register(mod)
+    return mod
+
+
 def unregister(name: str) -> None:
     """Remove strategy ``name`` (for tests that register their own)."""
     _REGISTRY.remove(name)
@@ -252,14 +268,15 @@ def description(name: str) -> str:
 
 
 def why_unavailable(name: str, ctx: GroupContext, device: torch.device, dtype: torch.dtype) -> str | None:
-    """None if strategy ``name`` can run here, else a sentence saying why not: its dtype-policy
-    entry first, then its own check."""
+    """None if strategy ``name`` can run here, else a sentence saying why not: its own check
+    first (it knows best why), then its dtype-policy entry."""
     entry = info(name)
-    if not dtypes.accepts(entry.dtypes, dtype):
+    reason = entry.why_unavailable(ctx, device, dtype)
+    if reason is None and not dtypes.accepts(entry.dtypes, dtype):
         takes = [s for s in names() if dtypes.accepts(info(s).dtypes, dtype)]
-        return (f"{name} takes {dtypes.describe(entry.dtypes)}, not {dtype}; "
-                f"{dtype} runs with {', '.join(repr(s) for s in takes) or 'no strategy'}")
-    return entry.why_unavailable(ctx, device, dtype)
+        reason = (f"{name} takes {dtypes.describe(entry.dtypes)}, not {dtype}; "
+                  f"{dtype} runs with {', '.join(repr(s) for s in takes) or 'no strategy'}")
+    return reason
 
 
 def runnable(ctx: GroupContext, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
