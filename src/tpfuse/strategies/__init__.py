@@ -16,7 +16,8 @@ and, optionally (the default after the ``=``)::
 
     ORDER = 1000                # position among the strategies; ties in the planner go to the lower
     SYMMETRIC_MEMORY = False    # needs CUDA symmetric memory: only inside one NVLink domain; the bed runs these
-    KNOBS = None                # its knobs: a frozen dataclass type (the functions take knobs=...)
+    KNOBS = None                # its knobs: a frozen dataclass type; the functions then take knobs=
+                                # (None: their defaults); pin_knobs() sets them per process group
     SCHEDULE = None             # its model: a tpfuse.model.simulate.Schedule; without one the planner
                                 # cannot predict it, so strategy="auto" never picks it
 
@@ -26,7 +27,10 @@ its ``DTYPES`` takes, M divisible by W where the op needs it); outputs must be f
 (never an alias of an input).  docs/strategies.md walks through adding one.
 
 Every module of this package whose name does not start with ``_`` is a strategy and is
-registered at import through the same door (:func:`register`).
+registered at import through the same door (:func:`register`); :func:`register_module` does it
+for a module by name (``tpfuse bench --register-strategy``).  Ask the registry, never a list:
+:func:`names`, :func:`info`, :func:`get`, :func:`why_unavailable`, :func:`runnable`,
+:func:`simulate`.
 """
 
 from __future__ import annotations
@@ -268,15 +272,15 @@ def description(name: str) -> str:
 
 
 def why_unavailable(name: str, ctx: GroupContext, device: torch.device, dtype: torch.dtype) -> str | None:
-    """None if strategy ``name`` can run here, else a sentence saying why not: its own check
-    first (it knows best why), then its dtype-policy entry."""
+    """None if strategy ``name`` can run here, else why not: its own check (it knows best
+    why), and its dtype-policy entry when that does not take ``dtype`` (both when both apply)."""
     entry = info(name)
-    reason = entry.why_unavailable(ctx, device, dtype)
-    if reason is None and not dtypes.accepts(entry.dtypes, dtype):
+    reasons = [entry.why_unavailable(ctx, device, dtype)]
+    if not dtypes.accepts(entry.dtypes, dtype) and str(dtype).removeprefix("torch.") not in (reasons[0] or ""):
         takes = [s for s in names() if dtypes.accepts(info(s).dtypes, dtype)]
-        reason = (f"{name} takes {dtypes.describe(entry.dtypes)}, not {dtype}; "
-                  f"{dtype} runs with {', '.join(repr(s) for s in takes) or 'no strategy'}")
-    return reason
+        reasons.append(f"{name} takes {dtypes.describe(entry.dtypes)}, not {dtype}; "
+                       f"{dtype} runs with {', '.join(repr(s) for s in takes) or 'no strategy'}")
+    return "; ".join(r for r in reasons if r) or None
 
 
 def runnable(ctx: GroupContext, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:

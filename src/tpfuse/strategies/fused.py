@@ -160,7 +160,8 @@ def planned_chunks_per_rank(m_shard: int, n: int, k: int, world_size: int, dtype
 def why_unavailable(ctx: GroupContext, device: torch.device, dtype: torch.dtype) -> str | None:
     reason = copy_engine.why_unavailable(ctx, device, dtype)
     if reason is not None:
-        return reason.replace("copy_engine", "fused")
+        return reason.replace("copy_engine", "fused").replace(dtypes.describe(copy_engine.DTYPES),
+                                                              dtypes.describe(DTYPES))
     if not dtypes.accepts(DTYPES, dtype):
         # the Triton GEMM core multiplies fp32 inputs in TF32 (~1e-3 relative error on the H200
         # bed against 5e-6 for cuBLAS fp32); not what a float32 caller asked for
