@@ -28,7 +28,7 @@ import statistics
 import tempfile
 import threading
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -189,7 +189,9 @@ def _best_per_strategy(op, m, n, k, w, dtype, hw: HardwareProfile, strategy, cud
     nc = strategies.built_num_chunks(op, strategy, m=m, n=n, k=k, world_size=w, dtype=dtype, hw=hw,
                                      cuda_graph=cuda_graph)
     res = _simulate(op, strategy, m, n, k, w, dtype, hw, nc, cuda_graph, fast=True)
-    return res.makespan_ms, nc, res
+    # cached without its task list: thousands of cached replays' tasks made the garbage
+    # collector's full passes take seconds (a W = 72 plan stalled 1-3 s on a 2-core box)
+    return res.makespan_ms, nc, replace(res, tasks=[])
 
 
 def _comm_alone_ms(op, m, n, k, w, dtype, hw: HardwareProfile) -> float:
