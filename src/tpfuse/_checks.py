@@ -20,15 +20,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tpfuse import dtypes, strategies
 from tpfuse._dist import GroupContext
-from tpfuse.strategies import STRATEGY_NAMES  # the registry (tpfuse/strategies/__init__.py)
 
-__all__ = ["OPS", "STRATEGY_NAMES", "check_call", "agreement_enabled", "agree", "signature",
+__all__ = ["OPS", "check_call", "agreement_enabled", "agree", "signature",
            "call_signature", "Signature", "exchange", "payload_of", "check_rows", "agree_timeout_s"]
 
 OPS = ("ag_gemm", "gemm_rs", "gemm_ar")
-_FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_REFERENCE_DTYPES = (torch.float64,)  # unfused and ring only
 _OPERANDS = {
     "ag_gemm": ("a_shard", "[M/W, K]"),
     "gemm_rs": ("a", "[M, K]"),
@@ -62,15 +60,16 @@ def check_call(op: str, a: object, b: object, ctx: GroupContext, strategy: objec
     """Raise ``TypeError``/``ValueError`` for a call that no strategy may run.
 
     Checks only this rank's arguments (no communication); the same checks in the same order
-    on every rank.  Strategy *availability* is checked separately by
-    :func:`tpfuse.strategies.why_unavailable`.
+    on every rank.  Strategy *availability* (including whether the named strategy takes the
+    dtype) is checked separately by :func:`tpfuse.strategies.why_unavailable`.
     """
+    names = strategies.names()
     if not isinstance(strategy, str):
         raise TypeError(f"{op}: strategy must be a string, got {type(strategy).__name__} {strategy!r}; "
-                        f"use 'auto' or one of {', '.join(STRATEGY_NAMES)}")
-    if strategy != "auto" and strategy not in STRATEGY_NAMES:
+                        f"use 'auto' or one of {', '.join(names)}")
+    if strategy != "auto" and strategy not in names:
         raise ValueError(
-            f"{op}: unknown strategy {strategy!r}; choose one of {', '.join(STRATEGY_NAMES)} or 'auto'"
+            f"{op}: unknown strategy {strategy!r}; choose one of {', '.join(names)} or 'auto'"
         )
     if not isinstance(return_gathered, bool):
         raise TypeError(f"{op}: return_gathered must be a bool, got {type(return_gathered).__name__} "
@@ -82,10 +81,11 @@ def check_call(op: str, a: object, b: object, ctx: GroupContext, strategy: objec
         raise TypeError(
             f"{op}: {a_name} is {a.dtype} but b is {b.dtype}; cast one of them (b.to({a_name}.dtype))"
         )
-    if a.dtype not in _FAST_DTYPES + _REFERENCE_DTYPES:
+    takers = [s for s in names if dtypes.accepts(strategies.info(s).dtypes, a.dtype)]
+    if not takers:
         raise TypeError(
-            f"{op}: dtype {a.dtype} is not supported; use bfloat16, float16 or float32 "
-            f"(float64 with strategy='unfused' or 'ring')"
+            f"{op}: dtype {a.dtype} is not supported; use one of "
+            f"{', '.join(sorted({str(d) for s in names for d in dtypes.inputs(strategies.info(s).dtypes)}))}"
         )
     if a.device != b.device:
         raise ValueError(f"{op}: {a_name} is on {a.device} but b is on {b.device}; move both to one device")
@@ -105,11 +105,6 @@ def check_call(op: str, a: object, b: object, ctx: GroupContext, strategy: objec
             f"gemm_rs: M = {a.shape[0]} rows of a must be divisible by the world size "
             f"{ctx.world_size} (each rank gets M/W rows of the result); pad M to "
             f"{-(-a.shape[0] // ctx.world_size) * ctx.world_size}"
-        )
-    if a.dtype in _REFERENCE_DTYPES and strategy not in ("auto", "unfused", "ring"):
-        raise ValueError(
-            f"{op}: {a.dtype} runs only with strategy 'unfused' or 'ring' (a reference dtype); "
-            f"got {strategy!r}"
         )
 
 
@@ -170,8 +165,9 @@ class Signature:
 
 
 def call_signature(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor,
-                   return_gathered: bool = False) -> Signature:
-    """The :class:`Signature` of a call that passed :func:`check_call`."""
+                   return_gathered: bool = False, knobs: str = "") -> Signature:
+    """The :class:`Signature` of a call that passed :func:`check_call`; ``knobs``: the knobs
+    pinned on the group (``tpfuse.strategies.pinned_knobs``), agreed when there are any."""
     a_name, _ = _OPERANDS[op]
     rows = ("M/W (rows of a_shard)" if op == "ag_gemm" else "M (rows of a)", int(a.shape[0]))
     if op == "ag_gemm":
@@ -182,6 +178,8 @@ def call_signature(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor,
               ("layout", str(a.layout)), rows, agreed)
     if op == "ag_gemm":
         fields += (("return_gathered", bool(return_gathered)),)
+    if knobs:
+        fields += (("pinned knobs", knobs),)
     return Signature(op, fields, local)
 
 

@@ -5,53 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tpfuse.console import Progress as _Progress, print_table as _print_table
+
 __all__ = ["main"]
 
-
-def _print_table(rows: list[list[str]], title: str) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # plain text without the optional dependency
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        print(title)
-        for row in rows:
-            print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
-        return
-    table = Table(title=title)
-    for name in rows[0]:
-        table.add_column(name, justify="right")
-    for row in rows[1:]:
-        table.add_row(*row)
-    Console(width=160).print(table)
-
-
-class _Progress:
-    """A one-line progress indicator on stderr (rich when available)."""
-
-    def __init__(self, name: str = "demo") -> None:
-        self._name = name
-        self._bar = None
-        if not sys.stderr.isatty():   # a log file: plain lines (rich would print nothing until the end)
-            return
-        try:
-            from rich.progress import Progress
-
-            self._bar = Progress(transient=False)
-            self._task = None
-        except ImportError:
-            pass
-
-    def __call__(self, done: int, total: int, label: str) -> None:
-        if self._bar is None:
-            print(f"[{done}/{total}] {label}", file=sys.stderr, flush=True)
-            return
-        if self._task is None:
-            self._bar.start()
-            self._task = self._bar.add_task(self._name, total=total)
-        self._bar.update(self._task, completed=done, description=f"{self._name}: {label}")
-        if done == total:
-            self._bar.stop()
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -108,11 +65,12 @@ def _check(args: argparse.Namespace) -> int:
         rows.append(["triton", "not installed (fused strategies unavailable)"])
     from tpfuse import strategies
 
-    rows.append(["strategies in this build", ", ".join(strategies.implemented())])
+    rows.append(["strategies in this build", ", ".join(strategies.names())])
     if torch.cuda.is_available():
         rows.append(["gpus", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"])
     else:
-        rows.append(["gpus", "none: CPU/gloo strategies only (unfused, ring)"])
+        cpu = [s for s in strategies.names() if not strategies.info(s).symmetric_memory]
+        rows.append(["gpus", f"none: CPU/gloo strategies only ({', '.join(cpu)})"])
     _print_table(rows, "tpfuse check")
     return 0
 
@@ -129,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     demo.set_defaults(func=_demo)
 
-    from tpfuse.plan import add_plan_arguments, run_plan_cli
+    from tpfuse.report import add_plan_arguments, run_plan_cli
 
     plan = sub.add_parser("plan", help="predict and explain the strategy choice for a shape or the workload matrix")
     add_plan_arguments(plan)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
+from tpfuse import dtypes
 from tpfuse.bench.workloads import Workload, scaled_down, workload_matrix
 
 __all__ = ["DemoConfig", "DemoRow", "run_demo", "format_table"]
@@ -91,7 +92,7 @@ def _sync(device: torch.device) -> None:
 def demo_job(rank: int, world_size: int, w: Workload, strategy: str, repeats: int, use_cuda: bool) -> dict:
     """Runs on every rank: time ``repeats`` calls (after one warm-up) and check the last output."""
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if use_cuda else torch.float32
+    dtype = dtypes.default(device.type)
     a, b, ref = _inputs(w, rank, world_size, device, dtype)
     resolved = strategy
     if strategy == "auto":

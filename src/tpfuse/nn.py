@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpfuse import _checks
+from tpfuse import _checks, strategies
 from tpfuse import autograd as _autograd  # registers the custom ops' autograd formulas
 from tpfuse._dist import GroupContext, group_context
 from tpfuse.ops import resolve_strategy, traced_strategy
@@ -160,10 +160,10 @@ class _ParallelLinear(nn.Module):
                 raise TypeError(f"{layer}: {name} must be a bool, got {type(flag).__name__} ({flag!r})")
         if not isinstance(strategy, str):
             raise TypeError(f"{layer}: strategy must be a string, got {type(strategy).__name__}")
-        if strategy != "auto" and strategy not in _checks.STRATEGY_NAMES:
+        if strategy != "auto" and strategy not in strategies.names():
             raise ValueError(
                 f"{layer}: unknown strategy {strategy!r}; choose one of "
-                f"{', '.join(_checks.STRATEGY_NAMES)} or 'auto'"
+                f"{', '.join(strategies.names())} or 'auto'"
             )
         return group_context(group)
 

@@ -47,7 +47,8 @@ def _context_by_name(group_name: str) -> GroupContext:
 @torch.library.custom_op("tpfuse::ag_gemm", mutates_args=())
 def _ag_gemm_op(a_shard: torch.Tensor, b: torch.Tensor, group_name: str, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather ``a_shard`` [M/W, K] over the group, multiply by ``b`` [K, N]: returns (c [M, N], a_full [M, K])."""
-    return strategies.get(strategy).ag_gemm(a_shard, b, _context_by_name(group_name))
+    ctx = _context_by_name(group_name)
+    return strategies.get(strategy).ag_gemm(a_shard, b, ctx, **strategies.knobs_for(strategy, ctx))
 
 
 @_ag_gemm_op.register_fake
@@ -60,7 +61,8 @@ def _(a_shard, b, group_name, strategy):
 @torch.library.custom_op("tpfuse::gemm_rs", mutates_args=())
 def _gemm_rs_op(a: torch.Tensor, b: torch.Tensor, group_name: str, strategy: str) -> torch.Tensor:
     """Reduce-scatter (sum) of ``a`` [M, K] @ ``b`` [K, N] over the group: returns c_shard [M/W, N]."""
-    return strategies.get(strategy).gemm_rs(a, b, _context_by_name(group_name))
+    ctx = _context_by_name(group_name)
+    return strategies.get(strategy).gemm_rs(a, b, ctx, **strategies.knobs_for(strategy, ctx))
 
 
 @_gemm_rs_op.register_fake
@@ -72,7 +74,8 @@ def _(a, b, group_name, strategy):
 @torch.library.custom_op("tpfuse::gemm_ar", mutates_args=())
 def _gemm_ar_op(a: torch.Tensor, b: torch.Tensor, group_name: str, strategy: str) -> torch.Tensor:
     """All-reduce (sum) of ``a`` [M, K] @ ``b`` [K, N] over the group: returns c [M, N]."""
-    return strategies.get(strategy).gemm_ar(a, b, _context_by_name(group_name))
+    ctx = _context_by_name(group_name)
+    return strategies.get(strategy).gemm_ar(a, b, ctx, **strategies.knobs_for(strategy, ctx))
 
 
 @_gemm_ar_op.register_fake
@@ -147,7 +150,7 @@ def _decide(op: str, strategy: str, rows: list[dict], world_size: int) -> str:
         raise RuntimeError(f"{op}: ranks are out of step (some did not post decision inputs for a new "
                            "signature); every rank must run the same sequence of tpfuse calls")
     common = set(rows[0]["candidates"]).intersection(*(row["candidates"] for row in rows[1:]))
-    candidates = tuple(s for s in strategies.STRATEGY_NAMES if s in common)
+    candidates = tuple(s for s in strategies.names() if s in common)
     from tpfuse.plan import choose
 
     measured = rows[local.index(big)]["measured"]
@@ -164,7 +167,7 @@ def group_decision(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ctx
     and carries what the decision needs.  ``guard=False`` skips the round for a named strategy
     (nothing to decide; used at trace time, where the shapes are stand-ins).
     """
-    sig = _checks.call_signature(op, strategy, a, b, return_gathered)
+    sig = _checks.call_signature(op, strategy, a, b, return_gathered, strategies.pinned_knobs(ctx))
     key = (ctx.group, ctx.world_size, ctx.backend, sig.fields)
     chosen = _DECISIONS.get(key)
     if chosen is not None:
@@ -254,7 +257,7 @@ def _prepare(op: str, a, b, group, strategy, return_gathered=False) -> _Call:
     rank (with the per-call round) or on every rank of a new signature (without it)."""
     try:
         key = (op, group, strategy, return_gathered, type(a), type(b), a.shape, b.shape, a.dtype, b.dtype,
-               a.device, b.device, a.layout, b.layout)
+               a.device, b.device, a.layout, b.layout, strategies.pins_generation())
         hit = _CALLS.get(key) if return_gathered.__class__ is bool else None
     except (AttributeError, TypeError):  # not tensors, unhashable group...: the slow path explains
         key = hit = None
@@ -289,7 +292,7 @@ def _prepare_slow(op, a, b, group, strategy, return_gathered, key) -> _Call:
                 reason = strategies.why_unavailable(strategy, ctx, a.device, a.dtype)
                 if reason is not None:
                     raise ValueError(f"{op}: strategy {strategy!r} cannot run here: {reason}")
-            sig = _checks.call_signature(op, strategy, a, b, return_gathered)
+            sig = _checks.call_signature(op, strategy, a, b, return_gathered, strategies.pinned_knobs(ctx))
         except (TypeError, ValueError) as exc:
             error = exc
     per_call = _checks.agreement_enabled(ctx, getattr(getattr(a, "device", None), "type", None))
@@ -354,7 +357,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | N
         return (c, a_full) if return_gathered else c
     call = _prepare("ag_gemm", a_shard, b, group, strategy, return_gathered)
     if _direct(a_shard, b):
-        c, a_full = call.module.ag_gemm(a_shard, b, call.ctx)
+        c, a_full = call.module.ag_gemm(a_shard, b, call.ctx, **strategies.knobs_for(call.strategy, call.ctx))
     else:
         c, a_full = torch.ops.tpfuse.ag_gemm(a_shard, b, call.ctx.group_name, call.strategy)
     return (c, a_full) if return_gathered else c
@@ -396,5 +399,5 @@ def _reduce_op(op: str, a: torch.Tensor, b: torch.Tensor, group, strategy: str) 
         return getattr(torch.ops.tpfuse, op)(a, b, ctx.group_name, chosen)
     call = _prepare(op, a, b, group, strategy)
     if _direct(a, b):
-        return getattr(call.module, op)(a, b, call.ctx)
+        return getattr(call.module, op)(a, b, call.ctx, **strategies.knobs_for(call.strategy, call.ctx))
     return getattr(torch.ops.tpfuse, op)(a, b, call.ctx.group_name, call.strategy)

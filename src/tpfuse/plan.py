@@ -5,10 +5,10 @@
     print(p.strategy, p.num_chunks, p.predicted_ms, p.explain())
 
 ``m`` is the full M; ``n`` and ``k`` are this rank's local sizes (as the ops take them).
-``plan`` predicts every strategy ("unfused", "ring", "copy_engine", "fused") with the pipeline
-simulator (``tpfuse.model.simulate``), each with the chunking it runs (fused ag_gemm's pieces per
-rank from ``tpfuse.model.knobs.fused_ag_chunks_per_rank``, the function fused dispatches with),
-and picks the fastest.
+``plan`` predicts every registered strategy that declares a schedule (``tpfuse.strategies``) with
+the pipeline simulator (``tpfuse.model.simulate``), each with the chunking it runs (its schedule's
+``num_chunks``: fused ag_gemm's pieces per rank come from the function fused dispatches with),
+and picks the fastest.  Tables of plans (``tpfuse plan``, docs/model.md) are in :mod:`tpfuse.report`.
 ``choose`` is what ``strategy="auto"`` calls on every op call: the same, restricted to the
 strategies the environment can run, cached, and with measured times from the tuning cache
 (``record_measurement``) overriding predictions.
@@ -19,25 +19,23 @@ attribute ``tpfuse.plan``; import names from it with ``from tpfuse.plan import .
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib.metadata
 import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from tpfuse.model import cost, knobs
+from tpfuse import dtypes, strategies
+from tpfuse.model import cost
 from tpfuse.model.hardware import HardwareProfile, get_profile
-from tpfuse.model.simulate import OPS, STRATEGIES, SimResult, built_num_chunks, draw_timeline, simulate
-from tpfuse import strategies
+from tpfuse.model.simulate import OPS, SimResult
 
 # A strategy other than unfused is chosen on model predictions alone only if it is predicted at
 # least this much faster.  Measured on 2x H200 (BENCHMARKS.md, 2026-11-30): ring predicted within
@@ -51,27 +49,12 @@ __all__ = [
     "record_measurement",
     "tuning_cache_path",
     "canonical_dtype",
-    "tp_sizes",
-    "add_plan_arguments",
-    "run_plan_cli",
 ]
-
-_DTYPE_NAMES = {
-    "bf16": "bf16", "bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16",
-    "fp32": "fp32", "float32": "fp32", "float": "fp32",
-    "fp64": "fp64", "float64": "fp64", "double": "fp64",
-    "fp8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
-}
 
 
 def canonical_dtype(dtype: Any) -> str:
-    """``torch.bfloat16`` / ``"bfloat16"`` / ``"bf16"`` -> ``"bf16"`` (likewise fp16, fp32, fp64, fp8)."""
-    name = str(dtype).removeprefix("torch.").lower() if dtype is not None else "None"
-    if name not in _DTYPE_NAMES:
-        raise ValueError(f"dtype: {dtype!r} is not supported; use torch.bfloat16, torch.float16, "
-                         "torch.float32 or torch.float64 (or 'bf16', 'fp16', 'fp32', 'fp64')")
-    return _DTYPE_NAMES[name]
+    """``torch.bfloat16`` / ``"bfloat16"`` / ``"bf16"`` -> ``"bf16"`` (:func:`tpfuse.dtypes.name`)."""
+    return dtypes.name(dtype)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -107,11 +90,10 @@ class Plan:
     chosen strategy's simulated pipeline on its critical rank; equal to its ``predicted_ms`` unless
     that was measured) and ``exposed_comm_ms`` (prediction minus GEMM alone).
     ``cuda_graph``: planned for graph replay (no host costs) instead of eager calls.
-    ``modelled_ms``: strategies not in this build, predicted for show (``plan(modelled=True)``).
-    ``num_sms``: the chosen strategy's persistent GEMM grid (fused:
-    ``tpfuse.model.knobs.fused_sm_budget``, every SM but one; 0 for the others).  ``chunks_per_rank``:
-    pieces each rank's shard is cut into (fused ag_gemm: ``knobs.fused_ag_chunks_per_rank``,
-    what fused dispatches with; 1 otherwise).  ``measured``: strategies whose time came from
+    ``num_sms``: the chosen strategy's persistent GEMM grid (its schedule's ``sm_budget``; fused:
+    every SM but one; 0 for strategies without one).  ``chunks_per_rank``: pieces each rank's
+    shard is cut into (fused ag_gemm: ``fused.planned_chunks_per_rank``, what fused dispatches
+    with; 1 otherwise).  ``measured``: strategies whose time came from
     the tuning cache instead of the model.
     """
 
@@ -131,7 +113,6 @@ class Plan:
     measured: tuple[str, ...] = ()
     reason: str = ""
     cuda_graph: bool = False
-    modelled_ms: Mapping[str, float] = field(default_factory=dict, compare=False)
     chunks_per_rank: int = 1
 
     @property
@@ -156,7 +137,6 @@ class Plan:
         d = asdict(self)
         d.update(predicted_ms=dict(self.predicted_ms), chunks=dict(self.chunks),
                  breakdown=dict(self.breakdown), measured=list(self.measured),
-                 modelled_ms=dict(self.modelled_ms),
                  chunk_m=self.chunk_m, speedup=self.speedup, bound=self.bound)
         return d
 
@@ -185,34 +165,33 @@ class Plan:
                 + (" [measured]" if s in self.measured else "")
                 for s, ms in sorted(self.predicted_ms.items(), key=lambda kv: kv[1])),
         ]
-        if self.modelled_ms:
-            lines.append("  Modelled only (not in this build, never chosen): " + ", ".join(
-                f"{s} {ms:.4f} ms" for s, ms in sorted(self.modelled_ms.items(), key=lambda kv: kv[1])))
         return "\n".join(lines)
 
 
 def _simulate(op, strategy, m, n, k, w, dtype, hw, num_chunks, cuda_graph=False, fast=False) -> SimResult:
-    return simulate(op, strategy, m=m, n=n, k=k, world_size=w, dtype=dtype, hw=hw,
-                    num_chunks=num_chunks, cuda_graph=cuda_graph, fast=fast)
+    return strategies.simulate(op, strategy, m=m, n=n, k=k, world_size=w, dtype=dtype, hw=hw,
+                               num_chunks=num_chunks, cuda_graph=cuda_graph, fast=fast)
 
 
 def _num_sms(strategy: str, w: int, hw: HardwareProfile) -> int:
-    """The persistent GEMM grid the strategy runs (fused: every SM on a multi-GPU machine)."""
-    sched = strategies.model(strategy)
-    persistent = sched.kind == "pipeline" and not sched.separate_kernels
-    return knobs.fused_sm_budget(hw, w) if persistent and w > 1 else 0
+    """The persistent GEMM grid the strategy runs (its schedule's ``sm_budget``; 0: none)."""
+    budget = strategies.schedule(strategy).sm_budget
+    return budget(hw, w) if budget is not None and w > 1 else 0
 
 
 @functools.lru_cache(maxsize=4096)
 def _best_per_strategy(op, m, n, k, w, dtype, hw: HardwareProfile, strategy, cuda_graph=False,
-                       ) -> tuple[float, int, SimResult]:
+                       schedule=None) -> tuple[float, int, SimResult]:
     """(ms, num_chunks, result) of the strategy as it runs: the chunking it is built with
-    (``simulate.built_num_chunks``: fused ag_gemm's pieces per rank come from the same
-    ``knobs.fused_ag_chunks_per_rank`` that fused dispatches with).  Replays one rank
-    (``simulate(fast=True)``): ranks are symmetric without skew."""
-    nc = built_num_chunks(op, strategy, m=m, n=n, k=k, world_size=w, dtype=dtype, hw=hw, cuda_graph=cuda_graph)
+    (its schedule's ``num_chunks``: fused ag_gemm's pieces per rank come from the same
+    function fused dispatches with).  Replays one rank (``simulate(fast=True)``): ranks are
+    symmetric without skew."""
+    nc = strategies.built_num_chunks(op, strategy, m=m, n=n, k=k, world_size=w, dtype=dtype, hw=hw,
+                                     cuda_graph=cuda_graph)
     res = _simulate(op, strategy, m, n, k, w, dtype, hw, nc, cuda_graph, fast=True)
-    return res.makespan_ms, nc, res
+    # cached without its task list: thousands of cached replays' tasks made the garbage
+    # collector's full passes take seconds (a W = 72 plan stalled 1-3 s on a 2-core box)
+    return res.makespan_ms, nc, replace(res, tasks=[])
 
 
 def _comm_alone_ms(op, m, n, k, w, dtype, hw: HardwareProfile) -> float:
@@ -222,9 +201,11 @@ def _comm_alone_ms(op, m, n, k, w, dtype, hw: HardwareProfile) -> float:
     reductions (more bytes, plus casts), copy_engine/fused move the op's dtype."""
     if w <= 1 or m <= 0:
         return 0.0
-    return min(cost.collective_ms(op, m, n, k, w, dtype, hw),
-               cost.p2p_collective_ms(op, m, n, k, w, dtype, hw, "ce"),
-               cost.p2p_collective_ms(op, m, n, k, w, dtype, hw, "sm", num_sms=knobs.fused_sm_budget(hw, w)))
+    grids = [sched.sm_budget(hw, w) for sched in map(strategies.schedule, strategies.names())
+             if sched is not None and sched.sm_budget is not None]
+    stores = [cost.p2p_collective_ms(op, m, n, k, w, dtype, hw, "sm", num_sms=max(grids))] if grids else []
+    return min([cost.collective_ms(op, m, n, k, w, dtype, hw),
+                cost.p2p_collective_ms(op, m, n, k, w, dtype, hw, "ce")] + stores)
 
 
 def _reason(op, strategy, w, predicted, gemm_ms, comm_ms, measured, margin_kept=False, *,
@@ -235,8 +216,9 @@ def _reason(op, strategy, w, predicted, gemm_ms, comm_ms, measured, margin_kept=
     if empty:
         return "the GEMM is empty (m, n or k is 0): there is nothing to overlap, so unfused runs it."
     src = " (measured times from the tuning cache)" if measured else ""
-    where = (f"world_size {w} spans hosts (more than one NVLink domain), so only the NCCL strategies "
-             "(unfused, ring) are candidates; " if multi_node else "")
+    nccl = ", ".join(s for s in predicted if not strategies.info(s).symmetric_memory)
+    where = (f"world_size {w} spans hosts (more than one NVLink domain), so only the strategies without "
+             f"symmetric memory ({nccl}) are candidates; " if multi_node else "")
     mode = "CUDA-graph replay (no host time)" if cuda_graph else "eager calls (host dispatch and launches included)"
     if margin_kept:
         best = min((s for s in predicted if s != "unfused"), key=lambda s: predicted[s])
@@ -261,24 +243,9 @@ def _reason(op, strategy, w, predicted, gemm_ms, comm_ms, measured, margin_kept=
             f"{bound}-bound, the best possible is max(GEMM, comm) = {max(gemm_ms, comm_ms):.4f} ms.")
 
 
-# Strategies that run only the op's fast dtypes (DESIGN §1: float64 is for unfused and ring).
-_FAST_DTYPE_ONLY = ("copy_engine", "fused", "sm_workers")
-# What a group spanning hosts can run (DESIGN §3: symmetric memory only inside one NVLink domain).
-_NCCL_STRATEGIES = ("unfused", "ring")
-
-
-# fused's and sm_workers' Triton GEMM would multiply float32 in TF32: they refuse float32.
-_NO_FP32 = ("fused", "sm_workers")
-
-
 def _runnable_dtype(candidates: tuple[str, ...], dtype: str) -> tuple[str, ...]:
-    """``candidates`` without the strategies that cannot run ``dtype`` (float64: unfused and ring
-    only; float32: not fused)."""
-    if dtype == "fp64":
-        return tuple(s for s in candidates if s not in _FAST_DTYPE_ONLY)
-    if dtype == "fp32":
-        return tuple(s for s in candidates if s not in _NO_FP32)
-    return candidates
+    """``candidates`` whose dtype-policy entry takes ``dtype`` (``tpfuse.dtypes``)."""
+    return tuple(s for s in candidates if dtypes.accepts(strategies.info(s).dtypes, dtype))
 
 
 def _critical_rank(res: SimResult):
@@ -287,21 +254,23 @@ def _critical_rank(res: SimResult):
 
 
 def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str, ...],
-               measured: Mapping[str, float], *, cuda_graph: bool = False,
-               modelled: tuple[str, ...] = ()) -> Plan:
+               measured: Mapping[str, float], *, cuda_graph: bool = False) -> Plan:
+    """Predict ``candidates`` (those with a schedule, that take ``dtype`` and, above the
+    profile's NVLink domain, need no symmetric memory; "unfused" always) and choose."""
     multi_node = w > hw.max_domain
+    names = strategies.names()
     candidates = _runnable_dtype(tuple(candidates), dtype)
     if multi_node:
-        candidates = tuple(s for s in candidates if s in _NCCL_STRATEGIES)
-    candidates = tuple(s for s in STRATEGIES if s in candidates or s == "unfused")
-    modelled = tuple(s for s in _runnable_dtype(modelled, dtype) if s not in candidates
-                     and not (multi_node and s not in _NCCL_STRATEGIES))
+        candidates = tuple(s for s in candidates if not strategies.info(s).symmetric_memory)
+    candidates = tuple(s for s in names if (s in candidates and strategies.schedule(s) is not None)
+                       or s == "unfused")
     gemm_ms = cost.gemm_time_ms(m, n, k, dtype, hw) if m > 0 else 0.0
     comm_ms = _comm_alone_ms(op, m, n, k, w, dtype, hw)
     predicted, chunks, results = {}, {}, {}
     for s in candidates:
-        predicted[s], chunks[s], results[s] = _best_per_strategy(op, m, n, k, w, dtype, hw, s, cuda_graph)
-    modelled_ms = {s: _best_per_strategy(op, m, n, k, w, dtype, hw, s, cuda_graph)[0] for s in modelled}
+        # keyed on the schedule too: a name registered again with another schedule is predicted anew
+        predicted[s], chunks[s], results[s] = _best_per_strategy(op, m, n, k, w, dtype, hw, s, cuda_graph,
+                                                                 strategies.schedule(s))
     used = tuple(s for s in candidates if s in measured)
     for s in used:
         predicted[s] = float(measured[s])
@@ -310,8 +279,8 @@ def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str
     if w == 1 or empty:
         chosen = "unfused"
     else:
-        # deterministic: fastest; ties go to the earlier (simpler) strategy in STRATEGIES order
-        chosen = min(candidates, key=lambda s: (round(predicted[s], 9), STRATEGIES.index(s)))
+        # deterministic: fastest; ties go to the earlier (simpler) strategy in ORDER
+        chosen = min(candidates, key=lambda s: (round(predicted[s], 9), names.index(s)))
         # A model-only win must be clear: within MIN_MODEL_GAIN of unfused, keep unfused
         # (measured times from the tuning cache are taken as they are).
         if (chosen != "unfused" and not (chosen in used and "unfused" in used)
@@ -322,68 +291,51 @@ def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str
     breakdown = {"gemm_ms": gemm_ms, "comm_ms": comm_ms if w > 1 else 0.0,
                  "model_ms": res.makespan_ms, "fill_ms": crit.fill, "steady_ms": crit.steady,
                  "drain_ms": crit.drain, "exposed_comm_ms": max(0.0, predicted[chosen] - gemm_ms)}
-    sched = strategies.model(chosen)
+    sched = strategies.schedule(chosen)
     per_rank = chunks[chosen] // w if sched.kind == "pipeline" and op != "gemm_ar" and w > 1 else 1
     return Plan(op=op, strategy=chosen, num_chunks=chunks[chosen], m=m, n=n, k=k, world_size=w,
                 dtype=dtype, hardware=hw.name, num_sms=_num_sms(chosen, w, hw), chunks_per_rank=per_rank,
                 predicted_ms=predicted, chunks=chunks, breakdown=breakdown, measured=used,
                 reason=_reason(op, chosen, w, predicted, gemm_ms, comm_ms, used, margin_kept,
                                empty=empty, multi_node=multi_node, cuda_graph=cuda_graph),
-                cuda_graph=cuda_graph, modelled_ms=modelled_ms)
-
-
-_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+                cuda_graph=cuda_graph)
 
 
 def _runnable_for_group(group: Any, world_size: int, dtype: str, built: tuple[str, ...]) -> tuple[str, ...]:
     import torch
 
-    from tpfuse import strategies
     from tpfuse._dist import group_context
 
     ctx = group_context(group)
     if ctx.world_size != world_size:
         raise ValueError(f"world_size: {world_size} but the group has {ctx.world_size} ranks; pass "
                          f"world_size={ctx.world_size} (or no group)")
-    if dtype not in _TORCH_DTYPES:
-        return ("unfused",)
     device = torch.device("cuda", torch.cuda.current_device()) if ctx.device_type == "cuda" else torch.device("cpu")
-    runnable = strategies.runnable(ctx, device, getattr(torch, _TORCH_DTYPES[dtype]))
+    runnable = strategies.runnable(ctx, device, dtypes.torch_dtype(dtype))
     return tuple(s for s in built if s in runnable)
 
 
-def implemented_strategies() -> tuple[str, ...]:
-    """The strategies this build implements (asked of :mod:`tpfuse.strategies`), in planner order."""
-    from tpfuse import strategies
-
-    built = strategies.implemented()
-    return tuple(s for s in STRATEGIES if s in built)
-
-
 def plan(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any = "bf16",
-         hardware: str | HardwareProfile = "h200", cuda_graph: bool = False,
-         modelled: bool = False, group: Any = None) -> Plan:
-    """Predict the strategies this build implements for one op shape and choose the fastest
-    (model only, no tuning cache).
+         hardware: str | HardwareProfile = "h200", cuda_graph: bool = False, group: Any = None) -> Plan:
+    """Predict every registered strategy that declares a schedule for one op shape and choose
+    the fastest (model only, no tuning cache).
 
     ``m``: full M; ``n``, ``k``: this rank's local sizes; ``dtype``: torch dtype or name;
     ``hardware``: profile name (``tpfuse.model.hardware.PROFILES``) or a ``HardwareProfile``.
     ``cuda_graph``: the call is replayed from a CUDA graph (no host costs); default eager.
-    ``modelled``: also predict the strategies not in this build (``Plan.modelled_ms``; never
-    chosen).  Strategies that cannot run ``dtype`` (float64: unfused and ring only) or, above
-    the profile's NVLink domain, need symmetric memory, are left out.  ``group``: a real
+    Strategies whose dtype-policy entry does not take ``dtype`` (float64: unfused and ring only),
+    that declare no schedule, or that need symmetric memory above the profile's NVLink domain,
+    are left out.  ``group``: a real
     ``torch.distributed`` ProcessGroup of ``world_size`` ranks: also leave out what this
     environment cannot run for it (``tpfuse.strategies.why_unavailable``, on the group's device).
     """
     dtype_name, hw = _validate(op, m, n, k, world_size, dtype, hardware)
     if not isinstance(cuda_graph, bool):
         raise TypeError(f"cuda_graph: expected a bool, got {type(cuda_graph).__name__} {cuda_graph!r}")
-    built = implemented_strategies()
+    built = strategies.names()
     if group is not None:
         built = _runnable_for_group(group, world_size, dtype_name, built)
-    others = tuple(s for s in STRATEGIES if s not in built) if modelled else ()
-    return _make_plan(op, m, n, k, world_size, dtype_name, hw, built, {}, cuda_graph=cuda_graph,
-                      modelled=others)
+    return _make_plan(op, m, n, k, world_size, dtype_name, hw, built, {}, cuda_graph=cuda_graph)
 
 
 # --- auto: choose() + tuning cache -----------------------------------------------------------------
@@ -477,8 +429,8 @@ def record_measurement(op: str, m: int, n: int, k: int, world_size: int, dtype: 
                        hardware: str | HardwareProfile, strategy: str, ms: float) -> None:
     """Store a measured time for (shape, strategy); ``choose`` then prefers it over the model."""
     dtype_name, hw = _validate(op, m, n, k, world_size, dtype, hardware)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy: unknown strategy {strategy!r}; use one of {STRATEGIES}")
+    if strategy not in strategies.names():
+        raise ValueError(f"strategy: unknown strategy {strategy!r}; use one of {strategies.names()}")
     if not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0):
         raise ValueError(f"ms: {ms!r} must be a positive finite number of milliseconds")
     key = _cache_key(op, m, n, k, world_size, dtype_name, hw.name)
@@ -520,10 +472,11 @@ def choose(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any,
         return hit[1]
     dtype_name, hw = _validate(op, m, n, k, world_size, dtype, hardware)
     cands = tuple(candidates)
-    bad = [c for c in cands if c not in STRATEGIES]
+    names = strategies.names()
+    bad = [c for c in cands if c not in names]
     if bad:
-        raise ValueError(f"candidates: unknown strategies {bad}; use names from {STRATEGIES}")
-    cands = tuple(s for s in STRATEGIES if s in cands or s == "unfused")
+        raise ValueError(f"candidates: unknown strategies {bad}; use names from {names}")
+    cands = tuple(s for s in names if s in cands or s == "unfused")
     cands = _runnable_dtype(cands, dtype_name)
     generation, path = _CACHE.current()
     if frozen_measured is not None:
@@ -542,140 +495,3 @@ def choose(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any,
 # (raw choose() arguments, cache location) -> (tuning-cache generation, Plan): skips validation
 # and hashing the profile on the hot path (~1 us instead of ~30 us per op call).
 _FAST: dict[tuple, tuple[int, Plan]] = {}
-
-
-# --- CLI: `tpfuse plan` (tpfuse/cli.py calls these two) ---------------------------------------------
-def tp_sizes(hw: HardwareProfile) -> tuple[int, ...]:
-    """The TP degrees worth tabulating on a machine: 2/4/8, or 8..72 in an NVL72 domain."""
-    if hw.max_domain >= 72:
-        return (8, 16, 32, 72)
-    return tuple(w for w in (2, 4, 8) if w <= hw.max_domain)
-
-
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``tpfuse plan``."""
-    parser.add_argument("--op", choices=OPS, help="one cell: the op")
-    parser.add_argument("--m", type=int, help="one cell: full M (tokens)")
-    parser.add_argument("--n", type=int, help="one cell: local N")
-    parser.add_argument("--k", type=int, help="one cell: local K")
-    parser.add_argument("--world-size", type=int, help="TP degree W (with the matrix: only this W)")
-    parser.add_argument("--dtype", default="bf16", help="bf16 (default), fp16, fp32, fp64")
-    parser.add_argument("--hardware", default="h200", help="hardware profile (default h200)")
-    parser.add_argument("--model", choices=("8b", "70b", "405b"), help="matrix: only this Llama-3 size")
-    parser.add_argument("--phase", choices=("training", "prefill", "decode"), help="matrix: only this phase")
-    parser.add_argument("--all", action="store_true", help="the whole workload matrix for the hardware")
-    parser.add_argument("--timeline", metavar="OUT.png", help="draw the chosen strategy's simulated timeline")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--cuda-graph", action="store_true",
-                        help="plan for CUDA-graph replay (no host costs) instead of eager calls")
-
-
-def _check_cli_args(args) -> None:
-    """Argument errors of ``tpfuse plan`` (one line each, before any work)."""
-    if args.world_size is not None and args.world_size < 1:
-        raise ValueError(f"--world-size: {args.world_size} must be >= 1 (the TP degree)")
-    cell_args = {"--op": args.op, "--m": args.m, "--n": args.n, "--k": args.k}
-    given = [name for name, value in cell_args.items() if value is not None]
-    if args.all and given:
-        raise ValueError(f"--all plans the whole workload matrix and ignores {', '.join(given)}; "
-                         "drop --all for one cell, or drop the cell options")
-    if given and (args.model is not None or args.phase is not None):
-        raise ValueError("--model/--phase select rows of the workload matrix; they do not combine "
-                         "with one cell (--op/--m/--n/--k)")
-    if args.timeline:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError("--timeline needs matplotlib, which is not installed "
-                             "(pip install matplotlib), or drop --timeline") from None
-    get_profile(args.hardware)
-    canonical_dtype(args.dtype)
-
-
-def _cells(args) -> list[tuple[str, Plan]]:
-    hw = get_profile(args.hardware)
-    cell_args = [args.op, args.m, args.n, args.k]
-    if any(a is not None for a in cell_args) and not args.all:
-        if any(a is None for a in cell_args) or args.world_size is None:
-            raise ValueError("one cell needs --op, --m, --n, --k and --world-size; "
-                             "or give none of them for the workload matrix")
-        p = plan(args.op, m=args.m, n=args.n, k=args.k, world_size=args.world_size,
-                 dtype=args.dtype, hardware=hw, modelled=True, cuda_graph=args.cuda_graph)
-        return [(f"{args.op} {args.m}x{args.n}x{args.k}", p)]
-    from tpfuse.bench.workloads import workload_matrix
-
-    sizes = (args.world_size,) if args.world_size else tp_sizes(hw)
-    cells = workload_matrix(
-        world_sizes=sizes, dtype=canonical_dtype(args.dtype),
-        models=(args.model,) if args.model else ("8b", "70b", "405b"),
-        phases=(args.phase,) if args.phase else ("training", "prefill", "decode"))
-    return [(c.name, plan(c.op, m=c.m, n=c.n, k=c.k, world_size=c.world_size, dtype=c.dtype,
-                          hardware=hw, modelled=True, cuda_graph=args.cuda_graph)) for c in cells]
-
-
-def _print_table(rows: list[tuple[str, Plan]], title: str) -> None:
-    header = ["cell", "op", "W", "strategy", "chunks", "pred ms", "unfused ms", "speedup",
-              "exposed comm ms", "bound", "modelled only*"]
-
-    def modelled(p: Plan) -> str:
-        if not p.modelled_ms:
-            return "-"
-        s, ms = min(p.modelled_ms.items(), key=lambda kv: kv[1])
-        return f"{s} {ms:.4f}*"
-
-    body = [[name, p.op, str(p.world_size), p.strategy, str(p.num_chunks),
-             f"{p.predicted_ms[p.strategy]:.4f}", f"{p.predicted_ms['unfused']:.4f}",
-             f"{p.speedup:.2f}x", f"{p.breakdown['exposed_comm_ms']:.4f}", p.bound, modelled(p)]
-            for name, p in rows]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
-        print(title)
-        for r in [header] + body:
-            print("  ".join(c.ljust(wd) for c, wd in zip(r, widths)))
-        print(_modelled_note())
-        return
-    table = Table(title=title)
-    for i, h in enumerate(header):
-        table.add_column(h, justify="left" if i in (0, 1, 3, 9, 10) else "right")
-    for r in body:
-        table.add_row(*r)
-    Console(file=sys.stdout, width=max(140, sum(len(h) for h in header) + 50)).print(table)
-    print(_modelled_note())
-
-
-def _modelled_note() -> str:
-    return ("* modelled only: the fastest strategy this build does not implement, as predicted; never "
-            f"chosen (this build implements {', '.join(implemented_strategies())})")
-
-
-def run_plan_cli(args: argparse.Namespace) -> int:
-    """``tpfuse plan``: a table (or JSON) of predictions for one cell or the workload matrix."""
-    try:
-        _check_cli_args(args)
-        rows = _cells(args)
-    except (ValueError, TypeError) as exc:
-        print(f"tpfuse plan: {exc}", file=sys.stderr)
-        return 2
-    hw = get_profile(args.hardware)
-    if args.json:
-        print(json.dumps([dict(p.to_dict(), cell=name) for name, p in rows], indent=1))
-    else:
-        cal = f"calibrated: {hw.calibrated}" if hw.calibrated else "uncalibrated datasheet/lead numbers"
-        _print_table(rows, f"tpfuse plan -- PREDICTED on {hw.name} ({cal})")
-        if len(rows) == 1:
-            print(rows[0][1].explain())
-    if args.timeline:
-        out = Path(args.timeline)
-        for i, (name, p) in enumerate(rows):
-            path = out if len(rows) == 1 else out.with_name(f"{out.stem}-{name}{out.suffix or '.png'}")
-            res = _simulate(p.op, p.strategy, p.m, p.n, p.k, p.world_size, p.dtype, hw, p.num_chunks,
-                            p.cuda_graph)
-            draw_timeline(res, path, title=f"{name}: {p.strategy}, {p.num_chunks} chunks, "
-                          f"{p.predicted_ms[p.strategy]:.3f} ms predicted on {hw.name} "
-                          f"(unfused {p.predicted_ms['unfused']:.3f} ms)")
-            if not args.json:
-                print(f"timeline: {path}")
-    return 0

@@ -11,7 +11,7 @@ function               use
 =====================  =====================================================================
 ``rel_err``            relative error of ``out`` against ``ref`` (max-abs or Frobenius); NaN
                        if ``out`` has a NaN or Inf, so it fails every bound
-``tolerance``          ``k * baseline + FLOOR[dtype]``
+``tolerance``          ``k * baseline + dtypes.rounding_floor(dtype)``
 ``check_close``        None or a sentence saying what is wrong (for rank workers that return
                        their failures)
 ``assert_close``       the same as an assertion
@@ -30,15 +30,14 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["K", "FLOOR", "rel_err", "tolerance", "check_close", "assert_close", "matmul_reference",
+from tpfuse import dtypes
+
+__all__ = ["K", "rel_err", "tolerance", "check_close", "assert_close", "matmul_reference",
            "matmul_baseline", "Reference"]
 
 # The factor on the baseline's error: other strategies reduce in another order, or with other
 # tiles, but no less precisely.
 K = 3
-# Floors (relative to the reference's scale): what a correct result may differ by even where
-# the baseline happens to be exact for these inputs.
-FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor, norm: str = "max") -> float:
@@ -58,8 +57,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor, norm: str = "max") -> float:
 
 
 def tolerance(dtype: torch.dtype, baseline: float, k: float = K) -> float:
-    """The error a result of ``dtype`` may have: ``k`` times the baseline's plus ``FLOOR[dtype]``."""
-    return k * baseline + FLOOR[dtype]
+    """The error a result of ``dtype`` may have: ``k`` times the baseline's plus about one rounding of ``dtype`` (:func:`tpfuse.dtypes.rounding_floor`)."""
+    return k * baseline + dtypes.rounding_floor(dtype)
 
 
 @dataclass(frozen=True)
@@ -106,7 +105,7 @@ def check_close(out: torch.Tensor, ref: Union[torch.Tensor, Reference], *, basel
         return f"{what}: NaN/Inf in the output (an element never written?)"
     err, bound = rel_err(out, ref, norm), tolerance(dtype, baseline, k)
     if not err <= bound:
-        return f"{what}: {norm} relative error {err:.3e} > {k} x baseline {baseline:.3e} + floor {FLOOR[dtype]:.0e}"
+        return f"{what}: {norm} relative error {err:.3e} > {k} x baseline {baseline:.3e} + floor {dtypes.rounding_floor(dtype):.0e}"
     return None
 
 

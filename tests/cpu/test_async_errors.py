@@ -251,7 +251,7 @@ def test_a_call_whose_peer_is_dead_returns_nan_then_the_next_call_raises(monkeyp
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
     monkeypatch.setattr(symm.Workspace, "stream", property(lambda self: Stream()))
-    monkeypatch.setattr(fused, "sm_budget", lambda device, w: 2)
+    monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 2)
     monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 1)
     monkeypatch.setattr(fused, "_set_word", lambda words, i: words.__setitem__(i, 1))   # the stream memory op
     op, _, mode = op.partition(" ")

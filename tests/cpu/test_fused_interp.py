@@ -22,9 +22,10 @@ CFG = GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter():
     with interpreted():
-        fused.set_options(fused.FusedOptions(num_sms=2))   # 2 programs: each loops over several tiles
         yield
-        fused.set_options(fused.FusedOptions())
+
+
+KNOBS = fused.FusedKnobs(num_sms=2)   # 2 programs: each loops over several tiles
 
 
 class _Ctx:
@@ -51,7 +52,7 @@ def test_fused_gemm_rs_routes_every_owners_rows_to_its_inbox_and_reduces_in_rank
     sources = {}
     for r in range(world_size):
         plan = fused._PartialsPlan(ws[r], bounds, shard, n)
-        sources[r] = fused._fused_partials(a[r], b[r], ws[r], plan)
+        sources[r] = fused._fused_partials(a[r], b[r], ws[r], plan, KNOBS)
         assert fused._local_words(ws[r], "sent", world_size).tolist() == [1] * world_size   # every chunk published
         ws[r].signal(plan.ready_out)
     for r in range(world_size):
@@ -96,9 +97,10 @@ def test_fused_refuses_float32_and_the_sm_budget_knob_is_checked():
 
     assert "TF32" in fused.why_unavailable(Ctx, torch.device("cuda", 0), torch.float32)
     with pytest.raises(ValueError, match="num_sms"):
-        fused.FusedOptions(num_sms=0)
-    with pytest.raises(TypeError, match="FusedOptions"):
-        fused.set_options({"num_sms": 4})
+        fused.FusedKnobs(num_sms=0)
+    with pytest.raises(TypeError, match="FusedKnobs"):
+        fused.sm_budget(torch.device("cpu"), 2, {"num_sms": 4})
+    assert not hasattr(fused, "set_options")   # knobs are per call, never process-wide
     assert row_bounds(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
 
 
@@ -159,18 +161,15 @@ def test_fused_ag_gemm_waits_per_piece_with_more_chunks_than_ranks():
 
 def test_fused_options_chunks_per_rank_is_checked_and_pinned():
     with pytest.raises(ValueError, match="chunks_per_rank"):
-        fused.FusedOptions(chunks_per_rank=0)
+        fused.FusedKnobs(chunks_per_rank=0)
     with pytest.raises(ValueError, match="chunks_per_rank"):
-        fused.FusedOptions(chunks_per_rank=True)
+        fused.FusedKnobs(chunks_per_rank=True)
     # unpinned: the planner's knob for this shape (what tpfuse.plan reports)
     from tpfuse.model.hardware import detect
-    from tpfuse.model.knobs import fused_ag_chunks_per_rank
+    fused_ag_chunks_per_rank = fused.planned_chunks_per_rank
     for m_shard in (37, 4096, 16384):
         want = fused_ag_chunks_per_rank(m_shard, 1536, 8192, 8, torch.float16, detect(torch.device("cpu")))
         assert fused.chunks_per_rank(m_shard, 1536, 8192, 8, torch.float16, torch.device("cpu")) == want
-    fused.set_options(fused.FusedOptions(num_sms=2, chunks_per_rank=4))
-    try:
-        assert fused.chunks_per_rank(37, 8, 8, 2, torch.float16, torch.device("cpu")) == 4
-        assert fused.chunks_per_rank(3, 8, 8, 2, torch.float16, torch.device("cpu")) == 3   # at most one row each
-    finally:
-        fused.set_options(fused.FusedOptions(num_sms=2))
+    pinned = fused.FusedKnobs(num_sms=2, chunks_per_rank=4)
+    assert fused.chunks_per_rank(37, 8, 8, 2, torch.float16, torch.device("cpu"), pinned) == 4
+    assert fused.chunks_per_rank(3, 8, 8, 2, torch.float16, torch.device("cpu"), pinned) == 3   # at most one row each

@@ -93,7 +93,7 @@ def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
     monkeypatch.setattr(symm.Workspace, "stream", property(lambda self: Stream()))
     monkeypatch.setattr(tpfuse.gemm, "matmul", lambda *a, **kw: launches.append("gemm"))
     monkeypatch.setattr(fused, "_set_word", lambda words, i: None)
-    monkeypatch.setattr(fused, "sm_budget", lambda device, w: 8)
+    monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 8)
     monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 2)
     # sm_workers' own kernels (worker CTAs, ring credit/ready, stamps) all launch through its _launch
     monkeypatch.setattr(sm_workers, "_launch", lambda k, grid, *a, **kw: launches.append(k.__name__))

@@ -11,11 +11,15 @@ import warnings
 import pytest
 import torch
 
+from tpfuse import dtypes, strategies
 from tpfuse.bench.workloads import workload_matrix
 from tpfuse.model import cost
 from tpfuse.model.hardware import get_profile
-from tpfuse.plan import (STRATEGIES, Plan, add_plan_arguments, canonical_dtype, choose, plan,
-                         record_measurement, run_plan_cli, tuning_cache_path)
+from tpfuse.plan import Plan, canonical_dtype, choose, plan, record_measurement, tuning_cache_path
+from tpfuse.report import add_plan_arguments, run_plan_cli
+
+# the strategies with a schedule (sm_workers has none yet: plan() lists it without a prediction)
+STRATEGIES = tuple(s for s in strategies.names() if strategies.info(s).schedule is not None)
 
 SHAPE = dict(m=16384, n=7168, k=8192)  # Llama-3 70B fc1, training, TP 8
 
@@ -25,12 +29,7 @@ def _cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("TPFUSE_CACHE_DIR", str(tmp_path / "cache"))
 
 
-ALL = tuple(STRATEGIES)  # the model covers every strategy; plan() chooses among the built ones
-
-
-def _every(p: Plan) -> dict:
-    """Predictions of the built strategies and the modelled-only ones together."""
-    return {**p.predicted_ms, **p.modelled_ms}
+ALL = tuple(STRATEGIES)  # plan() predicts every one of them
 
 
 def test_plan_fields():
@@ -123,15 +122,14 @@ def test_never_beats_its_parts():
     collective's bytes over the link's line rate."""
     hw = get_profile("h200")
     for cell in workload_matrix(world_sizes=(2, 8), phases=("training", "decode")):
-        p = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, dtype=cell.dtype,
-                 modelled=True)
-        elt = cost.DTYPE_BYTES["bf16"]
+        p = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, dtype=cell.dtype)
+        elt = dtypes.itemsize("bf16")
         w = cell.world_size
         moved = {"ag_gemm": cell.m * cell.k * elt * (w - 1) / w, "gemm_rs": cell.m * cell.n * elt * (w - 1) / w,
                  "gemm_ar": 2 * cell.m * cell.n * elt * (w - 1) / w}[cell.op]
         assert p.breakdown["comm_ms"] >= moved / (hw.link_line_gbps * 1e9) * 1e3
         floor = max(p.breakdown["gemm_ms"], p.breakdown["comm_ms"])
-        for s, ms in _every(p).items():
+        for s, ms in p.predicted_ms.items():
             assert ms >= floor * (1 - 1e-9), (cell.name, s, ms, floor)
 
 
@@ -148,10 +146,10 @@ def test_more_bandwidth_or_flops_never_slower(field):
     else:
         better = dataclasses.replace(base, tflops_bf16=2 * base.tflops_bf16)
     for cell in workload_matrix(world_sizes=(2, 8), models=("8b", "70b")):
-        p = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, hardware=base, modelled=True)
-        q = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, hardware=better, modelled=True)
+        p = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, hardware=base)
+        q = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, hardware=better)
         for s in STRATEGIES:
-            assert _every(q)[s] <= _every(p)[s] * (1 + 1e-9), (cell.name, s)
+            assert q.predicted_ms[s] <= p.predicted_ms[s] * (1 + 1e-9), (cell.name, s)
 
 
 def test_decode_gains_less_than_training():
@@ -286,26 +284,25 @@ def _cells_everywhere():
             yield hw, cell
 
 
-def test_plan_chooses_only_implemented_strategies():
-    from tpfuse import strategies
-
-    built = strategies.implemented()
+def test_plan_predicts_every_registered_strategy():
     for hw, cell in _cells_everywhere():
         p = plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=cell.world_size, dtype=cell.dtype,
-                 hardware=hw, modelled=True)
-        assert p.strategy in built and set(p.predicted_ms) <= set(built), (hw, cell.name, p.strategy)
-        assert set(p.modelled_ms).isdisjoint(built)
+                 hardware=hw)
+        assert p.strategy in STRATEGIES and set(p.predicted_ms) <= set(STRATEGIES), (hw, cell.name, p.strategy)
+        assert not hasattr(p, "modelled_ms")
     # the README's example
-    assert plan("ag_gemm", m=16384, n=7168, k=8192, world_size=8, dtype="bf16", hardware="h200").strategy in built
+    assert plan("ag_gemm", m=16384, n=7168, k=8192, world_size=8, dtype="bf16", hardware="h200").strategy in STRATEGIES
 
 
-def test_cli_marks_modelled_only_rows(capsys):
+def test_cli_table_comes_from_the_report_module(capsys):
+    import sys
+
+    planner = sys.modules["tpfuse.plan"]   # the attribute tpfuse.plan is the function
+    assert hasattr(planner, "choose") and not hasattr(planner, "run_plan_cli")
+    assert not hasattr(planner, "_print_table") and not hasattr(planner, "argparse")
     assert _run(["--op", "gemm_rs", "--m", "16384", "--n", "8192", "--k", "3584", "--world-size", "8"]) == 0
     out = capsys.readouterr().out
-    # every modelled strategy is built now: the table marks none as modelled-only and may choose any
-    assert "this build implements unfused, ring, copy_engine, fused" in out
-    assert "Modelled only (not in this build" not in out
-    assert "chose 'copy_engine'" in out
+    assert "chose '" in out and "Candidates: " in out and "modelled" not in out.lower()
 
 
 @pytest.mark.parametrize("graph", [False, True])
@@ -339,8 +336,10 @@ def test_same_host_model_for_every_strategy_and_graphs_drop_it():
     for op, m, n, k in (("gemm_ar", 128, 8192, 3584), ("gemm_rs", 16384, 8192, 3584), ("ag_gemm", 128, 7168, 8192)):
         eager = choose(op, m=m, n=n, k=k, world_size=8, dtype="bf16", hardware=hw, candidates=ALL)
         graph = choose(op, m=m, n=n, k=k, world_size=8, dtype="bf16", hardware=hw, candidates=ALL, cuda_graph=True)
-        for s in ALL:
-            assert eager.predicted_ms[s] >= graph.predicted_ms[s] + hw.host_op_us * 1e-3 - 1e-9, (op, s)
+        for s in ALL:   # the host runs ahead of the GPU: eager costs at least the graph replay
+            assert eager.predicted_ms[s] >= graph.predicted_ms[s] - 1e-9, (op, s)
+        if m == 128:    # decode: host-bound, so eager pays at least tpfuse's dispatch and one launch
+            assert min(eager.predicted_ms.values()) >= (hw.host_op_us + hw.host_call_us) * 1e-3
         assert "eager" in eager.explain() and "CUDA graph" in graph.explain()
     assert plan("gemm_ar", m=128, n=8192, k=3584, world_size=8, cuda_graph=True).cuda_graph
 
@@ -349,8 +348,8 @@ def test_float64_never_plans_a_strategy_that_cannot_run_it():
     for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
         p = choose(op, m=16384, n=7168, k=8192, world_size=8, dtype="fp64", hardware="h200", candidates=ALL)
         assert p.strategy in ("unfused", "ring") and set(p.predicted_ms) <= {"unfused", "ring"}
-        q = plan(op, m=16384, n=7168, k=8192, world_size=8, dtype=torch.float64, modelled=True)
-        assert not set(q.modelled_ms) & {"copy_engine", "fused"}
+        q = plan(op, m=16384, n=7168, k=8192, world_size=8, dtype=torch.float64)
+        assert set(q.predicted_ms) == {"unfused", "ring"}
 
 
 def test_beyond_the_nvlink_domain_plans_multi_node():
@@ -370,7 +369,7 @@ def test_plan_is_fast_at_nvl72_scale():
     times = []
     for cell in workload_matrix(world_sizes=(72,)):
         t0 = time.perf_counter()
-        plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=72, dtype="bf16", hardware="gb200", modelled=True)
+        plan(cell.op, m=cell.m, n=cell.n, k=cell.k, world_size=72, dtype="bf16", hardware="gb200")
         times.append(time.perf_counter() - t0)
     times.sort()
     assert times[len(times) // 2] < 0.05, times  # median < 50 ms (a shared 2-core box; ~7 ms alone)
@@ -410,8 +409,7 @@ def test_cli_timeline_without_matplotlib_is_an_error(capsys, monkeypatch):
 # --- issues 20.4 / 22.6: fused's pieces per rank come from the knob fused dispatches with ---------
 @pytest.mark.parametrize("graph", [False, True])
 def test_plan_predicts_fused_with_the_knobs_pieces(graph):
-    from tpfuse.model import knobs
-    from tpfuse.model.simulate import simulate
+    from tpfuse.strategies import fused
 
     hw = get_profile("h200")
     cells = [(c.m, c.n, c.k, c.world_size) for c in workload_matrix(world_sizes=(2, 8), models=("8b", "70b"))
@@ -419,13 +417,14 @@ def test_plan_predicts_fused_with_the_knobs_pieces(graph):
     seen = set()
     for m, n, k, w in cells:
         p = plan("ag_gemm", m=m, n=n, k=k, world_size=w, dtype="bf16", hardware=hw, cuda_graph=graph)
-        c = knobs.fused_ag_chunks_per_rank(m // w, n, k, w, "bf16", hw, cuda_graph=graph)
+        c = fused.planned_chunks_per_rank(m // w, n, k, w, "bf16", hw, cuda_graph=graph)
         assert p.chunks["fused"] == w * c, (m, n, k, w)
-        res = simulate("ag_gemm", "fused", m=m, n=n, k=k, world_size=w, dtype="bf16", hw=hw, num_chunks=w * c,
-                       cuda_graph=graph, fast=True)
+        res = strategies.simulate("ag_gemm", "fused", m=m, n=n, k=k, world_size=w, dtype="bf16", hw=hw,
+                                  num_chunks=w * c, cuda_graph=graph, fast=True)
         assert p.predicted_ms["fused"] == res.makespan_ms
         seen.add(c)
-    assert seen == ({1, 2} if graph else {1})   # eager: every piece costs host calls too
+    # eager too: the pieces' host calls run ahead of the GPU and hide under its work (issue 34.5)
+    assert seen == {1, 2}
     # chosen: the Plan reports the pieces, explain() says so
     q = choose("ag_gemm", m=16384, n=1536, k=8192, world_size=8, dtype="bf16", hardware=hw,
                candidates=("fused",), cuda_graph=graph)

@@ -142,23 +142,22 @@ def case_chunks(rank, world_size, strategy, shapes):
     """More chunks than ranks (fused ag_gemm): each shard cut into 3 pieces, so chunks straddle
     shards (37 rows -> chunks of 13) and tiles straddle chunks; then 1 piece again (the plan
     and the arrival words must follow the knob)."""
+    from tpfuse._dist import group_context
     from tpfuse.strategies import fused
 
     rows_out = []
-    try:
-        for pieces in (3, 4, 1):
-            fused.set_options(fused.FusedOptions(chunks_per_rank=pieces))
-            for rows, k, n in shapes:
-                m = world_size * rows
-                prob = Problem(zlib.crc32(repr((rows, k, n, pieces)).encode()), world_size, m, k, n, torch.bfloat16)
-                out = _call("ag_gemm", strategy, prob, rank)
-                torch.cuda.synchronize()
-                err, tol, ok = _check("ag_gemm", out, prob, rank)
-                rows_out.append(dict(case=f"chunks_{pieces}_per_rank", op="ag_gemm", strategy=strategy,
-                                     world_size=world_size, dtype="bf16", shape=[m, n, k], passed=bool(ok),
-                                     max_rel_err=err, tolerance=tol, calls=1))
-    finally:
-        fused.set_options(fused.FusedOptions())
+    ctx = group_context(None)
+    for pieces in (3, 4, 1):
+        knobs = fused.FusedKnobs(chunks_per_rank=pieces)   # per call: the strategy's own knobs
+        for rows, k, n in shapes:
+            m = world_size * rows
+            prob = Problem(zlib.crc32(repr((rows, k, n, pieces)).encode()), world_size, m, k, n, torch.bfloat16)
+            out = fused.ag_gemm(prob.a_shard(rank), prob.w[rank].t(), ctx, knobs=knobs)
+            torch.cuda.synchronize()
+            err, tol, ok = _check("ag_gemm", out, prob, rank)
+            rows_out.append(dict(case=f"chunks_{pieces}_per_rank", op="ag_gemm", strategy=strategy,
+                                 world_size=world_size, dtype="bf16", shape=[m, n, k], passed=bool(ok),
+                                 max_rel_err=err, tolerance=tol, calls=1))
     return rows_out
 
 

@@ -38,12 +38,23 @@ def _positive(args: argparse.Namespace, *names: str, minimum: int = 1) -> None:
             raise _UsageError(f"--{name.replace('_', '-')}: {value} must be >= {minimum}")
 
 
-def _check_strategies(args: argparse.Namespace) -> None:
-    from tpfuse.strategies import STRATEGY_NAMES
+def _register_strategies(args: argparse.Namespace) -> None:
+    from tpfuse import strategies
 
+    for module in args.register_strategy or ():
+        try:
+            strategies.register_module(module)
+        except (TypeError, ValueError) as exc:
+            raise _UsageError(f"--register-strategy: {exc}") from None
+
+
+def _check_strategies(args: argparse.Namespace) -> None:
+    from tpfuse import strategies
+
+    known = strategies.names()
     for name in args.strategies or ():
-        if name != "auto" and name not in STRATEGY_NAMES:
-            raise _UsageError(f"--strategies: unknown strategy {name!r}; choose from auto, {', '.join(STRATEGY_NAMES)}")
+        if name != "auto" and name not in known:
+            raise _UsageError(f"--strategies: unknown strategy {name!r}; choose from auto, {', '.join(known)}")
 
 
 def _check_hardware(args: argparse.Namespace) -> None:
@@ -122,18 +133,20 @@ def _ops(args: argparse.Namespace) -> int:
     _positive(args, "world_size", "iters", "scale")
     _positive(args, "warmup", minimum=0)
     _check_outputs(args)
+    _register_strategies(args)
     _check_strategies(args)
     _check_hardware(args)
     given = {k: v for k, v in {
         "world_size": args.world_size, "models": tuple(args.models) if args.models else None,
         "phases": tuple(args.phases) if args.phases else None,
         "strategies": tuple(args.strategies) if args.strategies else None, "iters": args.iters,
-        "warmup": args.warmup, "scale": args.scale}.items() if v is not None}
+        "warmup": args.warmup, "scale": args.scale,
+        "strategy_modules": tuple(args.register_strategy) if args.register_strategy else None}.items() if v is not None}
     base = quick_config(_on_gpu(args)) if args.quick else BenchConfig()
     _setup(args, base.world_size)
     config = replace(base, **given, hardware=args.hardware, device=args.device, bed=args.bed or 0, dtype=args.dtype,
                      graph=not args.no_graph, timeline=bool(args.timeline))
-    from tpfuse.cli import _print_table, _Progress
+    from tpfuse.console import Progress as _Progress, print_table as _print_table
 
     def partial(result: dict) -> None:   # a run cut short keeps the cells it finished
         if args.json and _speaks():
@@ -201,7 +214,7 @@ def _layer(args: argparse.Namespace) -> int:
     base = quick_layer_config(_on_gpu(args)) if args.quick else LayerConfig()
     _setup(args, base.world_size)
     cfg = replace(base, **given, device=args.device, bed=args.bed or 0, dtype=args.dtype, asynctp=not args.no_asynctp)
-    from tpfuse.cli import _print_table, _Progress
+    from tpfuse.console import Progress as _Progress, print_table as _print_table
 
     result = run_layer_bench(cfg, progress=_Progress("bench layer") if _speaks() else None)
     if not _speaks():
@@ -234,7 +247,7 @@ def _comm(args: argparse.Namespace) -> int:
     cfg = replace(quick_comm_config() if args.quick else CommConfig(), **given, device=args.device)
     if args.device == "cuda" and not _on_gpu(args):
         raise _UsageError("--device cuda: no CUDA GPU is visible on this machine")
-    from tpfuse.cli import _print_table, _Progress
+    from tpfuse.console import Progress as _Progress, print_table as _print_table
 
     result = run_comm_bench(cfg, progress=_Progress("bench comm"))
     meta = result["meta"]
@@ -308,6 +321,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     bench.add_argument("--out", dest="json", default=None, help=argparse.SUPPRESS)  # old name of --json
     bench.add_argument("--hardware", default="auto", help="planner profile for predicted_ms (auto: detected)")
     bench.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay timing")
+    bench.add_argument("--register-strategy", action="append", default=None, metavar="MODULE",
+                       help="a strategy of your own: import MODULE (its declaration, docs/strategies.md) and "
+                            "register it in every process first; repeatable")
     bench.add_argument("--png", default=None, metavar="PATH", help="bar chart of the speedups (needs matplotlib)")
     bench.add_argument("--timeline", default=None, metavar="PATH",
                        help="record the first cell's calls: PATH (.png) and PATH with .json (Chrome trace)")

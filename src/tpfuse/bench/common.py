@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from tpfuse import dtypes
+
 __all__ = ["MODES", "RankSetup", "open_ranks", "under_torchrun", "timed", "attempt", "graph_timed",
            "enable_symmetric_memory", "mps_running",
            "timed_rounds", "slowest_median", "bench_meta", "cpu_name", "short_reason"]
@@ -58,7 +60,8 @@ class RankSetup:
     num_gpus: int
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}   # what the benches time
+# what the benches time: the dtypes of the policy's fast entries (float64 is for reference checks)
+DTYPES = {dtypes.name(d): d for d in dtypes.inputs(dtypes.FAST)}
 
 
 def setup_and_dtype(world_size: int, device: str, bed: int, dtype: str, ranks=None) -> tuple[RankSetup, str]:
@@ -67,9 +70,9 @@ def setup_and_dtype(world_size: int, device: str, bed: int, dtype: str, ranks=No
     setup = plan_ranks(world_size, device, bed)
     if ranks is not None:
         setup = replace(setup, world_size=ranks.world_size)
-    dtype = dtype if dtype != "auto" else ("bf16" if setup.device_type == "cuda" else "fp32")
+    dtype = dtype if dtype != "auto" else dtypes.name(dtypes.default(setup.device_type))
     if dtype not in DTYPES:
-        raise ValueError(f"dtype: {dtype!r} is not benchmarked; use bf16, fp16 or fp32")
+        raise ValueError(f"dtype: {dtype!r} is not benchmarked; use {', '.join(DTYPES)}")
     return setup, dtype
 
 

@@ -53,6 +53,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from tpfuse import dtypes
+
 __all__ = ["measure_host_overhead", "measure_busy_ahead", "main"]
 
 
@@ -106,7 +108,7 @@ def measure_busy_ahead(fn: Callable[[], object], *, calls: int = 20, rounds: int
 
 
 def measure_host_overhead(op: str = "gemm_ar", *, strategy: str = "unfused", m: int = 128, n: int = 256,
-                          k: int = 256, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+                          k: int = 256, dtype: torch.dtype = dtypes.default("cuda"), device: str = "cuda",
                           group: dist.ProcessGroup | None = None, calls: int = 2000, rounds: int = 5,
                           warmup: int = 100) -> dict:
     """Per-call host time (us) of ``tpfuse.<op>`` against calling its strategy directly.
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo", rank=0, world_size=1)
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = dtypes.default("cuda" if args.device.startswith("cuda") else "cpu")
     rows = [measure_host_overhead(op, strategy=s, m=args.m, n=args.n, k=args.k, dtype=dtype,
                                   device=args.device, calls=args.calls, rounds=args.rounds)
             for op in args.ops for s in args.strategies]
@@ -235,10 +237,10 @@ def _bed_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
     rows = []
     for op in args.ops:
         m = args.m
-        a = torch.randn(m // world_size if op == "ag_gemm" else m, args.k, device=dev, dtype=torch.bfloat16)
-        b = torch.randn(args.n, args.k, device=dev, dtype=torch.bfloat16).t()
+        a = torch.randn(m // world_size if op == "ag_gemm" else m, args.k, device=dev, dtype=dtypes.default("cuda"))
+        b = torch.randn(args.n, args.k, device=dev, dtype=dtypes.default("cuda")).t()
         for s in args.strategies:
-            row = measure_host_overhead(op, strategy=s, m=m, n=args.n, k=args.k, dtype=torch.bfloat16,
+            row = measure_host_overhead(op, strategy=s, m=m, n=args.n, k=args.k, dtype=dtypes.default("cuda"),
                                         device="cuda", calls=args.calls, rounds=args.rounds, warmup=10)
             fn = getattr(tpfuse, op)
             with torch.no_grad():
@@ -259,7 +261,8 @@ def _asynctp_row(op: str, a: torch.Tensor, b: torch.Tensor, world_size: int, arg
     else:
         def fn():
             return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name)
-    row = dict(op=op, strategy="asynctp", m=args.m, n=args.n, k=args.k, dtype="bfloat16", world_size=world_size,
+    row = dict(op=op, strategy="asynctp", m=args.m, n=args.n, k=args.k,
+               dtype=str(dtypes.default("cuda")).removeprefix("torch."), world_size=world_size,
                device="cuda", device_name=torch.cuda.get_device_name(), backend="gloo",
                **{key: None for key in ("tpfuse_us", "direct_us", "custom_op_us", "bare_us", "matmul_us",
                                          "overhead_us", "dispatcher_us")})

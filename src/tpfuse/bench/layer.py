@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpfuse.bench import common
-from tpfuse.bench.run import SYMMETRIC_STRATEGIES, _as_ranks
+from tpfuse.bench.run import _as_ranks, symmetric_strategies
 from tpfuse.bench.workloads import MODELS, PHASES
 
 __all__ = ["LayerConfig", "run_layer_bench", "format_layer_rows", "LAYER_ROW_FIELDS", "quick_layer_config"]
@@ -178,7 +178,7 @@ def layer_job(rank: int, world_size: int, job: _LayerJob) -> dict:
     for s in names:
         if s != "auto" and s not in runnable:
             skipped[f"tpfuse:{s}"] = strategies.why_unavailable(s, ctx, device, dtype) or "not runnable here"
-        elif bed and not set(auto if s == "auto" else (s,)) <= set(SYMMETRIC_STRATEGIES):
+        elif bed and not set(auto if s == "auto" else (s,)) <= set(symmetric_strategies()):
             picked = f"auto resolved to {resolved}, which" if s == "auto" else s
             skipped[f"tpfuse:{s}"] = f"{picked} sends CUDA tensors through the process group, and the bed's group is gloo"
         else:

@@ -47,9 +47,15 @@ from tpfuse.spawn import RankError
 __all__ = ["BenchConfig", "ROW_FIELDS", "run_bench", "format_rows", "write_result", "quick_config"]
 
 L2_BYTES = 60 * 2**20  # H200 (the largest L2 we run on); rotating past it on smaller GPUs is harmless
-# Strategies that move data through symmetric memory, not the process group: the only ones that
-# run in the one-GPU bed (its gloo group cannot carry CUDA tensors).
-SYMMETRIC_STRATEGIES = ("copy_engine", "fused", "sm_workers")
+
+
+def symmetric_strategies() -> tuple[str, ...]:
+    """Strategies that move data through symmetric memory, not the process group (they declare
+    ``SYMMETRIC_MEMORY``): the only ones that run in the one-GPU bed (its gloo group cannot carry
+    CUDA tensors)."""
+    from tpfuse import strategies
+
+    return tuple(s for s in strategies.names() if strategies.info(s).symmetric_memory)
 # Every row has these keys, in this order (the table above; null + a reason where not measured).
 ROW_FIELDS = ("cell", "model", "phase", "gemm", "op", "m", "n", "k", "world_size", "dtype", "strategy", "resolved",
               "ms", "unfused_ms", "asynctp_ms", "gemm_ms", "comm_ms", "exposed_comm_ms", "overlap_efficiency",
@@ -73,6 +79,7 @@ class BenchConfig:
     dtype: str = "auto"  # "auto" = bf16 on CUDA, fp32 on CPU; or bf16 / fp16 / fp32
     graph: bool = True  # also time CUDA-graph replay (GPU only)
     timeline: bool = False  # record the first cell's timeline (see run_bench)
+    strategy_modules: tuple[str, ...] = ()  # strategies of your own: modules registered in every process first
 
 
 def quick_config(on_gpu: bool = False, **overrides) -> BenchConfig:
@@ -95,6 +102,7 @@ class _CellJob:
     mode: str
     graph: bool
     progress: bool = False   # rank 0 prints each step of the cell on stderr (long GPU runs)
+    strategy_modules: tuple[str, ...] = ()   # registered on the rank before the cell (BenchConfig)
 
 
 _DTYPES = common.DTYPES
@@ -172,7 +180,7 @@ def strategy_plan(names, runnable, resolved: str, mode: str, why_unavailable) ->
         concrete = resolved if s == "auto" else s
         if s != "auto" and s not in runnable:
             skipped[s] = why_unavailable(s) or "not runnable here"
-        elif mode == "one-gpu-bed" and concrete not in SYMMETRIC_STRATEGIES:
+        elif mode == "one-gpu-bed" and concrete not in symmetric_strategies():
             skipped[s] = (f"{'auto resolved to ' if s == 'auto' else ''}{concrete} sends CUDA tensors through "
                           "the process group, and the one-GPU bed's group is gloo")
         else:
@@ -187,6 +195,8 @@ def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
     from tpfuse.ops import resolve_strategy
 
     started = time.monotonic()   # progress lines say the seconds since
+    for module in job.strategy_modules:
+        strategies.register_module(module)
     w = job.workload
     device = torch.device("cuda", torch.cuda.current_device()) if job.mode != "cpu-gloo" else torch.device("cpu")
     dtype = _DTYPES[job.dtype]
@@ -240,7 +250,7 @@ def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
             out[name]["graph"], out[name]["graph_reason"] = None, ("no CUDA (graphs need a GPU)" if device.type != "cuda"
                                                                    else "graph timing off (--no-graph)")
     out.update({name: {"reason": why} for name, why in skipped.items()})
-    unavailable = {s: strategies.why_unavailable(s, ctx, device, dtype) for s in strategies.STRATEGY_NAMES
+    unavailable = {s: strategies.why_unavailable(s, ctx, device, dtype) for s in strategies.names()
                    if s not in runnable}
     return {"variants": out, "strategies": names, "resolved": resolved, "unavailable": unavailable}
 
@@ -381,6 +391,10 @@ def run_bench(config: BenchConfig, progress=None, ranks=None, on_cell=None) -> d
     ``RankPool`` of the right kind) to reuse instead of starting new ones.  ``on_cell(result)``
     after every cell: the cells so far, ``meta["complete"]`` False (the CLI writes it, so a run
     cut short keeps what it measured)."""
+    from tpfuse import strategies
+
+    for module in config.strategy_modules:   # here for the planner's predictions; the ranks do it per cell
+        strategies.register_module(module)
     setup, dtype = common.setup_and_dtype(config.world_size, config.device, config.bed, config.dtype, ranks)
     cells = _cells(config, setup.world_size)
     hw = _hardware(config, setup)
@@ -400,7 +414,7 @@ def run_bench(config: BenchConfig, progress=None, ranks=None, on_cell=None) -> d
             if progress is not None:
                 progress(i, len(cells), w.name)
             job = _CellJob(w, config.strategies, config.iters, config.warmup, dtype, setup.mode, config.graph,
-                           progress=progress is not None)
+                           progress=progress is not None, strategy_modules=config.strategy_modules)
             p = tpfuse.plan(w.op, m=w.m, n=w.n, k=w.k, world_size=w.world_size, dtype=dtype, hardware=hw)
             try:
                 per_rank = pool.run(cell_job, job, timeout=1800)

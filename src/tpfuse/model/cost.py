@@ -22,7 +22,7 @@ for the world size (``HardwareProfile.nccl_fit``), NCCL collectives cost ``alpha
 rank / bus_W`` and a ``p2p`` step (one host-issued NCCL call) costs ``alpha_W + bytes / bus_W``.
 
 Precision: tpfuse's ``unfused`` and ``ring`` reduce bf16/fp16 partials in fp32 (fp64 for fp64;
-``strategies/unfused.py: accumulation_dtype``), so their reductions move 4-byte partials and pay
+``tpfuse.dtypes``), so their reductions move 4-byte partials and pay
 an upcast and a downcast pass at HBM speed (``unfused_collective_parts``).  ``collective_ms`` is
 the bare collective on the op's own dtype (what ``tpfuse bench`` times as "comm alone").
 """
@@ -33,10 +33,10 @@ import functools
 import math
 from typing import Literal
 
+from tpfuse import dtypes
 from tpfuse.model.hardware import HardwareProfile
 
 __all__ = [
-    "DTYPE_BYTES",
     "TILE_SHAPES",
     "SPLIT_K",
     "gemm_time_ms",
@@ -61,7 +61,6 @@ __all__ = [
     "two_stage_pipeline_ms",
 ]
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4, "fp64": 8}
 # Hopper cuBLAS / Triton persistent kernels mostly run 128x256 (or 256x128), 128x128 and 64x128
 # CTA tiles for bf16; the relative efficiency of the smaller two is a fitted profile field.
 TILE_SHAPES: tuple[tuple[int, int], ...] = ((128, 256), (128, 128), (64, 128))
@@ -95,7 +94,7 @@ def gemm_time_ms(m: int, n: int, k: int, dtype: str, hw: HardwareProfile, *,
 
 
 def _gemm_time_ms(m, n, k, dtype, hw, sms, hbm_share, launch) -> float:
-    elt = DTYPE_BYTES[dtype]
+    elt = dtypes.itemsize(dtype)
     flops = 2.0 * m * n * k
     peak = hw.tflops(dtype) * 1e12 * hw.gemm_eff_max
     if hw.gemm_throttle > 0:
@@ -146,7 +145,7 @@ def core_gemm_time_ms(m: int, n: int, k: int, dtype: str, hw: HardwareProfile, *
 
 def gemm_memory_time_ms(m: int, n: int, k: int, dtype: str, hw: HardwareProfile) -> float:
     """The HBM floor of a GEMM: A, B and C each moved once at the achievable bandwidth."""
-    return DTYPE_BYTES[dtype] * (m * k + k * n + m * n) / (hw.hbm_gbps * 1e9 * hw.hbm_eff) * 1e3
+    return dtypes.itemsize(dtype) * (m * k + k * n + m * n) / (hw.hbm_gbps * 1e9 * hw.hbm_eff) * 1e3
 
 
 def gemm_tflops(m: int, n: int, k: int, dtype: str, hw: HardwareProfile, **kw) -> float:
@@ -278,7 +277,7 @@ def collective_ms(op: str, m: int, n: int, k: int, world_size: int, dtype: str,
                   hw: HardwareProfile) -> float:
     """The NCCL collective of ``op`` alone, on ``dtype`` data (what ``tpfuse bench`` times as
     "comm alone"; tpfuse's own unfused reduction pays ``unfused_collective_parts`` instead)."""
-    elt = DTYPE_BYTES[dtype]
+    elt = dtypes.itemsize(dtype)
     if op == "ag_gemm":
         return all_gather_ms(m * k * elt, world_size, hw)
     if op == "gemm_rs":
@@ -289,9 +288,9 @@ def collective_ms(op: str, m: int, n: int, k: int, world_size: int, dtype: str,
 
 
 def accumulation_dtype(dtype: str) -> str:
-    """Dtype in which tpfuse's unfused and ring strategies reduce partials of ``dtype`` products
-    (mirrors ``tpfuse.strategies.unfused.accumulation_dtype``: fp64 stays fp64, all else fp32)."""
-    return "fp64" if dtype == "fp64" else "fp32"
+    """Dtype (name) in which partials of ``dtype`` products are reduced across ranks: the dtype
+    policy's default (``tpfuse.dtypes.reduce_dtype``: fp64 stays fp64, all else fp32)."""
+    return dtypes.name(dtypes.reduce_dtype(dtype))
 
 
 def cast_time_ms(num_elements: float, src: str, dst: str, hw: HardwareProfile) -> float:
@@ -299,7 +298,7 @@ def cast_time_ms(num_elements: float, src: str, dst: str, hw: HardwareProfile) -
     plus a launch; 0 when the dtypes match (``.to`` returns the tensor itself)."""
     if src == dst or num_elements <= 0:
         return 0.0
-    return reduce_time_ms(num_elements * (DTYPE_BYTES[src] + DTYPE_BYTES[dst]), hw)
+    return reduce_time_ms(num_elements * (dtypes.itemsize(src) + dtypes.itemsize(dst)), hw)
 
 
 def unfused_collective_parts(op: str, m: int, n: int, k: int, world_size: int, dtype: str,
@@ -332,7 +331,7 @@ def p2p_collective_ms(op: str, m: int, n: int, k: int, world_size: int, dtype: s
     w = world_size
     if w <= 1 or m <= 0:
         return 0.0
-    elt = DTYPE_BYTES[dtype]
+    elt = dtypes.itemsize(dtype)
     shard = m // w
     if op == "ag_gemm":
         return (w - 1) * transfer_time_ms(shard * k * elt, path, hw, num_sms=num_sms)

@@ -16,7 +16,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from tpfuse.model.cost import DTYPE_BYTES, nccl_bytes_per_rank
+from tpfuse import dtypes
+from tpfuse.model.cost import nccl_bytes_per_rank
 from tpfuse.model.hardware import NcclFit
 
 __all__ = ["CommRow", "NcclFitResult", "comm_rows_from_bench", "fit_nccl", "ring_step_host_us"]
@@ -68,7 +69,7 @@ def comm_rows_from_bench(data: Mapping[str, Any]) -> list[CommRow]:
         if ms is None or w < 2 or row.get("op") not in _COLLECTIVE:
             continue
         m, n, k = int(row["m"]), int(row["n"]), int(row["k"])
-        elt = DTYPE_BYTES[row.get("dtype", "bf16")]
+        elt = dtypes.itemsize(row.get("dtype", "bf16"))
         kind = _COLLECTIVE[row["op"]]
         total = m * k * elt if kind == "all_gather" else m * n * elt
         name = row.get("cell", row.get("name", row["op"]))

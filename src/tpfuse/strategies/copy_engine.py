@@ -44,26 +44,40 @@ import os
 
 import torch
 
-from tpfuse import symm, timeline
+from tpfuse import dtypes, symm, timeline
 from tpfuse._dist import GroupContext, breadcrumb, new_output
-from tpfuse.model import knobs
+from tpfuse.model import steps as model_steps
+from tpfuse.model.simulate import Schedule
 from tpfuse.strategies import _symm_steps as steps
 
-__all__ = ["NAME", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar", "ar_mode", "gather_reduced"]
+__all__ = ["NAME", "DESCRIPTION", "ORDER", "DTYPES", "SYMMETRIC_MEMORY", "KNOBS", "SCHEDULE", "why_unavailable",
+           "ag_gemm", "gemm_rs", "gemm_ar", "ar_mode", "ar_one_shot", "gather_reduced"]
 
 NAME = "copy_engine"
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DESCRIPTION = "copy-engine peer copies (no SMs taken) overlapped with per-chunk GEMMs"
+ORDER = 20
+DTYPES = dtypes.FAST
+SYMMETRIC_MEMORY = True
+KNOBS = None
 
-# gemm_ar's one-shot limit (output bytes), shared with fused and the planner's model
-ONE_SHOT_MAX_BYTES = knobs.ONE_SHOT_MAX_BYTES
+# gemm_ar reads every peer's whole partial in place (one-shot) up to this many output bytes, and
+# reduce-scatters + gathers above it (fused too).  A lead, not a measurement: one-shot moves W
+# times the bytes but has one flag round trip instead of two; it is measured only once a
+# multi-GPU run is.
+ONE_SHOT_MAX_BYTES = 1 << 20
+
+
+def ar_one_shot(m: int, n: int, element_size: int) -> bool:
+    """Whether a symmetric-memory gemm_ar of output [m, n] takes the one-shot path."""
+    return m * n * element_size <= ONE_SHOT_MAX_BYTES
 
 
 def why_unavailable(ctx: GroupContext, device: torch.device, dtype: torch.dtype) -> str | None:
     """None if copy_engine can run for this group, device and dtype, else why not."""
     if device.type != "cuda":
         return f"copy_engine needs CUDA symmetric memory; the inputs are on {device} and this group is {ctx.backend}"
-    if dtype not in _DTYPES:
-        return f"copy_engine runs bfloat16/float16/float32 only, not {dtype}; float64 runs with 'unfused' or 'ring'"
+    if not dtypes.accepts(DTYPES, dtype):
+        return f"copy_engine runs {dtypes.describe(DTYPES)} only, not {dtype}; use 'unfused' or 'ring'"
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError:
@@ -206,7 +220,7 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
 
 def ar_mode(m: int, n: int, element_size: int) -> str:
     """``"one_shot"`` or ``"two_shot"`` for a gemm_ar output of [m, n] (agreed on every rank)."""
-    return "one_shot" if knobs.ar_one_shot(m, n, element_size) else "two_shot"
+    return "one_shot" if ar_one_shot(m, n, element_size) else "two_shot"
 
 
 def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
@@ -250,3 +264,23 @@ two_shot_workspace = steps.two_shot_workspace
 two_shot_gather_offset = steps.two_shot_gather_offset
 reduce_inbox = steps.reduce_inbox
 gather_reduced = steps.gather_reduced
+
+
+# --- the simulator's model of this file (tpfuse.model.simulate runs it) -------------------------
+def _schedule(g, c) -> None:
+    if c.op == "ag_gemm":
+        model_steps.pull_then_gemm_per_chunk(g, c)
+    elif c.op == "gemm_rs":
+        model_steps.reduce_scatter(g, c, model_steps.scatter_partials)
+    elif ar_mode(c.m, c.n, c.elt) == "one_shot":
+        model_steps.one_shot_all_reduce(g, c)
+    else:
+        model_steps.two_shot_all_reduce(g, c, model_steps.scatter_partials)
+
+
+def _schedule_chunks(op: str, *, m: int, n: int, world_size: int, dtype: str, **_) -> int:
+    """One chunk per rank; gemm_ar one-shot: the whole partial."""
+    return 1 if op == "gemm_ar" and ar_one_shot(m, n, dtypes.itemsize(dtype)) else world_size
+
+
+SCHEDULE = Schedule(_schedule, kind="pipeline", num_chunks=_schedule_chunks)

@@ -6,7 +6,7 @@
   persistent GEMM (``tpfuse.gemm.matmul`` with a wait hook, tile order "round" from this rank's
   chunk) starts on the local chunk and waits per tile only for the chunks its A rows touch.
   SMs never move data.  Each shard may be cut into several pieces
-  (``FusedOptions.chunks_per_rank``, else the planner's choice per shape): a chunk may then
+  (``FusedKnobs.chunks_per_rank``, else the planner's choice per shape): a chunk may then
   straddle two shards, and its word is set after the last copy touching it.
 * ``gemm_rs`` (producer-side fusion): ONE persistent GEMM in owner order ((rank + 1) first)
   whose epilogue stores every finished tile straight into its owner's inbox slot (peer
@@ -34,28 +34,49 @@ must leave SMs free.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
 
-from tpfuse import symm, timeline
+from tpfuse import dtypes, symm, timeline
 from tpfuse._dist import GroupContext, breadcrumb, new_output
+from tpfuse.model import steps as model_steps
+from tpfuse.model.hardware import HardwareProfile, get_profile
+from tpfuse.model.simulate import Schedule, simulate
 from tpfuse.strategies import copy_engine
 from tpfuse.strategies import _symm_steps as steps
 
-__all__ = ["NAME", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar", "FusedOptions", "set_options", "sm_budget",
-           "chunks_per_rank"]
+__all__ = ["NAME", "DESCRIPTION", "ORDER", "DTYPES", "SYMMETRIC_MEMORY", "KNOBS", "SCHEDULE", "why_unavailable",
+           "ag_gemm", "gemm_rs", "gemm_ar", "FusedKnobs", "sm_budget", "chunks_per_rank", "model_sm_budget",
+           "planned_chunks_per_rank", "piece_candidates", "TILE_M"]
 
 NAME = "fused"
+DESCRIPTION = ("copy-engine pulls waited on per chunk by one persistent GEMM (AG); one GEMM whose epilogue "
+               "stores partials into their owners' buffers (RS, AR)")
+ORDER = 30
+# the Triton GEMM core multiplies float32 in TF32: fused refuses float32 (why_unavailable)
+DTYPES = (dtypes.HALF,)
+SYMMETRIC_MEMORY = True
+
+# Rows of the fused GEMM's CTA tile: BLOCK_M of 28 of the 30 tuned configs in
+# benchmarks/results/gemm_core_h200_2026-12-01_run21.json (rows[].config.BLOCK_M; 64 for the two 8B decode shapes).
+# A tile waits for every piece its rows touch, so pieces shorter than this split tiles for nothing.
+TILE_M = 128
+PIECES_PER_RANK = (1, 2, 4)
+# More pieces only when predicted at least this much faster: every piece costs a copy, an
+# arrival word and their host calls, which the model only estimates (leads, no measurement).
+MIN_PIECE_GAIN = 0.01
 
 # seconds the GEMM's per-chunk waits outlast TPFUSE_TIMEOUT_S (see _AgPlan: the flag waits report first)
 GEMM_WAIT_SLACK_S = 1.0
 
 
 @dataclass(frozen=True)
-class FusedOptions:
-    """Knobs of the fused strategy (the CTA tile comes from the GEMM core's tuning).
+class FusedKnobs:
+    """Knobs of the fused strategy (the CTA tile comes from the GEMM core's tuning); pass them
+    to the strategy's functions (``knobs=``), None: chosen per shape as the planner predicts.
 
     ``num_sms``: programs of the persistent GEMM (None: :func:`sm_budget`).
     ``chunks_per_rank``: ``ag_gemm`` cuts every rank's shard into this many communication
@@ -70,48 +91,90 @@ class FusedOptions:
         for name in ("num_sms", "chunks_per_rank"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"FusedOptions.{name}={value!r}: must be a positive int or None")
+                raise ValueError(f"FusedKnobs.{name}={value!r}: must be a positive int or None")
 
 
-_OPTIONS = [FusedOptions()]
-
-
-def set_options(options: FusedOptions) -> None:
-    """Pin the fused strategy's knobs for this process (same on every rank)."""
-    if not isinstance(options, FusedOptions):
-        raise TypeError(f"set_options: expected a FusedOptions, got {type(options).__name__}")
-    _OPTIONS[0] = options
+KNOBS = FusedKnobs
 
 
 def _shared_gpu() -> bool:
     return os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1"
 
 
-def sm_budget(device: torch.device, world_size: int) -> int:
-    """Programs of the fused GEMM: every SM but one -- the side stream's flag kernels (a wait on
-    a peer's READY before each pull) need an SM while the GEMM's tiles spin on the chunks those
-    pulls deliver, so a grid on every SM could wait forever -- except when the group's processes
-    share one GPU (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, the one-GPU bed): then 1/(W+1)
-    of the SMs each, so that W spinning grids leave SMs for the same-device copies they wait on
-    (H200, W = 4: 24-32 programs each worked, the full grid timed out).  The rule is
-    :func:`tpfuse.model.knobs.fused_sm_budget`, which the planner models."""
-    from tpfuse.model.knobs import fused_sm_budget
+def _check_knobs(knobs) -> FusedKnobs:
+    if knobs is None:
+        return FusedKnobs()
+    if not isinstance(knobs, FusedKnobs):
+        raise TypeError(f"knobs: expected a tpfuse.strategies.fused.FusedKnobs, got {type(knobs).__name__}")
+    return knobs
 
-    if _OPTIONS[0].num_sms is not None:
-        return _OPTIONS[0].num_sms
+
+def model_sm_budget(hw: HardwareProfile | int, world_size: int, *, shared_gpu: bool = False) -> int:
+    """Programs of the fused persistent GEMM on ``hw`` (a profile or an SM count): every SM but
+    one, which the side stream's flag kernels need while the GEMM's tiles spin on the chunks
+    those kernels let through, except when the group's processes share one GPU
+    (``shared_gpu``: the bed, ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``): then
+    ``SMs // (W + 1)`` each, at least 1, so that W spinning grids leave SMs for the same-device
+    copies they wait for (H200, W = 4: 24-32 programs each worked, the full grid timed out)."""
+    sms = hw if isinstance(hw, int) else hw.sm_count
+    if shared_gpu and world_size > 1:
+        return max(1, sms // (world_size + 1))
+    return max(1, sms - 1) if world_size > 1 else sms
+
+
+def sm_budget(device: torch.device, world_size: int, knobs: FusedKnobs | None = None) -> int:
+    """Programs of the fused GEMM on ``device``: ``knobs.num_sms`` if pinned, else
+    :func:`model_sm_budget` of the device's SM count (which the planner models)."""
+    knobs = _check_knobs(knobs)
+    if knobs.num_sms is not None:
+        return knobs.num_sms
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return fused_sm_budget(sms, world_size, shared_gpu=_shared_gpu())
+    return model_sm_budget(sms, world_size, shared_gpu=_shared_gpu())
+
+
+def piece_candidates(m_shard: int) -> tuple[int, ...]:
+    """Pieces per rank worth simulating for a shard of ``m_shard`` rows: those of
+    :data:`PIECES_PER_RANK` that cut it into equal pieces of at least :data:`TILE_M` rows (1 always)."""
+    return tuple(c for c in PIECES_PER_RANK
+                 if c == 1 or (m_shard % c == 0 and m_shard // c >= TILE_M))
+
+
+@functools.lru_cache(maxsize=8192)
+def planned_chunks_per_rank(m_shard: int, n: int, k: int, world_size: int, dtype, hw: HardwareProfile | str, *,
+                            cuda_graph: bool = False, num_sms: int | None = None) -> int:
+    """Pieces per rank (c) for fused ``ag_gemm`` of ``a_shard [m_shard, k] @ b [k, n]`` on
+    ``world_size`` ranks: the ``c`` of :func:`piece_candidates` whose simulated fused ag_gemm
+    (:data:`SCHEDULE`, one chunk of ``m_shard / c`` rows per arrival word) is fastest, more
+    pieces only when at least :data:`MIN_PIECE_GAIN` faster; 1 for W = 1 or empty inputs.
+
+    ``dtype``: torch dtype or name; ``hw``: profile or name; ``cuda_graph``: the call replays
+    from a CUDA graph (no host time); ``num_sms``: the GEMM's grid (None: :func:`model_sm_budget`).
+    Pure and cached (``planned_chunks_per_rank.cache_clear()``): every rank of a group computes
+    the same value from the same arguments."""
+    if world_size <= 1 or m_shard <= 0 or n <= 0 or k <= 0:
+        return 1
+    hw = get_profile(hw)
+    name = dtypes.name(dtype)
+    best_c, best_ms = 1, None
+    for c in piece_candidates(m_shard):
+        ms = simulate("ag_gemm", SCHEDULE, m=m_shard * world_size, n=n, k=k, world_size=world_size,
+                      dtype=name, hw=hw, num_chunks=world_size * c, num_sms=num_sms,
+                      cuda_graph=cuda_graph, fast=True, name=NAME).makespan_ms
+        if best_ms is None or ms < best_ms * (1.0 - MIN_PIECE_GAIN):
+            best_c, best_ms = c, ms
+    return best_c
 
 
 def why_unavailable(ctx: GroupContext, device: torch.device, dtype: torch.dtype) -> str | None:
     reason = copy_engine.why_unavailable(ctx, device, dtype)
     if reason is not None:
-        return reason.replace("copy_engine", "fused")
-    if dtype == torch.float32:
+        return reason.replace("copy_engine", "fused").replace(dtypes.describe(copy_engine.DTYPES),
+                                                              dtypes.describe(DTYPES))
+    if not dtypes.accepts(DTYPES, dtype):
         # the Triton GEMM core multiplies fp32 inputs in TF32 (~1e-3 relative error on the H200
         # bed against 5e-6 for cuBLAS fp32); not what a float32 caller asked for
-        return ("fused runs bfloat16/float16 only: its Triton GEMM multiplies float32 in TF32; "
-                "float32 runs with 'copy_engine' (cuBLAS, full fp32)")
+        return (f"fused runs {dtypes.describe(DTYPES)} only: its Triton GEMM multiplies float32 in TF32; "
+                f"{dtypes.name(dtype)} runs with 'copy_engine' (cuBLAS, full fp32)")
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -137,20 +200,19 @@ def _set_word(words: torch.Tensor, index: int) -> None:
 
 
 def chunks_per_rank(m_shard: int, n: int, k: int, world_size: int, dtype: torch.dtype,
-                    device: torch.device) -> int:
+                    device: torch.device, knobs: FusedKnobs | None = None) -> int:
     """Pieces each rank's shard is cut into for ``ag_gemm`` (the communication chunk is
-    ``ceil(m_shard / pieces)`` rows): the pinned :class:`FusedOptions` value, else the planner's
-    choice for this shape and GPU (:func:`tpfuse.model.knobs.fused_ag_chunks_per_rank`: 1, 2 or
-    4, by simulating this schedule; cached per shape), which ``tpfuse.plan`` reports."""
-    pinned = _OPTIONS[0].chunks_per_rank
-    if pinned is not None:
-        return max(1, min(pinned, m_shard))
+    ``ceil(m_shard / pieces)`` rows): ``knobs.chunks_per_rank`` if pinned, else the planner's
+    choice for this shape and GPU (:func:`planned_chunks_per_rank`: 1, 2 or 4, by simulating
+    this schedule; cached per shape), which ``tpfuse.plan`` reports."""
+    knobs = _check_knobs(knobs)
+    if knobs.chunks_per_rank is not None:
+        return max(1, min(knobs.chunks_per_rank, m_shard))
     from tpfuse.model.hardware import detect
-    from tpfuse.model.knobs import fused_ag_chunks_per_rank
 
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    return fused_ag_chunks_per_rank(m_shard, n, k, world_size, dtype, detect(device), cuda_graph=capturing,
-                                    num_sms=sm_budget(device, world_size) if device.type == "cuda" else None)
+    return planned_chunks_per_rank(m_shard, n, k, world_size, dtype, detect(device), cuda_graph=capturing,
+                                   num_sms=sm_budget(device, world_size, knobs) if device.type == "cuda" else None)
 
 
 def _ag_pieces(rank: int, world_size: int, m_shard: int, chunk_m: int) -> list[tuple[int, int, int, int, bool]]:
@@ -227,7 +289,8 @@ class _AgPlan:
         self.chunk_owner = lambda chunk: min(chunk * chunk_m // m_shard, world_size - 1)   # first rows' owner
 
 
-def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[torch.Tensor, torch.Tensor]:
+def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *,
+            knobs: FusedKnobs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     world_size, rank = ctx.world_size, ctx.rank
     m_shard, k = a_shard.shape
     n = b.shape[1]
@@ -237,7 +300,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
     a_full = new_output((m, k), dtype=a_shard.dtype, device=a_shard.device)
     c = new_output((m, n), dtype=a_shard.dtype, device=a_shard.device)
     dev = a_shard.device
-    pieces_per_rank = chunks_per_rank(m_shard, n, k, world_size, a_shard.dtype, dev)
+    pieces_per_rank = chunks_per_rank(m_shard, n, k, world_size, a_shard.dtype, dev, knobs)
     chunk_m = -(-m_shard // pieces_per_rank)
 
     ws = symm.get_workspace(ctx, "ag_gemm", a_shard.dtype, dev, a_shard.nbytes)
@@ -265,7 +328,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
                 _set_word(arrived, chunk)
         ws.signal(plan.done_out)
     _gemm("fused GEMM (waits per chunk)", chunk_m, a_full, b, out=c, tile_order="round",
-          start_chunk=plan.start_chunk, wait=plan.wait, check=False, num_sms=sm_budget(dev, world_size))
+          start_chunk=plan.start_chunk, wait=plan.wait, check=False, num_sms=sm_budget(dev, world_size, knobs))
     arrived.zero_()   # after the GEMM (main stream), which ends only once every word was set
     main.wait_stream(side)
     a_full.record_stream(side)
@@ -296,7 +359,8 @@ class _PartialsPlan:
         self.start_chunk = (rank + 1) % world_size
 
 
-def _fused_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _PartialsPlan) -> list[torch.Tensor]:
+def _fused_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _PartialsPlan,
+                    knobs: FusedKnobs | None = None) -> list[torch.Tensor]:
     """Phase 1 of gemm_rs/gemm_ar: ONE GEMM in owner order storing each owner's rows straight
     into that owner's inbox slot for this rank.  Returns this rank's inbox slots in rank order;
     the caller raises READY[rank] on every owner (in the launch of its next wait).
@@ -306,11 +370,11 @@ def _fused_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: 
     relay kernel was tried: it started its bounded wait before the first call's JIT compile of
     the GEMM had finished and timed out.)"""
     _gemm("fused GEMM (epilogue to owners)", plan.chunk_m, a, b, tile_order="owner", start_chunk=plan.start_chunk,
-          epilogue=plan.epilogue, num_sms=sm_budget(a.device, ws.world_size))
+          epilogue=plan.epilogue, num_sms=sm_budget(a.device, ws.world_size, knobs))
     return plan.sources
 
 
-def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
+def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *, knobs: FusedKnobs | None = None) -> torch.Tensor:
     m, n, k = a.shape[0], b.shape[1], a.shape[1]
     world_size = ctx.world_size
     if world_size == 1 or m * n * k == 0:
@@ -322,14 +386,14 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
         ws, [(r * shard, (r + 1) * shard) for r in range(world_size)], shard, n))
     breadcrumb("fused gemm_rs: the GEMM stores into the owners' inboxes")
     ws.begin(plan.credits)
-    sources = _fused_partials(a, b, ws, plan)
+    sources = _fused_partials(a, b, ws, plan, knobs)
     # READY to every owner and the wait for every peer's READY: one launch; the reduce is the NaN fill
     steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard, signal_first=plan.ready_out)
     ws.signal(plan.done_out)
     return c_shard
 
 
-def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
+def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *, knobs: FusedKnobs | None = None) -> torch.Tensor:
     m, n, k = a.shape[0], b.shape[1], a.shape[1]
     world_size = ctx.world_size
     one_shot = copy_engine.ar_mode(m, n, a.element_size()) == "one_shot"
@@ -349,7 +413,32 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
 
     breadcrumb("fused gemm_ar: the GEMM stores into the owners' inboxes")
     ws.begin(plan.credits)
-    sources = _fused_partials(a, b, ws, plan)
+    sources = _fused_partials(a, b, ws, plan, knobs)
     # READY to every owner and the wait for the DONE2 credits: one launch; NaN fill at the end
     steps.gather_reduced(ws, plan.peers, sources, bounds, views.__getitem__, c, signal_first=plan.ready_out)
     return c
+
+
+# --- the simulator's model of this file (tpfuse.model.simulate runs it) -------------------------
+def _schedule(g, c) -> None:
+    if c.op == "ag_gemm":
+        model_steps.pull_pieces_into_one_gemm(g, c)
+    elif c.op == "gemm_rs":
+        model_steps.reduce_scatter(g, c, model_steps.epilogue_store_partials)
+    elif copy_engine.ar_one_shot(c.m, c.n, c.elt):
+        model_steps.one_shot_all_reduce(g, c)      # copy_engine's one-shot, as gemm_ar runs it
+    else:   # the epilogue hook needs chunks of one height: an uneven M runs copy_engine's two-shot
+        model_steps.two_shot_all_reduce(g, c, model_steps.epilogue_store_partials if c.m % c.w == 0 else model_steps.scatter_partials)
+
+
+def _schedule_chunks(op: str, *, m: int, n: int, k: int, world_size: int, dtype: str, hw: HardwareProfile,
+                     cuda_graph: bool = False, num_sms: int | None = None) -> int:
+    """One chunk per rank (gemm_ar one-shot: 1); ag_gemm: W x :func:`planned_chunks_per_rank`."""
+    if op == "ag_gemm":
+        return world_size * planned_chunks_per_rank(-(-m // world_size), n, k, world_size, dtype, hw,
+                                                    cuda_graph=cuda_graph, num_sms=num_sms)
+    return 1 if op == "gemm_ar" and copy_engine.ar_one_shot(m, n, dtypes.itemsize(dtype)) else world_size
+
+
+SCHEDULE = Schedule(_schedule, kind="pipeline", num_chunks=_schedule_chunks, chunk_knob_ops=("ag_gemm",),
+                    sm_budget=model_sm_budget, tile_m=TILE_M)

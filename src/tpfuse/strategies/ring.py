@@ -30,16 +30,24 @@ import torch
 import torch.distributed as dist
 
 from tpfuse._dist import GroupContext, breadcrumb, new_output
-from tpfuse import timeline
-from tpfuse.model import simulate
+from tpfuse import dtypes, timeline
+from tpfuse.model import steps
+from tpfuse.model.simulate import Schedule
 from tpfuse.strategies.unfused import accumulation_dtype
 
-__all__ = ["NAME", "MODEL", "DESCRIPTION", "ORDER", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar"]
+__all__ = ["NAME", "DESCRIPTION", "ORDER", "DTYPES", "SYMMETRIC_MEMORY", "KNOBS", "SCHEDULE", "why_unavailable",
+           "ag_gemm", "gemm_rs", "gemm_ar"]
 
 NAME = "ring"
-MODEL = simulate.P2P_RING
 DESCRIPTION = "torch.distributed P2P ring steps overlapped with per-shard GEMMs"
 ORDER = 10
+DTYPES = dtypes.EVERY
+SYMMETRIC_MEMORY = False
+KNOBS = None
+_STEPS = {"ag_gemm": steps.ring_all_gather, "gemm_rs": steps.ring_reduce_scatter, "gemm_ar": steps.ring_all_reduce}
+# W steps, one shard each
+SCHEDULE = Schedule(lambda g, c: _STEPS[c.op](g, c), kind="ring",
+                    num_chunks=lambda op, *, world_size, **_: world_size)
 
 
 def why_unavailable(ctx: GroupContext, device: torch.device, dtype: torch.dtype) -> str | None:

@@ -72,28 +72,29 @@ from dataclasses import dataclass
 
 import torch
 
-from tpfuse import symm, timeline
+from tpfuse import dtypes, symm, timeline
 from tpfuse._dist import GroupContext, breadcrumb, new_output
 from tpfuse.kernels import abi
-from tpfuse.model import simulate
 from tpfuse.strategies import _symm_steps as steps
 from tpfuse.strategies import copy_engine
 from tpfuse.strategies.fused import GEMM_WAIT_SLACK_S
 
-__all__ = ["NAME", "MODEL", "DESCRIPTION", "ORDER", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar",
+__all__ = ["NAME", "DESCRIPTION", "ORDER", "DTYPES", "SYMMETRIC_MEMORY", "KNOBS", "SCHEDULE", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar",
            "SmWorkersKnobs", "default_knobs", "gemm_programs", "summarize", "make_copy", "WAIT_SLOT_READY",
            "WAIT_SLOT_FREE"]
 
 NAME = "sm_workers"
 # The simulator cannot express worker CTAs yet (a resource with a bandwidth(chunk, workers,
-# in-flight) curve): until it can, fused's schedule, the closest -- and ORDER after fused, so
-# the planner's tie goes to fused and `auto` never picks this strategy on a copy of its model.
-MODEL = simulate.PERSISTENT_KERNEL
+# in-flight) curve, fitted from `tpfuse bench comm`): no schedule, so the planner lists it without
+# a prediction and `auto` never picks it.
+SCHEDULE = None
 DESCRIPTION = ("worker CTAs move the chunks over peer pointers (16-byte loads/stores) from a ready queue of "
                "local staging slots with credits, beside one GEMM (AG) or per-chunk GEMMs (RS, AR)")
 ORDER = 40
 
-_DTYPES = (torch.bfloat16, torch.float16)
+# its Triton GEMM would multiply float32 in TF32: half precision only (as fused)
+DTYPES = (dtypes.HALF,)
+SYMMETRIC_MEMORY = True
 
 # Codes of this strategy's own waits in the workspace's error word (abi.ERR_WHAT; their meaning:
 # tpfuse.watchdog.describe)
@@ -147,12 +148,15 @@ class SmWorkersKnobs:
             raise ValueError(f"SmWorkersKnobs.block_bytes={b}: must be a power of two from 256 to 65536")
 
 
+KNOBS = SmWorkersKnobs
+
+
 def default_knobs(world_size: int, sm_count: int, *, shared_gpu: bool = False) -> SmWorkersKnobs:
     """The knobs a call takes without ``knobs=``: :data:`COMM_SMS` worker CTAs (at most a
     quarter of the SMs), on one GPU shared by W processes (the bed) a quarter of each
-    process's budget (``fused_sm_budget``: SMs // (W + 1)); :data:`SLOTS` slots,
+    process's budget (``fused.model_sm_budget``: SMs // (W + 1)); :data:`SLOTS` slots,
     :data:`BLOCK_BYTES`, one chunk per rank."""
-    from tpfuse.model.knobs import fused_sm_budget
+    from tpfuse.strategies.fused import model_sm_budget as fused_sm_budget
 
     if shared_gpu:
         comm = max(1, fused_sm_budget(sm_count, world_size, shared_gpu=True) // 4)
@@ -165,7 +169,7 @@ def gemm_programs(sm_count: int, world_size: int, comm_sms: int, *, shared_gpu: 
     """Programs of the AG GEMM: ``fused``'s budget (every SM but one; SMs // (W + 1) on a
     shared GPU) less the workers' ``comm_sms``, at least 1 -- the GEMM's tiles spin on chunks
     the workers deliver, so the workers must find SMs while the whole GEMM grid is resident."""
-    from tpfuse.model.knobs import fused_sm_budget
+    from tpfuse.strategies.fused import model_sm_budget as fused_sm_budget
 
     return max(1, fused_sm_budget(sm_count, world_size, shared_gpu=shared_gpu) - comm_sms)
 
@@ -175,8 +179,8 @@ def why_unavailable(ctx: GroupContext, device: torch.device, dtype: torch.dtype)
     reason = copy_engine.why_unavailable(ctx, device, dtype)
     if reason is not None:
         return reason.replace("copy_engine", NAME)
-    if dtype not in _DTYPES:
-        return (f"{NAME} runs bfloat16/float16 only: its Triton GEMM multiplies float32 in TF32; "
+    if not dtypes.accepts(DTYPES, dtype):
+        return (f"{NAME} runs {dtypes.describe(DTYPES)} only: its Triton GEMM multiplies float32 in TF32; "
                 "float32 runs with 'copy_engine' (cuBLAS, full fp32)")
     try:
         import triton  # noqa: F401

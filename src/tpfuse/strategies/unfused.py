@@ -10,16 +10,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tpfuse import dtypes
 from tpfuse._dist import GroupContext, all_gather_rows, breadcrumb, new_output, reduce_scatter_rows
-from tpfuse.model import simulate
+from tpfuse.model import steps
+from tpfuse.model.simulate import Schedule
 
-__all__ = ["NAME", "MODEL", "DESCRIPTION", "ORDER", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar",
-           "accumulation_dtype"]
+__all__ = ["NAME", "DESCRIPTION", "ORDER", "DTYPES", "SYMMETRIC_MEMORY", "KNOBS", "SCHEDULE", "why_unavailable",
+           "ag_gemm", "gemm_rs", "gemm_ar", "accumulation_dtype"]
 
 NAME = "unfused"
-MODEL = simulate.COLLECTIVE_THEN_GEMM
 DESCRIPTION = "the collective, then one GEMM (nothing overlapped)"
 ORDER = 0
+DTYPES = dtypes.EVERY
+SYMMETRIC_MEMORY = False
+KNOBS = None
+SCHEDULE = Schedule(steps.collective_then_gemm, kind="collective")
 
 
 def why_unavailable(ctx: GroupContext, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -29,7 +34,7 @@ def why_unavailable(ctx: GroupContext, device: torch.device, dtype: torch.dtype)
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """dtype in which partial sums of ``dtype`` products are reduced across ranks."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return dtypes.reduce_dtype(dtype, DTYPES)
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,375 @@
+"""The steps our strategies' simulator schedules are made of (``SCHEDULE`` in each strategy
+module composes them; a new strategy may use them or add its own tasks with ``Graph.add``).
+
+Each step adds, for every rank in ``g.ranks``, the tasks that the strategy's code issues, in its
+order: host-issued launches, copies, flag kernels and stream writes are ``launch=True`` (one host
+call each in eager mode); flags take no device time (their latency is in the copies' alpha).
+A persistent GEMM is one launch whose M-tiles run as row bands in its tile order ("round" from
+the local chunk for ag_gemm, "owner" from rank + 1 for gemm_rs); a band waits for every piece its
+rows touch (ag) or sends its rows to their owners when done (rs).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Callable
+
+from tpfuse import dtypes
+from tpfuse.model import cost
+from tpfuse.model.simulate import Ctx, Graph, row_bounds, split_rows
+
+__all__ = ["collective_then_gemm", "ring_all_gather", "ring_reduce_scatter", "ring_all_reduce", "publish",
+           "pull_then_gemm_per_chunk", "pull_pieces_into_one_gemm", "scatter_partials",
+           "epilogue_store_partials", "reduce_owned", "reduce_scatter", "one_shot_all_reduce",
+           "two_shot_all_reduce"]
+
+# (graph, ctx, row bounds of the owners) -> rank -> the tasks its reduce waits for
+Partials = Callable[[Graph, Ctx, list], dict]
+
+
+def _bands(bounds: list[tuple[int, int]], start_row: int, tile_m: int) -> list[tuple[int, int, int, int]]:
+    """The persistent GEMM's M-tiles (``tile_m`` rows each) in its tile order -- the M-tile
+    holding ``start_row`` first, then on round in row order (``tpfuse/kernels/gemm.py``: "round"
+    and "owner") -- as bands ``(lo, hi, first, last)``: consecutive M-tiles whose rows touch the
+    same chunks ``bounds[first..last]`` are one band (a tile touching two chunks waits for both,
+    or, in owner order, runs with the earlier one)."""
+    total = bounds[-1][1]
+    if total <= 0:
+        return [(0, 0, 0, len(bounds) - 1)]
+    starts = [lo for lo, _ in bounds]
+    num = -(-total // tile_m)
+    t0 = (start_row // tile_m) % num
+    out: list[tuple[int, int, int, int]] = []
+    for i in range(num):
+        b = (t0 + i) % num
+        lo, hi = b * tile_m, min((b + 1) * tile_m, total)
+        first, last = bisect.bisect_right(starts, lo) - 1, bisect.bisect_right(starts, hi - 1) - 1
+        if out and out[-1][1] == lo and out[-1][2:] == (first, last):
+            out[-1] = (out[-1][0], hi, first, last)
+        else:
+            out.append((lo, hi, first, last))
+    return out
+
+
+# A band's epilogue stores are modelled in up to this many parts, each sent when its tiles are
+# done, so that the stores of a band trail its compute (they overlap the later tiles' compute).
+_STORE_PARTS = 4
+def collective_then_gemm(g: Graph, c: Ctx) -> None:
+    """unfused: collective then GEMM (ag), or GEMM then upcast of the partial to
+    the accumulation dtype, collective on it, downcast (rs, ar); NCCL waits for every rank."""
+    full = cost.gemm_time_ms(c.m, c.n, c.k, c.dtype, c.hw)
+    up, comm, down = cost.unfused_collective_parts(c.op, c.m, c.n, c.k, c.w, c.dtype, c.hw)
+    if c.op == "ag_gemm":
+        # NCCL waits for every rank: each all-gather depends on every rank having issued its own
+        issued = {r: g.add(r, "comm", "comm", 0.0, label="join", launch=True) for r in g.ranks}
+        for r in g.ranks:
+            t = g.add(r, "comm", "comm", comm, deps=tuple(issued.values()), label="all_gather")
+            gt = g.add(r, "gemm", "gemm", full, deps=(t,), label="GEMM", launch=True)
+            g.pairs.append((r, t, gt))
+    else:
+        gemms = {r: g.add(r, "gemm", "gemm", full, label="GEMM", launch=True) for r in g.ranks}
+        ups = {r: g.add(r, "gemm", "reduce", up, deps=(gemms[r],), label="upcast", launch=True) for r in g.ranks}
+        name = "reduce_scatter" if c.op == "gemm_rs" else "all_reduce"
+        for r in g.ranks:
+            t = g.add(r, "comm", "comm", comm, deps=tuple(ups.values()), label=name, launch=True)
+            g.add(r, "gemm", "reduce", down, deps=(t,), label="downcast", launch=True)
+            g.pairs.append((r, gemms[r], t))
+
+
+def ring_all_gather(g: Graph, c: Ctx) -> None:
+    """ring ag_gemm (strategies/ring.py): W steps; the host issues each step (host time only)."""
+    w = c.w
+    shard_rows = c.shard_rows()
+    # step s: compute on shard (r - s) while shard (r - s - 1) travels from rank r - 1
+    # (posted by the host when it issued step s - 1).
+    contended = c.hw.sm_count - c.hw.nccl_sms
+    for r in g.ranks:
+        c.host_steps(g, r, w)
+    recv = {}  # (rank, step) -> tid
+    for s in range(1, w):
+        for r in g.ranks:
+            src = (r - s) % w
+            prev = recv.get((g.peer((r - 1) % w), s - 1))
+            recv[(r, s)] = g.add(r, "comm", "comm", c.xfer(shard_rows[src] * c.k * c.elt, "p2p"),
+                                 deps=(prev,), label=f"recv {src}", chunk=src)
+    for r in g.ranks:
+        for s in range(w):
+            src = (r - s) % w
+            dep = recv.get((r, s))
+            sms = contended if s < w - 1 else None
+            t = g.add(r, "gemm", "gemm", c.gemm(shard_rows[src], num_sms=sms), deps=(dep,),
+                      label=f"GEMM {src}", chunk=src)
+            if dep is not None:
+                g.pairs.append((r, dep, t))
+
+
+def ring_reduce_scatter(g: Graph, c: Ctx) -> dict[int, int]:
+    """tpfuse's ring reduce-scatter (strategies/ring.py): step s GEMMs the partial of shard
+    r - s - 1, upcasts it to the accumulation dtype, adds what rank r - 1 sent at step s - 1 and
+    sends the sum on (4-byte partials on the wire for bf16); the last step's shard is r's own,
+    downcast at the end.  The next step's GEMM is issued after the add (one compute stream).
+    Returns rank -> the tid of its downcast."""
+    w = c.w
+    shard_rows = c.shard_rows()
+    acc = cost.accumulation_dtype(c.dtype)
+    acc_elt = dtypes.itemsize(acc)
+    contended = c.hw.sm_count - c.hw.nccl_sms
+    send: dict[tuple[int, int], int] = {}
+    finals: dict[int, int] = {}
+    for r in g.ranks:
+        c.host_steps(g, r, w)
+    for s in range(w):
+        for r in g.ranks:
+            dst = (r - s - 1) % w
+            rows = shard_rows[dst]
+            sms = contended if s < w - 1 else None
+            gt = g.add(r, "gemm", "gemm", c.gemm(rows, num_sms=sms), 
+                       label=f"GEMM {dst}", chunk=dst)
+            ready = g.add(r, "gemm", "reduce", cost.cast_time_ms(rows * c.n, c.dtype, acc, c.hw),
+                          deps=(gt,), label=f"upcast {dst}", chunk=dst)
+            if s > 0:
+                ready = g.add(r, "gemm", "reduce",
+                              cost.reduce_time_ms(3 * rows * c.n * acc_elt, c.hw),
+                              deps=(ready, send[(g.peer((r - 1) % w), s - 1)]), label=f"add {dst}", chunk=dst)
+            if s < w - 1:
+                send[(r, s)] = g.add(r, "comm", "comm", c.xfer(rows * c.n * acc_elt, "p2p"),
+                                     deps=(ready,), label=f"send {dst}", chunk=dst)
+                g.pairs.append((r, gt, send[(r, s)]))
+            else:
+                finals[r] = g.add(r, "gemm", "reduce", cost.cast_time_ms(rows * c.n, acc, c.dtype, c.hw),
+                                  deps=(ready,), label="downcast", chunk=dst)
+    return finals
+
+
+def ring_all_reduce(g: Graph, c: Ctx) -> None:
+    """ring gemm_ar (strategies/ring.py)."""
+    w = c.w
+    # ring reduce-scatter (as gemm_rs, downcast into the output) then a ring all-gather of
+    # the reduced shards in the op's dtype, step by step (exposed).
+    finals = ring_reduce_scatter(g, c)
+    shard_rows = c.shard_rows()
+    for r in g.ranks:  # the all-gather's steps
+        c.host_steps(g, r, w - 1)
+    recv = {}
+    for s in range(1, w):
+        for r in g.ranks:
+            src = (r - s) % w
+            left = g.peer((r - 1) % w)
+            prev = recv.get((left, s - 1), finals[left] if s == 1 else None)
+            recv[(r, s)] = g.add(r, "comm", "comm", c.xfer(shard_rows[src] * c.n * c.elt, "p2p"),
+                                 deps=(prev, finals[r]), label=f"ag {src}", chunk=src)
+
+
+def publish(g: Graph, c: Ctx, shard_rows: list[int]) -> dict[int, int]:
+    """AG over symmetric memory (copy_engine, fused): begin (credits), this rank's shard into its own
+    slot, READY to every peer, all on the compute stream.  Returns rank -> its READY task."""
+    ready = {}
+    for r in g.ranks:
+        g.flag(r, "gemm", "begin")
+        g.add(r, "gemm", "copy", cost.copy_time_ms(shard_rows[r] * c.k * c.elt, c.hw), label="publish",
+              chunk=r, launch=True)
+        ready[r] = g.flag(r, "gemm", "READY")
+    return ready
+
+
+def pull_then_gemm_per_chunk(g: Graph, c: Ctx, path: str = "ce") -> None:
+    """copy_engine ag_gemm: the side stream waits for each peer's READY and pulls its shard,
+    nearest peer first (r+1, r+2, ...); the compute stream copies the local shard into the
+    gathered buffer, runs its GEMM, then one cuBLAS GEMM per shard as it lands."""
+    w = c.w
+    shard_rows = c.shard_rows()
+    ready = publish(g, c, shard_rows)
+    for r in g.ranks:
+        peers = [(r + d) % w for d in range(1, w)]
+        arrived = {}
+        after = ready[r]  # side.wait_stream(main)
+        for p in peers:
+            g.flag(r, "comm", f"wait READY {p}", deps=(after, ready[g.peer(p)]))
+            after = None
+            arrived[p] = g.add(r, "comm", "comm", c.xfer(shard_rows[p] * c.k * c.elt, path), label=f"pull {p}",
+                               chunk=p, launch=True)
+        g.flag(r, "comm", "DONE")
+        g.add(r, "gemm", "copy", cost.copy_time_ms(shard_rows[r] * c.k * c.elt, c.hw), label="local shard",
+              chunk=r, launch=True)
+        g.add(r, "gemm", "gemm", c.gemm(shard_rows[r]), label=f"GEMM {r}", chunk=r, launch=True)
+        for p in peers:
+            t = g.add(r, "gemm", "gemm", c.gemm(shard_rows[p]), deps=(arrived[p],), label=f"GEMM {p}", chunk=p,
+                      launch=True)
+            g.pairs.append((r, arrived[p], t))
+
+
+def pull_pieces_into_one_gemm(g: Graph, c: Ctx, path: str = "ce") -> None:
+    """fused ag_gemm: the side stream pulls every peer's shard as copy_engine does, in
+    ``num_chunks / W`` pieces, each followed by its arrival word; ONE persistent GEMM launch
+    visits its M-tiles in round order from the local chunk, each band waiting for the pieces
+    its rows touch."""
+    w = c.w
+    shard_rows = c.shard_rows()
+    pieces = c.num_chunks // w
+    sizes = [p for q in range(w) for p in split_rows(shard_rows[q], pieces)]
+    bounds = row_bounds(sizes)
+    total = bounds[-1][1]
+    core = cost.core_gemm_time_ms(total, c.n, c.k, c.dtype, c.hw, hook="wait", num_sms=c.gemm_sms)
+    ready = publish(g, c, shard_rows)
+    for r in g.ranks:
+        me = c.layout_rank(g, r)
+        g.add(r, "gemm", "copy", cost.copy_time_ms(shard_rows[me] * c.k * c.elt, c.hw), label="local shard",
+              chunk=me, launch=True)
+        after = g.flag(r, "gemm", f"arrived {me}")  # side.wait_stream(main) follows it
+        arrived: dict[int, int] = {}
+        for d in range(1, w):
+            q = (me + d) % w
+            g.flag(r, "comm", f"wait READY {q}", deps=(after, ready[g.peer(q)]))
+            after = None
+            for p in range(pieces):
+                i = q * pieces + p
+                lo, hi = bounds[i]
+                g.add(r, "comm", "comm", c.xfer((hi - lo) * c.k * c.elt, path), label=f"pull {q}.{p}", chunk=i,
+                      launch=True)
+                arrived[i] = g.flag(r, "comm", f"arrived {q}.{p}")
+        g.flag(r, "comm", "DONE")
+        first, consumed = True, set()
+        for lo, hi, a, b in _bands(bounds, bounds[me * pieces][0], c.tile_m):
+            deps = tuple(arrived[i] for i in range(a, b + 1) if i in arrived)
+            t = g.add(r, "gemm", "gemm", core * (hi - lo) / max(total, 1), deps=deps, label=f"tiles {lo}:{hi}",
+                      chunk=a, launch=first, issue_us=c.hw.host_core_call_us)
+            first = False
+            for i in range(a, b + 1):
+                if i in arrived and i not in consumed:  # the piece's first consumer (for the backlog)
+                    consumed.add(i)
+                    g.pairs.append((r, arrived[i], t))
+        g.flag(r, "gemm", "reset words")
+
+
+def scatter_partials(g: Graph, c: Ctx, bounds: list[tuple[int, int]], path: str = "ce") -> dict[int, list[int]]:
+    """copy_engine's phase 1 of gemm_rs/gemm_ar: per owner from rank + 1, a cuBLAS GEMM of its
+    rows, then (side stream) the copy into the owner's inbox and READY to it; the own rows last.
+    Returns rank -> the tasks the rank's reduce waits for (READY from every peer; its own GEMM)."""
+    w = c.w
+    incoming: dict[int, list[int]] = {r: [] for r in range(w)}
+    sent: list[int] = []
+    own = {}
+    for r in g.ranks:
+        g.flag(r, "gemm", "begin")
+        for d in range(1, w):
+            p = (r + d) % w
+            rows = bounds[p][1] - bounds[p][0]
+            gt = g.add(r, "gemm", "gemm", c.gemm(rows), label=f"GEMM {p}", chunk=p, launch=True)
+            st = g.add(r, "comm", "comm", c.xfer(rows * c.n * c.elt, path), deps=(gt,), label=f"push {p}",
+                       chunk=p, launch=True)
+            sig = g.flag(r, "comm", f"READY {p}")
+            incoming[p].append(sig)
+            sent.append(sig)
+            g.pairs.append((r, gt, st))
+        own[r] = g.add(r, "gemm", "gemm", c.gemm(bounds[r][1] - bounds[r][0]), label=f"GEMM {r}", chunk=r,
+                       launch=True)
+    # symmetric: the partials every peer sends rank 0 are rank 0's own sends, rotated
+    return {r: (sent if g.symmetric else incoming[r]) + [own[r]] for r in g.ranks}
+
+
+def epilogue_store_partials(g: Graph, c: Ctx, bounds: list[tuple[int, int]]) -> dict[int, list[int]]:
+    """fused's phase 1 of gemm_rs/gemm_ar: ONE persistent GEMM launch in owner order (rank + 1
+    first, own rows last) whose epilogue stores every finished band's rows into their owners'
+    inboxes (SM stores over the link, egress in order, overlapping the later bands' compute);
+    the launch ends when its stores have; then READY to every owner.  Returns rank -> the
+    tasks the rank's reduce waits for (READY from every peer)."""
+    w = c.w
+    total = bounds[-1][1]
+    core = cost.core_gemm_time_ms(total, c.n, c.k, c.dtype, c.hw, hook="epilogue", num_sms=c.gemm_sms)
+    ready = {}
+    for r in g.ranks:
+        me = c.layout_rank(g, r)
+        g.flag(r, "gemm", "begin")
+        first = True
+        stores = []
+        for lo, hi, a, b in _bands(bounds, bounds[(me + 1) % w][0], c.tile_m):
+            tiles = -(-(hi - lo) // c.tile_m)
+            for part in split_rows(tiles, min(_STORE_PARTS, tiles)):
+                phi = min(hi, lo + part * c.tile_m)
+                t = g.add(r, "gemm", "gemm", core * (phi - lo) / max(total, 1), label=f"tiles {lo}:{phi}",
+                          chunk=a, launch=first, issue_us=c.hw.host_core_call_us)
+                first = False
+                for q in range(a, b + 1):
+                    rows = min(phi, bounds[q][1]) - max(lo, bounds[q][0])
+                    if q != me and rows > 0:
+                        stores.append(g.add(r, "comm", "comm", c.xfer(rows * c.n * c.elt, "sm"), deps=(t,),
+                                            label=f"store {q} {lo}:{phi}", chunk=q))
+                        g.pairs.append((r, t, stores[-1]))
+                lo = phi
+        g.add(r, "gemm", "flag", 0.0, deps=tuple(stores), label="GEMM end (stores drained)")
+        g.flag(r, "gemm", "reset words")
+        ready[r] = g.flag(r, "gemm", "READY")
+    return {r: list(ready.values()) if g.symmetric else [ready[q] for q in range(w) if q != r]
+            for r in g.ranks}
+
+
+def reduce_owned(g: Graph, c: Ctx, waits: dict[int, list[int]], rows: dict[int, int], label: str) -> dict[int, int]:
+    """The owner's side: wait READY from every peer, then the fp32 reduce kernel over its W
+    inbox slots (reads W x rows x N of the op's dtype, writes rows x N), then DONE."""
+    out = {}
+    for r in g.ranks:
+        g.flag(r, "gemm", "wait READY", deps=tuple(waits[r]))
+        out[r] = g.add(r, "gemm", "reduce", cost.reduce_time_ms((c.w + 1) * rows[r] * c.n * c.elt, c.hw),
+                       label=label, chunk=r, launch=True)
+        g.flag(r, "gemm", "DONE")
+    return out
+
+
+def reduce_scatter(g: Graph, c: Ctx, partials: Partials) -> None:
+    """gemm_rs over symmetric memory: ``partials`` sends every owner its rows (copy_engine's
+    :func:`scatter_partials`, fused's :func:`epilogue_store_partials`), then every owner
+    reduces its inbox (:func:`reduce_owned`)."""
+    shard_rows = c.shard_rows()
+    waits = partials(g, c, row_bounds(shard_rows))
+    reduce_owned(g, c, waits, {r: shard_rows[c.layout_rank(g, r)] for r in g.ranks}, "reduce")
+
+
+def one_shot_all_reduce(g: Graph, c: Ctx) -> None:
+    """gemm_ar one-shot over symmetric memory (copy_engine; fused for small outputs)."""
+    w = c.w
+    # copy_engine one-shot: the whole partial into the own slot, READY, then every rank
+    # reduces all W partials read in place from the peers' slots (rank order)
+    ready = {}
+    for r in g.ranks:
+        g.flag(r, "gemm", "begin")
+        g.add(r, "gemm", "gemm", c.gemm(c.m), label="GEMM", launch=True)
+        ready[r] = g.flag(r, "gemm", "READY")
+    nbytes = c.m * c.n * c.elt
+    for r in g.ranks:
+        g.flag(r, "gemm", "wait READY", deps=tuple(ready[g.peer(q)] for q in range(w) if q != r))
+        g.add(r, "gemm", "reduce", cost.peer_reduce_time_ms((w + 1) * nbytes, (w - 1) * nbytes, c.hw),
+              label="reduce (peers in place)", launch=True)
+        g.flag(r, "gemm", "DONE")
+
+
+def two_shot_all_reduce(g: Graph, c: Ctx, partials: Partials, path: str = "ce") -> None:
+    """gemm_ar two-shot over symmetric memory: ``partials`` (as :func:`reduce_scatter`), then
+    every rank gathers the reduced chunks (``path``: who moves them)."""
+    w = c.w
+    # two-shot: reduce-scatter over near-equal row chunks (copy_engine's or fused's phase 1),
+    # the owner's sum into its gather slot, READY2; every rank pulls every chunk (side stream)
+    sizes = [c.shard_rows()[0]] * w if c.even else split_rows(c.m, w)
+    bounds = row_bounds(sizes)
+    waits = partials(g, c, bounds)
+    ready2 = {}
+    local = {}
+    for r in g.ranks:
+        me = c.layout_rank(g, r)
+        g.flag(r, "gemm", "wait READY", deps=tuple(waits[r]))
+        g.flag(r, "gemm", "wait DONE2 (last call)")
+        g.add(r, "gemm", "reduce", cost.reduce_time_ms((w + 1) * sizes[me] * c.n * c.elt, c.hw),
+              label="reduce", chunk=me, launch=True)
+        g.flag(r, "gemm", "DONE")
+        ready2[r] = g.flag(r, "gemm", "READY2")
+        local[r] = g.add(r, "gemm", "copy", cost.copy_time_ms(sizes[me] * c.n * c.elt, c.hw), label="own chunk",
+                         chunk=me, launch=True)
+    for r in g.ranks:
+        me = c.layout_rank(g, r)
+        after = local[r]  # side.wait_stream(main)
+        for d in range(1, w):
+            p = (me + d) % w
+            g.flag(r, "comm", f"wait READY2 {p}", deps=(after, ready2[g.peer(p)]))
+            after = None
+            g.add(r, "comm", "comm", c.xfer(sizes[p] * c.n * c.elt, path), label=f"gather {p}",
+                  chunk=p, launch=True)
+        g.flag(r, "comm", "DONE2")
