@@ -75,6 +75,11 @@ def _llama_block_job(rank: int, world_size: int, strategies: list[str]) -> dict:
         with OpCounter() as bwd:
             y.pow(2).sum().backward()
         out[name + "_ops"] = (fwd.counts, bwd.counts)
+    # the bed's configuration (no stock block, no norm weight, no bias, no broadcast of the
+    # weights) on the CPU: the collectives it issues, whole training loop included
+    with OpCounter() as bed:
+        out["bed"] = lb.train(rank, world_size, replace(cfg, bed=True, norm_weight=False, steps=2, strategy="ring"))
+    out["bed_ops"] = {k: v for k, v in bed.counts.items() if "c10d" in k}
     return out
 
 
@@ -211,7 +216,8 @@ def _bad_input_job(rank: int, world_size: int) -> list:
 def test_llama_block_matches_stock_and_reference(rank_pool, world_size):
     """Forward, gradients and 3 SGD steps of the tpfuse-style block match the unsharded block
     (fp64, bias on, batch 2 with sequence sharding: the permuted path); the forward runs only
-    tpfuse ops and no DTensor collective, the stock block gathers and scatters through DTensor."""
+    tpfuse ops and no DTensor collective, the stock block gathers and scatters through DTensor;
+    the bed's configuration of the example issues no torch collective but the CPU loss sums."""
     strategies = ["ring"] if world_size == 2 else ["unfused"]
     res = rank_pool(world_size).run(_llama_block_job, strategies, timeout=300)
     for rank_res in res:
@@ -228,6 +234,12 @@ def test_llama_block_matches_stock_and_reference(rank_pool, world_size):
     assert bwd.get("tpfuse.gemm_rs") == 5 and bwd.get("tpfuse.ag_gemm") == 2, bwd  # their dgrads
     assert not any(k.startswith("_c10d_functional.") for k in fwd), fwd  # no DTensor collective in forward
     assert not any(k.startswith("_c10d_functional.") for k in bwd), bwd  # (no norm weight grad reduced here)
+    for rank_res in res:  # the bed's configuration: the only torch collectives are the CPU loss sums
+        assert rank_res["bed_ops"] == {"c10d.allreduce_": 2}, rank_res["bed_ops"]
+        bed = rank_res["bed"]
+        assert set(bed["history"][0]) == {"reference", "tpfuse"}
+        assert all(abs(h["tpfuse"] - h["reference"]) <= TOL * abs(h["reference"]) for h in bed["history"])
+        assert bed["worst"]["output"] < TOL and bed["worst"]["grad"] < TOL, bed["worst"]
     stock_fwd, _ = res[0]["stock_ops"]
     assert any(k.startswith("_c10d_functional.") for k in stock_fwd) and "tpfuse.ag_gemm" not in stock_fwd
 
