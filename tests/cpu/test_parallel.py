@@ -58,10 +58,12 @@ def _mesh() -> DeviceMesh:
 # --------------------------------------------------------------------------------------------
 
 
-def _llama_block_job(rank: int, world_size: int, strategies: list[str]) -> dict:
+def _llama_block_job(rank: int, world_size: int, strategies: list[str], count_ops: bool) -> dict:
     out = {}
     for strategy in strategies:  # reference, stock styles and tpfuse styles trained side by side
         out[strategy] = lb.train(rank, world_size, replace(F64, strategy=strategy))
+    if not count_ops:
+        return out
     # which ops the tpfuse block runs, forward and backward (one step, batch 2, no bias)
     cfg = replace(F64, bias=False)
     mesh = _mesh()
@@ -219,7 +221,8 @@ def test_llama_block_matches_stock_and_reference(rank_pool, world_size):
     tpfuse ops and no DTensor collective, the stock block gathers and scatters through DTensor;
     the bed's configuration of the example issues no torch collective but the CPU loss sums."""
     strategies = ["ring"] if world_size == 2 else ["unfused"]
-    res = rank_pool(world_size).run(_llama_block_job, strategies, timeout=300)
+    count_ops = world_size == 2  # the op counts and the bed's configuration: once
+    res = rank_pool(world_size).run(_llama_block_job, strategies, count_ops, timeout=300)
     for rank_res in res:
         for strategy in strategies:
             r = rank_res[strategy]
@@ -229,11 +232,13 @@ def test_llama_block_matches_stock_and_reference(rank_pool, world_size):
                 assert abs(h["stock"] - h["reference"]) <= TOL * abs(h["reference"]), (strategy, h)
             assert r["worst"]["output"] < TOL and r["worst"]["grad"] < TOL, (strategy, r["worst"])
             assert r["history"][0]["reference"] != r["history"][-1]["reference"]  # the steps moved
+    if not count_ops:
+        return
     fwd, bwd = res[0]["tpfuse_ops"]
     assert fwd.get("tpfuse.ag_gemm") == 5 and fwd.get("tpfuse.gemm_rs") == 2, fwd  # wq wk wv w1 w3 | wo w2
     assert bwd.get("tpfuse.gemm_rs") == 5 and bwd.get("tpfuse.ag_gemm") == 2, bwd  # their dgrads
     assert not any(k.startswith("_c10d_functional.") for k in fwd), fwd  # no DTensor collective in forward
-    assert not any(k.startswith("_c10d_functional.") for k in bwd), bwd  # (no norm weight grad reduced here)
+    assert not any(k.startswith("_c10d_functional.") for k in bwd), bwd  # (norm weight grads stay Partial until read)
     for rank_res in res:  # the bed's configuration: the only torch collectives are the CPU loss sums
         assert rank_res["bed_ops"] == {"c10d.allreduce_": 2}, rank_res["bed_ops"]
         bed = rank_res["bed"]
