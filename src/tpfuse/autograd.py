@@ -100,9 +100,6 @@ def _ag_gemm_setup(ctx, inputs, output):
     ctx.save_for_backward(a_full if ctx.needs_input_grad[1] else None, b)
     ctx.group_name, ctx.strategy = group_name, strategy
     ctx.rows = a_full.shape[0]
-    # An output nobody used gets grad None, not a materialized zero tensor: a layer discards
-    # a_full, and a zero grad_a_full would cost a reduce-scatter of [M, K] zeros every backward.
-    ctx.set_materialize_grads(False)
 
 
 def _ag_gemm_backward(ctx, grad_c, grad_a_full):
