@@ -70,6 +70,8 @@ def _demo(args: argparse.Namespace) -> int:
     where = "CUDA/NCCL" if rows and config.device != "cpu" and _cuda() else "CPU/gloo (timings are CPU timings)"
     _print_table(format_table(rows), f"tpfuse demo: Llama-3 {config.model} cells scaled 1/{config.scale}, "
                                      f"W={rows[0].world_size if rows else config.world_size}, {where}")
+    print("timed as in production: per-call agreement round off (TPFUSE_DEBUG=0, as on NCCL); spread = "
+          "interquartile range of the repeats, % of the median: ratios within it are noise")
     bad = [r for r in rows if not (r.max_rel_err < 1e-2)]
     if bad:
         print(f"FAILED: {len(bad)} row(s) off the float64 reference", file=sys.stderr)

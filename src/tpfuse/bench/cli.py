@@ -155,6 +155,9 @@ def _ops(args: argparse.Namespace) -> int:
              f"{meta['dtype']}, median ms of {config.iters} calls (slowest rank)")
     _print_table(format_rows(result), title)
     _mode_line(meta)
+    if meta.get("checks"):
+        print(f"checks: {meta['checks']}")
+    print("spread: interquartile range of the calls, % of the median; ratios within it are noise")
     _footnote(null_reasons(result))
     _write_md(args.md, title, format_rows(result), meta, null_reasons(result))
     if args.json:
@@ -221,6 +224,8 @@ def _layer(args: argparse.Namespace) -> int:
     notes = {r["variant"]: r["reasons"]["ms"] for r in result["rows"] if "ms" in r["reasons"]}
     _print_table(format_layer_rows(result), title)
     _mode_line(meta)
+    print(f"checks: {meta['checks']}")
+    print("spread: interquartile range of the steps, % of the median; ratios within it are noise")
     _footnote(notes)
     _write_md(args.md, title, format_layer_rows(result), meta, notes)
     if args.json:
