@@ -244,7 +244,7 @@ def test_timed_rounds_interleaves_and_never_repeats_an_input_back_to_back():
     out = timed_rounds(fns, iters=3, warmup=1, device=torch.device("cpu"))
     assert {k: len(v[0]) for k, v in out.items()} == {"a": 3, "b": 3, "c": 3}
     timed = calls[3:]  # after one warm-up call each
-    assert [name for name, _ in timed] == ["a", "b", "c"] * 3
+    assert [name for name, _ in timed] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # each round starts one later
     assert [c for _, c in timed] == list(range(9))  # with n input copies, call c takes copy c % n
 
 

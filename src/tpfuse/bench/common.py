@@ -230,7 +230,8 @@ def timed_rounds(fns: dict[str, Callable[[int], object]], iters: int, warmup: in
 
     Interleaved: round i calls every variant once, so a slow spell of the machine (a shared
     CPU, a GPU's power cap) lands on all of them instead of on whichever was timed then; the
-    ratios between variants are what the bench reports.
+    ratios between variants are what the bench reports.  Round i starts at variant i (mod the
+    number of variants), so no variant is always the one right after the same neighbour.
     """
     # ``fn(c)`` with c counting every call of the round robin: consecutive calls -- of different
     # variants -- take different input copies, so none finds the previous call's inputs in L2.
@@ -238,8 +239,10 @@ def timed_rounds(fns: dict[str, Callable[[int], object]], iters: int, warmup: in
         for i in range(warmup):
             fn(i)
     out: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in fns}
+    items = list(fns.items())
     for i in range(iters):
-        for j, (name, fn) in enumerate(fns.items()):
+        start = i % len(items) if items else 0
+        for j, (name, fn) in enumerate(items[start:] + items[:start]):
             ms, host = _one_call(fn, i * len(fns) + j, device)
             out[name][0].append(ms)
             out[name][1].append(host)
