@@ -5,6 +5,7 @@ Without a GPU it spawns ``world_size`` gloo ranks on this machine (float32: CPU 
 slow and tells nothing); with GPUs it puts one NCCL rank on each (bfloat16).  CPU timings show
 that the pipeline runs and overlaps on gloo, nothing about GPU speed.
 
+The strategies of a cell are timed in turns, one call each per round (as ``tpfuse bench`` does).
 Timed as run in production: the ranks set ``TPFUSE_DEBUG=0`` (no per-call agreement round, as on
 NCCL).  Each row carries its noise band (``spread_pct``); ``auto`` that resolved to ``unfused`` is
 the baseline itself and says so instead of a ratio.
@@ -12,15 +13,13 @@ the baseline itself and says so instead of a ratio.
 
 from __future__ import annotations
 
-import time
 import zlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 import tpfuse
-from tpfuse.bench.common import slowest_median, spread_pct
+from tpfuse.bench.common import slowest_median, spread_pct, timed_rounds
 from tpfuse.bench.workloads import Workload, scaled_down, workload_matrix
 
 __all__ = ["DemoConfig", "DemoRow", "run_demo", "format_table"]
@@ -88,41 +87,42 @@ def _call(op: str, a: torch.Tensor, b: torch.Tensor, strategy: str) -> torch.Ten
     return getattr(tpfuse, op)(a, b, strategy=strategy)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def demo_job(rank: int, world_size: int, w: Workload, strategy: str, repeats: int, use_cuda: bool) -> dict:
-    """Runs on every rank: time ``repeats`` calls (after one warm-up) and check the last output."""
+def demo_job(rank: int, world_size: int, w: Workload, strategies: tuple[str, ...], repeats: int,
+             use_cuda: bool) -> dict[str, dict]:
+    """Runs on every rank: the strategies of one cell timed in turns (one warm-up call each, then
+    ``repeats`` rounds of one call each: a slow spell of the machine lands on all of them), and
+    each one's last output checked.  Returns ``{strategy: {"times", "err", "resolved"}}``."""
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dtype = torch.bfloat16 if use_cuda else torch.float32
     a, b, ref = _inputs(w, rank, world_size, device, dtype)
-    resolved = strategy
-    if strategy == "auto":
+    resolved = {s: s for s in strategies}
+    if "auto" in strategies:
         from tpfuse._dist import group_context
         from tpfuse.ops import resolve_strategy
 
-        resolved = resolve_strategy(w.op, "auto", a, b, group_context(None))
-    out = _call(w.op, a, b, strategy)  # warm-up
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        out = _call(w.op, a, b, strategy)
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    err = ((out.double().cpu() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-    if not torch.isfinite(out).all():
-        err = float("inf")
-    return {"times": times, "err": err, "resolved": resolved}
+        resolved["auto"] = resolve_strategy(w.op, "auto", a, b, group_context(None))
+    outs: dict[str, torch.Tensor] = {}
+
+    def call(strategy: str):
+        def fn(_: int) -> None:
+            outs[strategy] = _call(w.op, a, b, strategy)
+        return fn
+
+    timed = timed_rounds({s: call(s) for s in strategies}, repeats, 1, device)
+    result = {}
+    for s in strategies:
+        out = outs[s]
+        err = ((out.double().cpu() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        if not torch.isfinite(out).all():
+            err = float("inf")
+        result[s] = {"times": timed[s][0], "err": err, "resolved": resolved[s]}
+    return result
 
 
 def run_demo(config: DemoConfig, progress=None) -> list[DemoRow]:
-    """Spawn the ranks, run every (cell, strategy), return one row each.
+    """Spawn the ranks, run every cell (its strategies in turns), return one row per (cell, strategy).
 
-    ``progress(done, total, label)`` is called before each job.
+    ``progress(done, total, label)`` is called before each cell.
     """
     from tpfuse.spawn import RankPool
 
@@ -131,22 +131,23 @@ def run_demo(config: DemoConfig, progress=None) -> list[DemoRow]:
     if use_cuda:
         world_size = min(world_size, torch.cuda.device_count())
         config = DemoConfig(**{**config.__dict__, "world_size": world_size})
-    cells = demo_cells(config)
-    jobs = [(w, s) for w in cells for s in config.strategies]
+    jobs = demo_cells(config)
     rows: list[DemoRow] = []
     # TPFUSE_DEBUG=0: time what runs in production (no per-call agreement round; see common._RANK_ENV)
     env = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "TPFUSE_DEBUG": "0"}
     with RankPool(world_size, backend="nccl" if use_cuda else "gloo", env=env) as pool:
-        for i, (w, strategy) in enumerate(jobs):
+        for i, w in enumerate(jobs):
             if progress is not None:
-                progress(i, len(jobs), f"{w.op} {strategy}")
-            per_rank = pool.run(demo_job, w, strategy, config.repeats, use_cuda, timeout=300)
-            rows.append(DemoRow(
-                name=f"{w.model}-{w.phase}-{w.gemm}", op=w.op, strategy=strategy, m=w.m, n=w.n, k=w.k,
-                ms=slowest_median([r["times"] for r in per_rank]), max_rel_err=max(r["err"] for r in per_rank),
-                resolved=per_rank[0]["resolved"], world_size=world_size,
-                spread_pct=spread_pct([r["times"] for r in per_rank]),
-            ))
+                progress(i, len(jobs), f"{w.op}: {', '.join(config.strategies)}")
+            per_rank = pool.run(demo_job, w, tuple(config.strategies), config.repeats, use_cuda, timeout=300)
+            for strategy in config.strategies:
+                mine = [r[strategy] for r in per_rank]
+                rows.append(DemoRow(
+                    name=f"{w.model}-{w.phase}-{w.gemm}", op=w.op, strategy=strategy, m=w.m, n=w.n, k=w.k,
+                    ms=slowest_median([r["times"] for r in mine]), max_rel_err=max(r["err"] for r in mine),
+                    resolved=mine[0]["resolved"], world_size=world_size,
+                    spread_pct=spread_pct([r["times"] for r in mine]),
+                ))
     if progress is not None:
         progress(len(jobs), len(jobs), "done")
     return rows

@@ -307,3 +307,16 @@ def test_demo_table_says_same_strategy_and_marks_noise():
     vs = [line[table[0].index("vs unfused")] for line in table[1:]]
     assert vs == ["baseline", "1.25x", "1.11x (noise)", "same strategy"]
     assert [line[table[0].index("spread")] for line in table[1:]] == ["20%", "5%", "5%", "5%"]
+
+
+def test_demo_times_a_cells_strategies_in_turns_and_checks_each(pool):
+    from tpfuse.demo import DemoConfig, demo_cells, demo_job
+
+    w = demo_cells(DemoConfig(world_size=2, scale=64))[0]
+    per_rank = pool.run(demo_job, w, ("unfused", "ring", "auto"), 4, False, timeout=300)
+    for mine in per_rank:
+        assert list(mine) == ["unfused", "ring", "auto"]
+        for s, r in mine.items():
+            assert len(r["times"]) == 4 and all(t > 0 for t in r["times"])
+            assert r["err"] < 1e-5, (s, r["err"])
+        assert mine["auto"]["resolved"] in ("unfused", "ring") and mine["ring"]["resolved"] == "ring"
