@@ -27,6 +27,8 @@ def _demo(args: argparse.Namespace) -> int:
     where = "CUDA/NCCL" if rows and config.device != "cpu" and _cuda() else "CPU/gloo (timings are CPU timings)"
     _print_table(format_table(rows), f"tpfuse demo: Llama-3 {config.model} cells scaled 1/{config.scale}, "
                                      f"W={rows[0].world_size if rows else config.world_size}, {where}")
+    print("timed as in production: per-call agreement round off (TPFUSE_DEBUG=0, as on NCCL); spread = "
+          "interquartile range of the repeats, % of the median: ratios within it are noise")
     bad = [r for r in rows if not (r.max_rel_err < 1e-2)]
     if bad:
         print(f"FAILED: {len(bad)} row(s) off the float64 reference", file=sys.stderr)
@@ -75,6 +77,28 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profiles_epilog() -> str:
+    """``plan --help``'s list of the hardware profiles that ``--hardware`` takes."""
+    from tpfuse.model.hardware import PROFILES
+
+    width = max(len(name) for name in PROFILES)
+    return "hardware profiles (--hardware):\n" + "\n".join(
+        f"  {name.ljust(width)}  {p.description}" for name, p in PROFILES.items())
+
+
+def _plan(run_plan_cli):
+    """``tpfuse plan``, with ``--timeline``'s path checked before any planning or drawing."""
+    def run(args: argparse.Namespace) -> int:
+        from tpfuse._paths import output_path_error
+
+        why = args.timeline and output_path_error("--timeline", args.timeline, (".png",))
+        if why:
+            print(f"tpfuse plan: {why}", file=sys.stderr)
+            return 2
+        return run_plan_cli(args)
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpfuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,9 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tpfuse.report import add_plan_arguments, run_plan_cli
 
-    plan = sub.add_parser("plan", help="predict and explain the strategy choice for a shape or the workload matrix")
+    plan = sub.add_parser("plan", help="predict and explain the strategy choice for a shape or the workload matrix",
+                          epilog=_profiles_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_plan_arguments(plan)
-    plan.set_defaults(func=run_plan_cli)
+    plan.set_defaults(func=_plan(run_plan_cli))
 
     from tpfuse.bench.cli import add_bench_parser
 

@@ -118,10 +118,26 @@ def _worker(rank: int, world_size: int, port: int, env: dict[str, str], jobs: mp
 
 
 class RankPool:
-    """W spawned ranks (gloo by default) that run jobs until closed.  Use as a context manager.
+    """W spawned ranks (gloo by default) that run jobs until closed.  Use as a context manager::
 
-    ``device``: None (gloo: CPU; nccl: rank r on GPU r) or ``"cuda:N"``: every rank on GPU N with
-    a gloo group and symmetric memory allowed across the ranks (``shared_device_env``).
+        # ranks.py
+        import tpfuse
+        from tpfuse.spawn import RankPool
+
+        def job(rank, world_size, m):            # module level: the ranks import it by name
+            x = torch.randn(m // world_size, 8)
+            return tpfuse.ag_gemm(x, torch.randn(8, 4)).shape
+
+        if __name__ == "__main__":               # each rank imports this file: guard the launch
+            with RankPool(2) as pool:
+                shapes = pool.run(job, 64)       # job(rank, 2, 64) on every rank; results by rank
+
+    ``fn`` is sent by reference (module and name), so it must be a module-level function of an
+    importable module or of the script's ``__main__`` (not a lambda or a nested function).  Each
+    rank has its process group initialized (``dist.group.WORLD`` = the W ranks).  ``env``: extra
+    environment variables on the ranks (e.g. ``{"TPFUSE_DEBUG": "0"}``).  ``device``: None (gloo:
+    CPU; nccl: rank r on GPU r) or ``"cuda:N"``: every rank on GPU N with a gloo group and
+    symmetric memory allowed across the ranks (``shared_device_env``).
     """
 
     def __init__(self, world_size: int, *, env: dict[str, str] | None = None, start_timeout: float = 120.0,

@@ -44,12 +44,13 @@ def test_bench_rows_every_field_in_one_run(pool, tmp_path):
         (cell, s) for cell in ("8b-decode-fc1-tp2", "8b-decode-fc2-tp2") for s in ("unfused", "ring", "auto")]
     for r in rows:
         assert tuple(r) == ROW_FIELDS
-        check_nulls_have_reasons(r, [f for f in ROW_FIELDS if f.endswith(("_ms", "_us", "efficiency")) or
+        check_nulls_have_reasons(r, [f for f in ROW_FIELDS if f.endswith(("_ms", "_us", "_pct", "efficiency")) or
                                      f.startswith("speedup")])
-        for field in ("ms", "unfused_ms", "gemm_ms", "comm_ms", "host_us", "predicted_ms"):
+        for field in ("ms", "unfused_ms", "gemm_ms", "comm_ms", "host_us", "agree_ms", "predicted_ms"):
             assert r[field] is not None and r[field] > 0, (field, r)
         assert r["asynctp_ms"] is None and "no CUDA" in r["reasons"]["asynctp_ms"]
         assert r["graph_ms"] is None and "no CUDA" in r["reasons"]["graph_ms"]
+        assert r["spread_pct"] is None and "fewer than 4" in r["reasons"]["spread_pct"]   # iters=2
         assert r["exposed_comm_ms"] == pytest.approx(r["ms"] - r["gemm_ms"])
         assert r["overlap_efficiency"] == pytest.approx(max(r["gemm_ms"], r["comm_ms"]) / r["ms"])
         assert r["speedup_vs_unfused"] == pytest.approx(r["unfused_ms"] / r["ms"])
@@ -62,6 +63,7 @@ def test_bench_rows_every_field_in_one_run(pool, tmp_path):
         assert key in meta
     assert set(meta["strategies_not_runnable"]) >= {"fused"} and "copy_engine" in meta["strategies_not_runnable"]
     assert "unfused" not in meta["strategies_not_runnable"]
+    assert meta["checks"].startswith("per-call agreement round ON (TPFUSE_DEBUG=1)")   # the test pool's setting
     assert len(format_rows(result)) == len(rows) + 1
     # The first cell's timeline: a call span per strategy on each rank, the ring's GEMM per chunk.
     events = result["timeline"]["events"]
@@ -85,10 +87,10 @@ def fake_rank(times: dict[str, list[float]], failed: dict[str, str], strategies=
 def test_rows_keep_the_torch_baseline_apart_from_the_unfused_strategy_and_carry_reasons():
     w = Workload("8b", "decode", "fc1", "ag_gemm", 8, 4, 4, 2)
     per_rank = [fake_rank({"unfused": [4.0, 4.0, 4.0], "@unfused": [2.0, 2.0, 2.0], "@gemm": [1.0, 1.0, 1.0],
-                           "@comm": [1.5, 1.5, 1.5], "ring": [3.0, 1.0, 3.0]},
+                           "@comm": [1.5, 1.5, 1.5], "@agree": [0.5, 0.5, 0.5], "ring": [3.0, 1.0, 3.0]},
                           {"@asynctp": "no CUDA"}, ("unfused", "ring", "auto")),
                 fake_rank({"unfused": [4.0, 5.0, 4.0], "@unfused": [2.0, 2.0, 2.0], "@gemm": [1.0, 1.0, 1.0],
-                           "@comm": [1.5, 1.5, 1.5], "ring": [2.0, 2.0, 2.0]},
+                           "@comm": [1.5, 1.5, 1.5], "@agree": [0.5, 0.7, 0.5], "ring": [2.0, 2.0, 2.0]},
                           {"@asynctp": "no CUDA", "auto": "rank 1: RuntimeError: boom"}, ("unfused", "ring", "auto"))]
     per_rank[0]["variants"]["auto"] = {"reason": "rank 1: RuntimeError: boom"}
     rows = {r["strategy"]: r for r in bench_run._rows_for_cell(w, per_rank, {"unfused": 9.0, "ring": 8.0}, "fp32")}
@@ -96,6 +98,8 @@ def test_rows_keep_the_torch_baseline_apart_from_the_unfused_strategy_and_carry_
     assert unfused["ms"] == 4.0 and unfused["unfused_ms"] == 2.0 and unfused["speedup_vs_unfused"] == 0.5
     assert ring["ms"] == 3.0  # per call the slowest rank (3, 2, 3), then the median
     assert ring["host_us"] == 1500.0 and ring["predicted_ms"] == 8.0
+    assert ring["agree_ms"] == 0.5   # the agreement round alone: a column of its own, not inside ms
+    assert ring["spread_pct"] is None and "fewer than 4" in ring["reasons"]["spread_pct"]
     assert ring["overlap_efficiency"] == 0.5 and ring["exposed_comm_ms"] == 2.0
     assert ring["speedup_vs_asynctp"] is None and "no CUDA" in ring["reasons"]["speedup_vs_asynctp"]
     assert auto["ms"] is None and auto["resolved"] == "ring" and auto["predicted_ms"] == 8.0
@@ -126,6 +130,7 @@ def test_layer_bench_rows(pool):
     assert rows["tpfuse:auto"]["resolved"].startswith("fc1 ")
     assert len(format_layer_rows(result)) == len(rows) + 1
     assert result["meta"]["mode"] == "cpu-gloo"
+    assert result["meta"]["checks"].startswith("per-call agreement round ON (TPFUSE_DEBUG=1)")
 
 
 def test_comm_bench_schema_on_cpu(tmp_path, capsys):
@@ -152,7 +157,7 @@ def test_comm_bench_schema_on_cpu(tmp_path, capsys):
     (["bench", "--iters", "0"], "--iters: 0 must be >= 1"),
     pytest.param(["bench", "--bed", "2"], "--bed needs a CUDA GPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
-    (["bench", "--png", "speedups.jpg"], "PNG outputs must end in .png"),
+    (["bench", "--png", "speedups.jpg"], "--png speedups.jpg: the output is PNG; give a path ending in .png"),
     (["bench", "--timeline", "t.png", "--json", "t.json"], "is where --timeline writes its Chrome trace"),
     (["bench", "layer", "--tokens", "0"], "--tokens: 0 must be >= 1"),
     (["bench", "--strategies", "rign"], "--strategies: unknown strategy 'rign'"),
@@ -242,7 +247,7 @@ def test_timed_rounds_interleaves_and_never_repeats_an_input_back_to_back():
     out = timed_rounds(fns, iters=3, warmup=1, device=torch.device("cpu"))
     assert {k: len(v[0]) for k, v in out.items()} == {"a": 3, "b": 3, "c": 3}
     timed = calls[3:]  # after one warm-up call each
-    assert [name for name, _ in timed] == ["a", "b", "c"] * 3
+    assert [name for name, _ in timed] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # each round starts one later
     assert [c for _, c in timed] == list(range(9))  # with n input copies, call c takes copy c % n
 
 
@@ -274,3 +279,47 @@ def test_a_cell_that_fails_on_a_rank_becomes_null_rows_and_the_bench_goes_on(poo
     assert result["meta"]["cells_failed"] == {"8b-decode-fc1-tp2": "rank 1: TimeoutError: rank 1 waited 10 s"}
     later = [r for r in result["rows"] if r["cell"] == "8b-decode-fc2-tp2"]
     assert later and all(r["ms"] is not None and r["ms"] > 0 for r in later)
+
+
+def test_spread_is_the_interquartile_range_of_the_slowest_rank():
+    from tpfuse.bench.common import slowest_median, spread_pct
+
+    per_rank = [[10.0, 10.0, 12.0, 8.0, 10.0], [9.0, 11.0, 10.0, 10.0, 30.0]]   # slowest: 10 11 12 10 30
+    assert slowest_median(per_rank) == 11.0
+    assert spread_pct(per_rank) == pytest.approx(100 * (12.0 - 10.0) / 11.0)
+    assert spread_pct([[1.0, 2.0, 3.0]]) is None
+
+
+def test_bench_ranks_time_without_the_per_call_agreement_round():
+    """What a user runs in production: the spawned ranks set TPFUSE_DEBUG=0 (agree_ms is its cost)."""
+    from tpfuse.bench import common
+
+    assert common._RANK_ENV["TPFUSE_DEBUG"] == "0"
+
+
+def test_demo_table_says_same_strategy_and_marks_noise():
+    """Issue 31.2: auto that resolved to unfused is the baseline timed twice: no ratio; a ratio
+    inside the noise band says so."""
+    from tpfuse.demo import DemoRow, format_table
+
+    def row(strategy, ms, spread, resolved=""):
+        return DemoRow("c", "ag_gemm", strategy, 8, 8, 8, ms, 1e-7, resolved or strategy, 2, spread)
+
+    table = format_table([row("unfused", 10.0, 20.0), row("ring", 8.0, 5.0), row("ring", 9.0, 5.0),
+                          row("auto", 8.3, 5.0, resolved="unfused")])
+    vs = [line[table[0].index("vs unfused")] for line in table[1:]]
+    assert vs == ["baseline", "1.25x", "1.11x (noise)", "same strategy"]
+    assert [line[table[0].index("spread")] for line in table[1:]] == ["20%", "5%", "5%", "5%"]
+
+
+def test_demo_times_a_cells_strategies_in_turns_and_checks_each(pool):
+    from tpfuse.demo import DemoConfig, demo_cells, demo_job
+
+    w = demo_cells(DemoConfig(world_size=2, scale=64))[0]
+    per_rank = pool.run(demo_job, w, ("unfused", "ring", "auto"), 4, False, timeout=300)
+    for mine in per_rank:
+        assert list(mine) == ["unfused", "ring", "auto"]
+        for s, r in mine.items():
+            assert len(r["times"]) == 4 and all(t > 0 for t in r["times"])
+            assert r["err"] < 1e-5, (s, r["err"])
+        assert mine["auto"]["resolved"] in ("unfused", "ring") and mine["ring"]["resolved"] == "ring"

@@ -70,10 +70,18 @@ def _check_hardware(args: argparse.Namespace) -> None:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
+    """Every output path writable (its folder a directory or creatable), before any work."""
+    from tpfuse._paths import output_path_error
+
     pngs = [p for p in (getattr(args, "png", None), getattr(args, "timeline", None)) if p]
-    for p in pngs:
-        if Path(p).suffix.lower() != ".png":
-            raise _UsageError(f"{p}: PNG outputs must end in .png")
+    checks = [("--png", getattr(args, "png", None), (".png",), False),
+              ("--timeline", getattr(args, "timeline", None), (".png",), False),
+              ("--json", getattr(args, "json", None), (".json",), True),
+              ("--md", getattr(args, "md", None), (), False)]
+    for flag, path, suffixes, directory in checks:
+        why = path and output_path_error(flag, path, suffixes, directory_if_no_suffix=directory)
+        if why:
+            raise _UsageError(why)
     if pngs:
         from tpfuse.bench.report import require_matplotlib
 
@@ -160,6 +168,9 @@ def _ops(args: argparse.Namespace) -> int:
              f"{meta['dtype']}, median ms of {config.iters} calls (slowest rank)")
     _print_table(format_rows(result), title)
     _mode_line(meta)
+    if meta.get("checks"):
+        print(f"checks: {meta['checks']}")
+    print("spread: interquartile range of the calls, % of the median; ratios within it are noise")
     _footnote(null_reasons(result))
     _write_md(args.md, title, format_rows(result), meta, null_reasons(result))
     if args.json:
@@ -206,6 +217,7 @@ def _layer(args: argparse.Namespace) -> int:
 
     _positive(args, "world_size", "iters", "scale", "tokens")
     _positive(args, "warmup", minimum=0)
+    _check_outputs(args)
     _check_strategies(args)
     given = {k: v for k, v in {"world_size": args.world_size, "model": args.model, "tokens": args.tokens,
                                 "scale": args.scale, "iters": args.iters, "warmup": args.warmup,
@@ -225,6 +237,8 @@ def _layer(args: argparse.Namespace) -> int:
     notes = {r["variant"]: r["reasons"]["ms"] for r in result["rows"] if "ms" in r["reasons"]}
     _print_table(format_layer_rows(result), title)
     _mode_line(meta)
+    print(f"checks: {meta['checks']}")
+    print("spread: interquartile range of the steps, % of the median; ratios within it are noise")
     _footnote(notes)
     _write_md(args.md, title, format_layer_rows(result), meta, notes)
     if args.json:
@@ -237,6 +251,7 @@ def _comm(args: argparse.Namespace) -> int:
 
     _positive(args, "iters")
     _positive(args, "warmup", minimum=0)
+    _check_outputs(args)
     for name in ("sizes", "sms"):
         for v in getattr(args, name) or ():
             if v < 1 or (name == "sizes" and v % 4):

@@ -32,7 +32,8 @@ from tpfuse import dtypes
 
 __all__ = ["MODES", "RankSetup", "open_ranks", "under_torchrun", "timed", "attempt", "graph_timed",
            "enable_symmetric_memory", "mps_running",
-           "timed_rounds", "slowest_median", "bench_meta", "cpu_name", "short_reason"]
+           "timed_rounds", "slowest_median", "spread_pct", "agreement_round", "checks_on", "bench_meta",
+           "cpu_name", "short_reason"]
 
 MODES = ("cpu-gloo", "single-gpu", "one-gpu-bed", "multi-gpu")
 MODE_NOTES = {
@@ -42,7 +43,11 @@ MODE_NOTES = {
                    "timings are NOT multi-GPU timings (same-device copies use SMs; ranks share the SMs)",
     "multi-gpu": "one process per GPU (NCCL): multi-GPU timings",
 }
-_RANK_ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0"}  # never NVLink multicast
+_RANK_ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",  # never NVLink multicast
+             # Time what runs in production: no per-call agreement round (off by default on NCCL; on
+             # by default for CPU tensors on gloo, where it would be inside every number).  Its cost
+             # per call is measured on its own (agree_ms, :func:`agreement_round`).
+             "TPFUSE_DEBUG": "0"}
 
 
 def under_torchrun() -> bool:
@@ -228,7 +233,8 @@ def timed_rounds(fns: dict[str, Callable[[int], object]], iters: int, warmup: in
 
     Interleaved: round i calls every variant once, so a slow spell of the machine (a shared
     CPU, a GPU's power cap) lands on all of them instead of on whichever was timed then; the
-    ratios between variants are what the bench reports.
+    ratios between variants are what the bench reports.  Round i starts at variant i (mod the
+    number of variants), so no variant is always the one right after the same neighbour.
     """
     # ``fn(c)`` with c counting every call of the round robin: consecutive calls -- of different
     # variants -- take different input copies, so none finds the previous call's inputs in L2.
@@ -236,8 +242,10 @@ def timed_rounds(fns: dict[str, Callable[[int], object]], iters: int, warmup: in
         for i in range(warmup):
             fn(i)
     out: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in fns}
+    items = list(fns.items())
     for i in range(iters):
-        for j, (name, fn) in enumerate(fns.items()):
+        start = i % len(items) if items else 0
+        for j, (name, fn) in enumerate(items[start:] + items[:start]):
             ms, host = _one_call(fn, i * len(fns) + j, device)
             out[name][0].append(ms)
             out[name][1].append(host)
@@ -287,6 +295,42 @@ def graph_timed(fn: Callable[[int], object], iters: int, device: torch.device) -
 def slowest_median(per_rank: list[list[float]]) -> float:
     """Median over calls of the slowest rank's time of each call."""
     return statistics.median(max(times[j] for times in per_rank) for j in range(len(per_rank[0])))
+
+
+def spread_pct(per_rank: list[list[float]]) -> float | None:
+    """The noise band of :func:`slowest_median`: the interquartile range of the slowest rank's
+    per-call times, in percent of their median (None with fewer than 4 calls).  Two variants
+    whose medians differ by less than their spreads are not told apart by this run."""
+    calls = sorted(max(times[j] for times in per_rank) for j in range(len(per_rank[0])))
+    if len(calls) < 4:
+        return None
+    q1, _, q3 = statistics.quantiles(calls, n=4, method="inclusive")
+    median = statistics.median(calls)
+    return 100.0 * (q3 - q1) / median if median > 0 else None
+
+
+def agreement_round(op: str, a: torch.Tensor, b: torch.Tensor) -> Callable[[int], None]:
+    """One per-call agreement round of ``op`` on ``(a, b)`` (every rank, default group): what
+    ``TPFUSE_DEBUG=1`` -- the default for CPU tensors on gloo -- adds to every call."""
+    from tpfuse import _checks
+    from tpfuse._dist import group_context
+
+    ctx = group_context(None)
+    sig = _checks.call_signature(op, "auto", a, b)
+    return lambda i: _checks.agree(ctx, op, None, sig)
+
+
+def checks_on(device: torch.device) -> str:
+    """What this rank's tpfuse calls check per call, in words (for the meta block)."""
+    from tpfuse import _checks
+    from tpfuse._dist import group_context
+
+    setting = os.environ.get("TPFUSE_DEBUG")
+    source = f"TPFUSE_DEBUG={setting}" if setting is not None else "TPFUSE_DEBUG unset: the default"
+    if _checks.agreement_enabled(group_context(None), device.type):
+        return f"per-call agreement round ON ({source}): inside every tpfuse time (agree_ms is its cost)"
+    return (f"per-call agreement round off ({source}), as on NCCL; validation of each new call shape and "
+            "one agreement round per new signature (warm-up) stay on; agree_ms is what the round would add")
 
 
 # --------------------------------------------------------------------------------------------

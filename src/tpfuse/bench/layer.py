@@ -45,7 +45,7 @@ from tpfuse.bench.workloads import MODELS, PHASES
 __all__ = ["LayerConfig", "run_layer_bench", "format_layer_rows", "LAYER_ROW_FIELDS", "quick_layer_config"]
 
 LAYER_ROW_FIELDS = ("variant", "strategy", "resolved", "model", "tokens", "hidden", "ffn", "world_size", "dtype",
-                    "ms", "tokens_per_s_per_rank", "speedup_vs_unfused", "speedup_vs_asynctp", "graph_ms",
+                    "ms", "spread_pct", "tokens_per_s_per_rank", "speedup_vs_unfused", "speedup_vs_asynctp", "graph_ms",
                     "eager_over_graph", "reasons")
 _DTYPES = common.DTYPES
 
@@ -226,7 +226,8 @@ def layer_job(rank: int, world_size: int, job: _LayerJob) -> dict:
             out[name]["graph"] = {"times": times} if times else {"reason": why}
     out.update({name: {"reason": why} for name, why in skipped.items()})
     order = [f"tpfuse:{s}" for s in names] + ["unfused", "asynctp", "compute_only"]
-    return {"variants": {name: out[name] for name in order}, "sizes": (tokens, hidden, ffn), "resolved": resolved}
+    return {"variants": {name: out[name] for name in order}, "sizes": (tokens, hidden, ffn), "resolved": resolved,
+            "checks": common.checks_on(device)}
 
 
 def run_layer_bench(cfg: LayerConfig, progress=None, ranks=None) -> dict:
@@ -244,17 +245,20 @@ def run_layer_bench(cfg: LayerConfig, progress=None, ranks=None) -> dict:
     if progress is not None:
         progress(1, 1, "done")
     rows = _layer_rows(per_rank, cfg.model, dtype, setup.world_size)
+    meta["checks"] = per_rank[0]["checks"]
     return {"meta": meta, "rows": rows}
 
 
 def _layer_rows(per_rank: list[dict], model: str, dtype: str, world_size: int) -> list[dict]:
     tokens, hidden, ffn = per_rank[0]["sizes"]
     ms: dict[str, float | None] = {}
+    spread: dict[str, float | None] = {}
     why: dict[str, str] = {}
     for name in per_rank[0]["variants"]:
         entries = [r["variants"][name] for r in per_rank]
         failed = next((e["reason"] for e in entries if "reason" in e), None)
         ms[name] = None if failed else common.slowest_median([e["times"] for e in entries])
+        spread[name] = None if failed else common.spread_pct([e["times"] for e in entries])
         if failed:
             why[name] = failed
     rows = []
@@ -263,9 +267,12 @@ def _layer_rows(per_rank: list[dict], model: str, dtype: str, world_size: int) -
         row = {"variant": name, "strategy": name.split(":", 1)[1] if name.startswith("tpfuse:") else None,
                "resolved": per_rank[0]["resolved"] if name == "tpfuse:auto" else None, "model": model,
                "tokens": tokens, "hidden": hidden, "ffn": ffn, "world_size": world_size, "dtype": dtype, "ms": value,
+               "spread_pct": spread[name],
                "tokens_per_s_per_rank": None if value is None else (tokens / world_size) / (value / 1e3)}
         if value is None:
-            reasons["tokens_per_s_per_rank"] = reasons["ms"]
+            reasons["tokens_per_s_per_rank"] = reasons["spread_pct"] = reasons["ms"]
+        elif spread[name] is None:
+            reasons["spread_pct"] = "fewer than 4 timed steps"
         for field, base in (("speedup_vs_unfused", "unfused"), ("speedup_vs_asynctp", "asynctp")):
             if value is None or ms[base] is None:
                 row[field] = None
@@ -294,10 +301,11 @@ def format_layer_rows(result: dict) -> list[list[str]]:
     def fmt(v, spec=".3f"):
         return "-" if v is None else format(v, spec)
 
-    table = [["variant", "ms / step", "tokens/s/rank", "x unfused", "x asynctp", "graph ms", "eager / graph"]]
+    table = [["variant", "ms / step", "spread", "tokens/s/rank", "x unfused", "x asynctp", "graph ms", "eager / graph"]]
     for r in result["rows"]:
         name = r["variant"] + (f" ({r['resolved']})" if r["resolved"] else "")
-        table.append([name, fmt(r["ms"]), fmt(r["tokens_per_s_per_rank"], ".0f"), fmt(r["speedup_vs_unfused"], ".2f"),
+        spread = "-" if r["spread_pct"] is None else f"{r['spread_pct']:.0f}%"
+        table.append([name, fmt(r["ms"]), spread, fmt(r["tokens_per_s_per_rank"], ".0f"), fmt(r["speedup_vs_unfused"], ".2f"),
                       fmt(r["speedup_vs_asynctp"], ".2f"), fmt(r.get("graph_ms")), fmt(r.get("eager_over_graph"), ".2f")])
     return table
 

@@ -53,6 +53,7 @@ def draw_speedups(result: dict, path: str | Path) -> Path:
         series.append("asynctp")
     width = 0.8 / max(1, len(series))
     fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(cells) * max(1, len(series))), 4.5))
+    tallest = 1.0
     for j, name in enumerate(series):
         xs, ys = [], []
         for i, cell in enumerate(cells):
@@ -63,12 +64,19 @@ def draw_speedups(result: dict, path: str | Path) -> Path:
                 xs.append(i - 0.4 + width * (j + 0.5))
                 ys.append(r[base] / ms)
         ax.bar(xs, ys, width=width, label=name, hatch="//" if name == "asynctp" else None)
+        tallest = max([tallest, *ys])
+    top = 1.2 * tallest   # the axis fits the bars; a roofline above it is drawn at the top with its value
     for i, cell in enumerate(cells):
         r = next(r for r in rows if r["cell"] == cell)
         floor = max(r["gemm_ms"] or 0.0, r["comm_ms"] or 0.0)
         if r[base] and floor > 0:
             label = "roofline: baseline / max(gemm, comm)" if r["comm_ms"] is not None else "baseline / gemm (comm not measured)"
-            ax.hlines(r[base] / floor, i - 0.45, i + 0.45, colors="black", linewidth=2, label=label if i == 0 else None)
+            roof = r[base] / floor
+            ax.hlines(min(roof, top * 0.97), i - 0.45, i + 0.45, colors="black", linewidth=2,
+                      linestyles="solid" if roof <= top else "dotted", label=label if i == 0 else None)
+            if roof > top:
+                ax.text(i, top * 0.93, f"roofline {roof:.1f}x", ha="center", va="top", fontsize=7)
+    ax.set_ylim(0, top)
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(cells)), cells, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("speedup vs " + ("collective + torch.matmul" if base == "unfused_ms" else "PyTorch async-TP"))

@@ -7,7 +7,8 @@ environment cannot measure is ``null`` and ``row["reasons"][field]`` says why.
 
 | field | meaning |
 |---|---|
-| ``ms`` | the tpfuse call, eager (median over calls of the slowest rank) |
+| ``ms`` | the tpfuse call, eager (median over calls of the slowest rank), as run in production: no per-call agreement round (``meta["checks"]``) |
+| ``spread_pct`` | the noise band of ``ms``: interquartile range of the per-call times, % of the median |
 | ``unfused_ms`` | what users run today: the collective in the input dtype (NCCL / gloo) + ``torch.matmul`` |
 | ``asynctp_ms`` | ``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter`` |
 | ``gemm_ms`` | the local GEMM alone (``[M, K] @ [K, N]``, full M) |
@@ -17,6 +18,7 @@ environment cannot measure is ``null`` and ``row["reasons"][field]`` says why.
 | ``speedup_vs_unfused`` / ``speedup_vs_asynctp`` | ``unfused_ms / ms`` / ``asynctp_ms / ms`` |
 | ``predicted_ms`` | :func:`tpfuse.plan` for this strategy (``auto``: the strategy it resolved to) |
 | ``host_us`` | host time per eager call until it returned (on CPU: the whole call) |
+| ``agree_ms`` | one per-call agreement round alone: what ``TPFUSE_DEBUG=1`` (the default for CPU tensors on gloo) adds to each call |
 | ``graph_ms`` | the call captured in a CUDA graph, per replay |
 
 Timing: see :mod:`tpfuse.bench.common` (random data rotated past the L2 cache, warm-up,
@@ -58,8 +60,8 @@ def symmetric_strategies() -> tuple[str, ...]:
     return tuple(s for s in strategies.names() if strategies.info(s).symmetric_memory)
 # Every row has these keys, in this order (the table above; null + a reason where not measured).
 ROW_FIELDS = ("cell", "model", "phase", "gemm", "op", "m", "n", "k", "world_size", "dtype", "strategy", "resolved",
-              "ms", "unfused_ms", "asynctp_ms", "gemm_ms", "comm_ms", "exposed_comm_ms", "overlap_efficiency",
-              "speedup_vs_unfused", "speedup_vs_asynctp", "predicted_ms", "host_us", "graph_ms", "reasons")
+              "ms", "spread_pct", "unfused_ms", "asynctp_ms", "gemm_ms", "comm_ms", "exposed_comm_ms", "overlap_efficiency",
+              "speedup_vs_unfused", "speedup_vs_asynctp", "predicted_ms", "host_us", "agree_ms", "graph_ms", "reasons")
 
 
 @dataclass(frozen=True)
@@ -222,6 +224,10 @@ def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
         skipped["@asynctp"] = why
     else:
         variants["@asynctp"] = asynctp
+    if world_size > 1:
+        variants["@agree"] = common.agreement_round(w.op, *sets[0])
+    else:
+        skipped["@agree"] = "world size 1: calls run no agreement round"
 
     # Keys: strategy names, and "@"-prefixed baselines (never a strategy name).
     def say(step: str) -> None:   # with the seconds since the cell began: where a long run spends them
@@ -252,7 +258,8 @@ def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
     out.update({name: {"reason": why} for name, why in skipped.items()})
     unavailable = {s: strategies.why_unavailable(s, ctx, device, dtype) for s in strategies.names()
                    if s not in runnable}
-    return {"variants": out, "strategies": names, "resolved": resolved, "unavailable": unavailable}
+    return {"variants": out, "strategies": names, "resolved": resolved, "unavailable": unavailable,
+            "checks": common.checks_on(device)}
 
 
 def timeline_job(rank: int, world_size: int, job: _CellJob) -> list[dict]:
@@ -296,7 +303,7 @@ def _failed_cell_rows(w: Workload, strategies, reason: str, predicted: dict[str,
                "k": w.k, "world_size": w.world_size, "dtype": dtype, "strategy": s, "resolved": None}
         reasons = {}
         for field in ROW_FIELDS:
-            if field == "ms" or field.endswith(("_ms", "_us", "efficiency")) or field.startswith("speedup"):
+            if field == "ms" or field.endswith(("_ms", "_us", "_pct", "efficiency")) or field.startswith("speedup"):
                 row[field] = None
                 reasons[field] = f"the cell failed: {reason}"
         row["predicted_ms"] = predicted.get(s)
@@ -322,7 +329,7 @@ def _rows_for_cell(w: Workload, per_rank: list[dict], predicted: dict[str, float
     shared: dict[str, float | None] = {}
     shared_reasons: dict[str, str] = {}
     for field, name in (("unfused_ms", "@unfused"), ("asynctp_ms", "@asynctp"), ("gemm_ms", "@gemm"),
-                        ("comm_ms", "@comm")):
+                        ("comm_ms", "@comm"), ("agree_ms", "@agree")):
         shared[field], why = _median_of(per_rank, name)
         if why is not None:
             shared_reasons[field] = why
@@ -334,6 +341,12 @@ def _rows_for_cell(w: Workload, per_rank: list[dict], predicted: dict[str, float
         row["ms"], why = _median_of(per_rank, s)
         if why is not None:
             reasons["ms"] = why
+            reasons["spread_pct"] = why
+            row["spread_pct"] = None
+        else:
+            row["spread_pct"] = common.spread_pct([r["variants"][s]["times"] for r in per_rank])
+            if row["spread_pct"] is None:
+                reasons["spread_pct"] = "fewer than 4 timed calls"
         host_ms, _ = _median_of(per_rank, s, "host")
         row["host_us"] = None if host_ms is None else host_ms * 1e3
         row["graph_ms"], why = _median_of(per_rank, s, "graph") if row["ms"] is not None else (None, reasons["ms"])
@@ -425,6 +438,7 @@ def run_bench(config: BenchConfig, progress=None, ranks=None, on_cell=None) -> d
                 rows += _failed_cell_rows(w, names or ("auto",), failed[w.name], dict(p.predicted_ms), dtype)
                 continue
             names = per_rank[0]["strategies"]
+            meta["checks"] = per_rank[0]["checks"]
             rows += _rows_for_cell(w, per_rank, dict(p.predicted_ms), dtype)
             not_runnable.update(per_rank[0].get("unavailable", {}))
             if on_cell is not None and i + 1 < len(cells):
@@ -467,15 +481,16 @@ def _fmt(value, spec: str = ".3f") -> str:
 
 def format_rows(result: dict) -> list[list[str]]:
     """Header + one line per row (``-`` for null; the reasons are in the JSON)."""
-    head = ["cell", "strategy", "ms", "unfused", "asynctp", "gemm", "comm", "exposed", "overlap", "x unfused",
-            "x asynctp", "predicted", "host us", "graph ms"]
+    head = ["cell", "strategy", "ms", "spread", "unfused", "asynctp", "gemm", "comm", "exposed", "overlap",
+            "x unfused", "x asynctp", "predicted", "host us", "agree ms", "graph ms"]
     table = [head]
     for r in result["rows"]:
         name = r["strategy"] if r["strategy"] != "auto" else f"auto->{r['resolved']}"
-        table.append([r["cell"], name, _fmt(r["ms"]), _fmt(r["unfused_ms"]), _fmt(r["asynctp_ms"]), _fmt(r["gemm_ms"]),
+        spread = "-" if r["spread_pct"] is None else f"{r['spread_pct']:.0f}%"
+        table.append([r["cell"], name, _fmt(r["ms"]), spread, _fmt(r["unfused_ms"]), _fmt(r["asynctp_ms"]), _fmt(r["gemm_ms"]),
                       _fmt(r["comm_ms"]), _fmt(r["exposed_comm_ms"]), _fmt(r["overlap_efficiency"], ".2f"),
                       _fmt(r["speedup_vs_unfused"], ".2f"), _fmt(r["speedup_vs_asynctp"], ".2f"),
-                      _fmt(r["predicted_ms"]), _fmt(r["host_us"], ".0f"), _fmt(r["graph_ms"])])
+                      _fmt(r["predicted_ms"]), _fmt(r["host_us"], ".0f"), _fmt(r["agree_ms"]), _fmt(r["graph_ms"])])
     return table
 
 

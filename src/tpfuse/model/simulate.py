@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
 from tpfuse import dtypes
@@ -422,15 +423,29 @@ def draw_timeline(result: SimResult, path, *, title: str | None = None) -> None:
     w = result.world_size
     fig, ax = plt.subplots(figsize=(11, 0.9 + 0.7 * w))
     colors = {"gemm": "#4C72B0", "comm": "#DD8452", "reduce": "#55A868", "copy": "#8172B3", "flag": "#937860"}
+    by_tid = {t.tid: t for t in result.tasks}
+    idle = {"host": ("idle: waiting for the host to issue the next launch", "#BBBBBB"),
+            "data": ("idle: waiting for the next chunk to arrive", "#E5C07B")}
+    shown = set()   # legend: only the span kinds (and idle reasons) that appear
     yticks, ylabels = [], []
     for r in range(w):
         for lane, engine in enumerate(("gemm", "comm")):
             y = (w - 1 - r) * 2.4 + (1 - lane) * 1.1
             yticks.append(y + 0.5)
             ylabels.append(f"rank {r} {engine}")
-            for t in result.tasks:
-                if t.rank != r or t.engine != engine or t.duration <= 0:
-                    continue
+            mine = sorted((t for t in result.tasks if t.rank == r and t.engine == engine and t.duration > 0),
+                          key=lambda t: t.start)
+            free = 0.0
+            for t in mine:
+                if engine == "gemm" and t.start - free > result.makespan_ms / 200:   # label the idle gap
+                    deps = [by_tid[d] for d in t.deps if d in by_tid]
+                    last = max(deps, key=lambda d: d.end) if deps else None
+                    why = "host" if last is None or last.engine == "host" else "data"
+                    ax.broken_barh([(free, t.start - free)], (y + 0.3, 0.4), facecolors=idle[why][1],
+                                   edgecolors="none", hatch="///")
+                    shown.add(why)
+                free = max(free, t.end)
+                shown.add(t.kind)
                 ax.broken_barh([(t.start, t.duration)], (y, 1.0), facecolors=colors[t.kind],
                                edgecolors="white", linewidth=0.5)
                 if t.duration > result.makespan_ms / 40:
@@ -440,8 +455,12 @@ def draw_timeline(result: SimResult, path, *, title: str | None = None) -> None:
     ax.set_xlabel("ms (predicted)")
     ax.set_title(title or f"{result.op} / {result.strategy}: W={w}, {result.num_chunks} chunks, "
                  f"{result.makespan_ms:.3f} ms predicted", fontsize=9)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=col) for col in colors.values()]
-    ax.legend(handles, list(colors), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    kinds = [k for k in colors if k in shown]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in kinds]
+    handles += [plt.Rectangle((0, 0), 1, 1, facecolor=idle[k][1], hatch="///") for k in idle if k in shown]
+    ax.legend(handles, kinds + [idle[k][0] for k in idle if k in shown], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
