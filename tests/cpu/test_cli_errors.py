@@ -69,7 +69,7 @@ def test_output_paths_are_checked_before_the_work(tmp_path, capsys, monkeypatch,
 
     monkeypatch.setattr(tpfuse.bench.run, "run_bench", _no_work)
     monkeypatch.setattr(tpfuse.bench.layer, "run_layer_bench", _no_work)
-    monkeypatch.setattr(importlib.import_module("tpfuse.plan"), "run_plan_cli", _no_work)  # tpfuse.plan: the function
+    monkeypatch.setattr(importlib.import_module("tpfuse.report"), "run_plan_cli", _no_work)  # where `tpfuse plan` runs
     argv, message = _output_cases(tmp_path)[case]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
