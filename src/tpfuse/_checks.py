@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tpfuse import _fp8
 from tpfuse._dist import GroupContext
 from tpfuse.strategies import STRATEGY_NAMES  # the registry (tpfuse/strategies/__init__.py)
 
@@ -58,12 +59,14 @@ def _check_matrix(op: str, name: str, layout: str, x: object) -> torch.Tensor:
 
 
 def check_call(op: str, a: object, b: object, ctx: GroupContext, strategy: object,
-               return_gathered: object = False) -> None:
+               return_gathered: object = False, scale_a: object = None, scale_b: object = None,
+               out_dtype: object = None) -> None:
     """Raise ``TypeError``/``ValueError`` for a call that no strategy may run.
 
     Checks only this rank's arguments (no communication); the same checks in the same order
     on every rank.  Strategy *availability* is checked separately by
-    :func:`tpfuse.strategies.why_unavailable`.
+    :func:`tpfuse.strategies.why_unavailable`.  fp8 operands, scales and ``out_dtype``:
+    :func:`tpfuse._fp8.check_scaled`.
     """
     if not isinstance(strategy, str):
         raise TypeError(f"{op}: strategy must be a string, got {type(strategy).__name__} {strategy!r}; "
@@ -78,14 +81,15 @@ def check_call(op: str, a: object, b: object, ctx: GroupContext, strategy: objec
     a_name, a_layout = _OPERANDS[op]
     a = _check_matrix(op, a_name, a_layout, a)
     b = _check_matrix(op, "b", "[K, N]", b)
-    if a.dtype != b.dtype:
+    fp8 = _fp8.is_fp8(a.dtype) or _fp8.is_fp8(b.dtype)
+    if a.dtype != b.dtype and not fp8:
         raise TypeError(
             f"{op}: {a_name} is {a.dtype} but b is {b.dtype}; cast one of them (b.to({a_name}.dtype))"
         )
-    if a.dtype not in _FAST_DTYPES + _REFERENCE_DTYPES:
+    if a.dtype not in _FAST_DTYPES + _REFERENCE_DTYPES and not fp8:
         raise TypeError(
             f"{op}: dtype {a.dtype} is not supported; use bfloat16, float16 or float32 "
-            f"(float64 with strategy='unfused' or 'ring')"
+            f"(float64 with strategy='unfused' or 'ring'; float8_e4m3fn with scale_a and scale_b)"
         )
     if a.device != b.device:
         raise ValueError(f"{op}: {a_name} is on {a.device} but b is on {b.device}; move both to one device")
@@ -111,6 +115,7 @@ def check_call(op: str, a: object, b: object, ctx: GroupContext, strategy: objec
             f"{op}: {a.dtype} runs only with strategy 'unfused' or 'ring' (a reference dtype); "
             f"got {strategy!r}"
         )
+    _fp8.check_scaled(op, a_name, a, b, scale_a, scale_b, out_dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,8 +175,10 @@ class Signature:
 
 
 def call_signature(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor,
-                   return_gathered: bool = False) -> Signature:
-    """The :class:`Signature` of a call that passed :func:`check_call`."""
+                   return_gathered: bool = False, scale_a: torch.Tensor | None = None,
+                   scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> Signature:
+    """The :class:`Signature` of a call that passed :func:`check_call` (fp8 calls add b's dtype,
+    the kind of each scale and the output dtype to the agreed fields)."""
     a_name, _ = _OPERANDS[op]
     rows = ("M/W (rows of a_shard)" if op == "ag_gemm" else "M (rows of a)", int(a.shape[0]))
     if op == "ag_gemm":
@@ -182,12 +189,16 @@ def call_signature(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor,
               ("layout", str(a.layout)), rows, agreed)
     if op == "ag_gemm":
         fields += (("return_gathered", bool(return_gathered)),)
+    if _fp8.is_fp8(a.dtype):
+        fields += (("b dtype", str(b.dtype)), ("scale_a", _fp8.scale_kind(scale_a)),
+                   ("scale_b", _fp8.scale_kind(scale_b)), ("out_dtype", str(out_dtype or _fp8.DEFAULT_OUT_DTYPE)))
     return Signature(op, fields, local)
 
 
-def signature(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, extra: int = 0) -> Signature:
-    """:func:`call_signature` with ``return_gathered`` given as an int (the layers' spelling)."""
-    return call_signature(op, strategy, a, b, bool(extra))
+def signature(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, extra: int = 0, **scaled) -> Signature:
+    """:func:`call_signature` with ``return_gathered`` given as an int (the layers' spelling);
+    ``scaled``: ``scale_a``, ``scale_b``, ``out_dtype`` of an fp8 call."""
+    return call_signature(op, strategy, a, b, bool(extra), **scaled)
 
 
 def _agreed(message: str) -> ValueError:
