@@ -249,3 +249,111 @@ def test_fake_impls(rank_pool):
     for shapes in rank_pool(2).run(fake_shapes):
         assert shapes == [((10, 16), "torch.float32"), ((10, 32), "torch.float8_e4m3fn"), ((10, 1), "torch.float32"),
                           ((5, 16), "torch.bfloat16"), ((5, 16), "torch.float16")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers: forward and both gradients against the unsharded layer in the same recipe (float64)
+# ---------------------------------------------------------------------------------------------
+#
+# Every rank builds the full float64 layer, input and output gradient from one seed, rounded to
+# the parameter dtype.  The reference quantizes them exactly as the recipe says for the
+# unsharded layer (amax over whole tensors, token rows, output channels), so its fp8 operands
+# are the layers' fp8 operands bit for bit when the layers' all-reduced amaxes are right, and it
+# multiplies in float64.  The layers' remaining error is the ops' (module docstring) plus at
+# most two roundings to the parameter dtype (a dequantized wgrad operand or the op's output,
+# then the bias add):  |got - ref| <= g + 2 u (|ref| + g),  g = ((K + W + 4) u32 + u) |A| @ |B|.
+
+LAYER_IN, LAYER_OUT = 96, 96  # in/W and out/W multiples of 16 for W = 2 and 3
+PARAM = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _ref_quantize(t: torch.Tensor, granularity: str, dtype: torch.dtype) -> torch.Tensor:
+    x8, scale = _fp8.quantize(t, dtype, granularity, pow2=granularity == "rows")
+    return _deq(x8, scale)
+
+
+def _ref_layer(kind, recipe, sequence_parallel, save_gathered, x, w, b, gy):
+    """Unsharded float64 forward/backward of ``x @ w.T + b`` in the recipe: values and |A|@|B|."""
+    (gx, dx), (gw, dw) = _fp8.RECIPES[recipe]["forward"]
+    (gg, dg), (gwi, dwi) = _fp8.RECIPES[recipe]["grad_input"]
+    xd, wd = _ref_quantize(x, gx, dx), _ref_quantize(w, gw, dw)
+    gd, wid = _ref_quantize(gy, gg, dg), _ref_quantize(w, gwi, dwi)
+    x_used = xd if (kind == "column" and sequence_parallel and save_gathered) else x
+    g_used = gd if (kind == "row" and sequence_parallel) else gy
+    return {"y": (xd @ wd.t() + b, xd.abs() @ wd.abs().t() + b.abs()),
+            "grad_x": (gd @ wid, gd.abs() @ wid.abs()),
+            "grad_w": (g_used.t() @ x_used, g_used.abs().t() @ x_used.abs()),
+            "grad_b": (gy.sum(0), gy.abs().sum(0))}
+
+
+def _layer_shard(kind, name, t, rank, world_size, sequence_parallel):
+    """This rank's part of the unsharded ``t`` (value ``name`` of a ``kind`` layer)."""
+    def block(dim):
+        size = t.shape[dim] // world_size
+        return t.narrow(dim, rank * size, size)
+
+    if kind == "column":
+        dim = {"y": 1, "grad_x": 0 if sequence_parallel else None, "grad_w": 0, "grad_b": 0}[name]
+    else:
+        dim = {"y": 0 if sequence_parallel else None, "grad_x": 1, "grad_w": 1, "grad_b": None}[name]
+    return t if dim is None else block(dim)
+
+
+def layer_cases(rank, world_size, cases):
+    from tpfuse.nn import ColumnParallelLinear, RowParallelLinear
+
+    report = []
+    for index, (kind, recipe, sequence_parallel, save_gathered, dtype_name, strategy) in enumerate(cases):
+        dtype = PARAM[dtype_name]
+        g = torch.Generator().manual_seed(200 + index)
+        tokens = M_SHARD * world_size
+
+        def rnd(*shape, std=1.0):  # values the parameter dtype represents exactly
+            return (torch.randn(*shape, generator=g, dtype=torch.float64) * std).to(dtype).double()
+
+        x, w, b, gy = rnd(tokens, LAYER_IN), rnd(LAYER_OUT, LAYER_IN, std=0.1), rnd(LAYER_OUT), rnd(tokens, LAYER_OUT)
+        ref = _ref_layer(kind, recipe, sequence_parallel, save_gathered, x, w, b, gy)
+        kw = dict(sequence_parallel=sequence_parallel, strategy=strategy, fp8=recipe)
+        if kind == "column":
+            layer = ColumnParallelLinear.from_full(w.to(dtype), b.to(dtype), save_gathered_input=save_gathered, **kw)
+            x_in = x[rank * M_SHARD:(rank + 1) * M_SHARD] if sequence_parallel else x
+            gy_in = _layer_shard("column", "y", gy, rank, world_size, sequence_parallel)
+        else:
+            layer = RowParallelLinear.from_full(w.to(dtype), b.to(dtype), **kw)
+            x_in = _layer_shard("row", "grad_x", x, rank, world_size, sequence_parallel)
+            gy_in = _layer_shard("row", "y", gy, rank, world_size, sequence_parallel)
+        x_in = x_in.to(dtype).clone().requires_grad_()
+        y = layer(x_in)
+        y.backward(gy_in.to(dtype))
+        got = {"y": y.detach(), "grad_x": x_in.grad, "grad_w": layer.weight.grad, "grad_b": layer.bias.grad}
+        k_of = {"y": LAYER_IN, "grad_x": LAYER_OUT, "grad_w": tokens, "grad_b": tokens}
+        row = dict(case=cases[index], ratios={}, ok=True, why=[])
+        u = UNIT[dtype]
+        for name, value in got.items():
+            want, mag = (_layer_shard(kind, name, t, rank, world_size, sequence_parallel) for t in ref[name])
+            if value is None or value.dtype != dtype or value.shape != want.shape or not torch.isfinite(value).all():
+                row["ok"] = False
+                row["why"].append(f"{name}: {None if value is None else (value.dtype, tuple(value.shape))}")
+                continue
+            gbound = ((k_of[name] + world_size + 4) * 2.0 ** -24 + u) * mag
+            bound = gbound + 2 * u * (want.abs() + gbound)
+            row["ratios"][name] = ((value.double() - want).abs() / bound).max().item()
+        report.append(row)
+    return report
+
+
+LAYER_CASES = [(kind, recipe, sp, True, dtype_name, "ring" if i % 2 else "unfused")
+               for i, (kind, recipe, sp, dtype_name) in enumerate(
+                   (kind, recipe, sp, dtype_name) for kind in ("column", "row") for recipe in ("tensorwise", "rowwise")
+                   for sp in (True, False) for dtype_name in ("bf16", "fp32"))]
+LAYER_CASES += [("column", recipe, True, False, "bf16", "auto") for recipe in ("tensorwise", "rowwise")]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_layers_match_unsharded_recipe(rank_pool, world_size):
+    reports = rank_pool(world_size).run(layer_cases, LAYER_CASES, timeout=240)
+    for rank, report in enumerate(reports):
+        for row in report:
+            assert row["ok"], f"rank {rank} {row['case']}: {row['why']}"
+            for name, ratio in row["ratios"].items():
+                assert ratio <= 1.0, f"rank {rank} {row['case']} {name}: error {ratio:.2f} x the derived bound"
