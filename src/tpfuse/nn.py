@@ -532,8 +532,16 @@ class RowParallelLinear(_ParallelLinear):
         ctx, weight = self._ctx, self.weight
         b = weight.t()
         op = "gemm_rs" if self.sequence_parallel else "gemm_ar"
-        x2d, strategy = self._choose_strategy(op, lambda x2d: x2d, b, weight.shape[1], x,
-                                              fp8_gemm="forward" if self.fp8 is not None else None)
+        if self.fp8 is not None and self.sequence_parallel:
+            # resolved on the backward's ag_gemm (grad_y shard [T/W, out] x weight [out, in/W]): a
+            # strategy that runs it with the recipe's scales runs the forward gemm_rs too, not
+            # always the other way round (_fp8.why_strategy_refuses)
+            x2d, strategy = self._choose_strategy(
+                "ag_gemm", lambda x2d: x2d[:x2d.shape[0] // ctx.world_size, :1].expand(-1, self.out_features), weight,
+                weight.shape[1], x, fp8_gemm="grad_input")
+        else:
+            x2d, strategy = self._choose_strategy(op, lambda x2d: x2d, b, weight.shape[1], x,
+                                                  fp8_gemm="forward" if self.fp8 is not None else None)
         if self.fp8 is not None:
             y = _autograd.Fp8RowParallel.apply(x2d, weight, ctx.group_name, strategy, ctx.world_size, self.fp8,
                                                self.sequence_parallel)

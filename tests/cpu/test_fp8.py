@@ -347,6 +347,7 @@ LAYER_CASES = [(kind, recipe, sp, True, dtype_name, "ring" if i % 2 else "unfuse
                    (kind, recipe, sp, dtype_name) for kind in ("column", "row") for recipe in ("tensorwise", "rowwise")
                    for sp in (True, False) for dtype_name in ("bf16", "fp32"))]
 LAYER_CASES += [("column", recipe, True, False, "bf16", "auto") for recipe in ("tensorwise", "rowwise")]
+LAYER_CASES += [("row", "rowwise", True, True, "bf16", "auto")]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
