@@ -132,7 +132,7 @@ def train(rank: int, world_size: int, cfg: Config) -> list[tuple[float, float]]:
 # so its error is a few % / sqrt(K) of its magnitude, and the MSE loss over 64 x 64 outputs
 # averages it further: step-by-step losses differ by noise of about 0.1-0.5 %, and the optimizer's
 # path drifts slowly.  Measured (defaults, --dtype bfloat16, W = 2, 300 steps, docs/nn.md "fp8"):
-# at most 0.3 % (rowwise) on 25-step means.  2 % leaves several times that, while a real fault
+# at most 0.3 % (rowwise and tensorwise alike) on 25-step means.  2 % leaves several times that, while a real fault
 # moves the curve by more: a scale off by a factor 2, an amax not reduced over the ranks (a rank
 # quantizing with the wrong range), or a gradient left unscaled.
 FP8_WINDOW = 25
