@@ -30,7 +30,7 @@ call wait for a DONE2 credit that the one-shot call before it never raised; foun
 
 Either way every rank's ``gemm_ar`` output is bitwise the same (one sum order, or one owner's
 sum copied).  Partials are rounded to the input dtype once and summed in float32, as in
-``unfused``.  Per-chunk GEMMs are ``torch.matmul`` (cuBLAS), ``torch._scaled_mm`` for fp8 (``strategies._scaled.mm``).
+``unfused``.  Per-chunk GEMMs are ``torch.matmul`` (cuBLAS).
 
 An eager call waits for its own completion once (one host sync on the workspace's error word)
 so that a timed-out wait raises ``TimeoutError`` here instead of returning stale data; inside a
@@ -47,7 +47,6 @@ import torch
 from tpfuse import symm, timeline
 from tpfuse._dist import GroupContext, breadcrumb, new_output
 from tpfuse.model import knobs
-from tpfuse.strategies._scaled import mm, wire
 from tpfuse.strategies.ring import _row_bounds
 
 __all__ = ["NAME", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar", "ar_mode", "gather_reduced"]
@@ -92,28 +91,25 @@ def _peers(ctx: GroupContext) -> list[int]:
     return [(ctx.rank + i) % ctx.world_size for i in range(1, ctx.world_size)]
 
 
-def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
-            scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
-    # fp8 (tpfuse._fp8 policy: tensor-wise scale_a only): the bytes move through a uint8 workspace
-    assert scale_a is None or scale_a.dim() < 2, "copy_engine ag_gemm takes a tensor-wise scale_a only"
+def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[torch.Tensor, torch.Tensor]:
     world_size, rank = ctx.world_size, ctx.rank
     m_shard, k = a_shard.shape
     a_full = new_output((world_size * m_shard, k), dtype=a_shard.dtype, device=a_shard.device)
-    c = new_output((world_size * m_shard, b.shape[1]), dtype=out_dtype or a_shard.dtype, device=a_shard.device)
+    c = new_output((world_size * m_shard, b.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
     if world_size == 1 or a_full.numel() == 0:
         a_full.copy_(a_shard)
-        mm(a_full, b, scale_a, scale_b, out_dtype, out=c)
-        return (c, a_full) if scale_a is None else (c, a_full, scale_a.clone())
+        torch.matmul(a_full, b, out=c)
+        return c, a_full
 
     def rows(chunk: int) -> slice:
         return slice(chunk * m_shard, (chunk + 1) * m_shard)
 
-    ws = symm.get_workspace(ctx, "ag_gemm", wire(a_shard).dtype, a_shard.device, a_full[rows(0)].nbytes)
+    ws = symm.get_workspace(ctx, "ag_gemm", a_shard.dtype, a_shard.device, a_full[rows(0)].nbytes)
     peers = _peers(ctx)
     main, side = torch.cuda.current_stream(), ws.stream
     breadcrumb("copy_engine ag_gemm: publishing the local shard")
     ws.begin(ws.incoming("DONE", peers))
-    ws.data(rank, (m_shard, k)).copy_(wire(a_shard))
+    ws.data(rank, (m_shard, k)).copy_(a_shard)
     ws.signal(ws.outgoing("READY", peers))
     side.wait_stream(main)
     arrived = {}
@@ -123,26 +119,25 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
             with timeline.span("wait", f"READY {p}", device=dev, chunk=p):
                 ws.wait(ws.incoming("READY", [p]), symm.WAIT_READY)
             with timeline.span("copy", f"pull {p}", device=dev, chunk=p):
-                wire(a_full[rows(p)]).copy_(ws.data(p, (m_shard, k)))
+                a_full[rows(p)].copy_(ws.data(p, (m_shard, k)))
             arrived[p] = torch.cuda.Event()
             arrived[p].record(side)
         ws.signal(ws.outgoing("DONE", peers))
     a_full[rows(rank)].copy_(a_shard)
     with timeline.span("gemm", f"GEMM {rank}", device=dev, chunk=rank):
-        mm(a_shard, b, scale_a, scale_b, out_dtype, out=c[rows(rank)])
+        torch.matmul(a_shard, b, out=c[rows(rank)])
     for p in peers:
         main.wait_event(arrived[p])
         with timeline.span("gemm", f"GEMM {p}", device=dev, chunk=p):
-            mm(a_full[rows(p)], b, scale_a, scale_b, out_dtype, out=c[rows(p)])
+            torch.matmul(a_full[rows(p)], b, out=c[rows(p)])
     main.wait_stream(side)
     a_full.record_stream(side)
-    _finish(ws, "ag_gemm", c, wire(a_full))
-    return (c, a_full) if scale_a is None else (c, a_full, scale_a.clone())
+    _finish(ws, "ag_gemm", c, a_full)
+    return c, a_full
 
 
 def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, ws: symm.Workspace,
-                      bounds: list[tuple[int, int]], slot_rows: int, scaled: tuple = (None, None, None)
-                      ) -> list[torch.Tensor]:
+                      bounds: list[tuple[int, int]], slot_rows: int) -> list[torch.Tensor]:
     """Phase 1 of gemm_rs/gemm_ar: the partial of every owner's rows into that owner's inbox
     slot for this rank (peers through the side stream, owner order from rank + 1); returns this
     rank's inbox slots in rank order (views of the rows it owns)."""
@@ -153,18 +148,12 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, ws: s
         lo, hi = bounds[owner]
         return ws.data(owner, (slot_rows, n), offset=src * slot_rows * n)[: hi - lo]
 
-    scale_a, scale_b, out_dtype = scaled  # fp8: partials in out_dtype, like bf16 ones in bf16
-
-    def product(lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        rows_scale = scale_a[lo:hi] if scale_a is not None and scale_a.dim() == 2 else scale_a
-        return mm(a[lo:hi], b, rows_scale, scale_b, out_dtype, out=out)
-
     dev = a.device
     side.wait_stream(main)
     for p in _peers(ctx):
         lo, hi = bounds[p]
         with timeline.span("gemm", f"GEMM {p}", device=dev, chunk=p):
-            part = product(lo, hi)
+            part = torch.matmul(a[lo:hi], b)
         done = torch.cuda.Event()
         done.record(main)
         with torch.cuda.stream(side):
@@ -175,26 +164,25 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, ws: s
         part.record_stream(side)
     lo, hi = bounds[rank]
     with timeline.span("gemm", f"GEMM {rank}", device=dev, chunk=rank):
-        product(lo, hi, out=inbox(rank, rank))
+        torch.matmul(a[lo:hi], b, out=inbox(rank, rank))
     return [inbox(rank, src) for src in range(world_size)]
 
 
-def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
-            scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
     m, n = a.shape[0], b.shape[1]
     world_size, rank = ctx.world_size, ctx.rank
     if world_size == 1:
-        return mm(a, b, scale_a, scale_b, out_dtype)
+        return torch.matmul(a, b)
     shard = m // world_size
-    c_shard = new_output((shard, n), dtype=out_dtype or a.dtype, device=a.device)
+    c_shard = new_output((shard, n), dtype=a.dtype, device=a.device)
     if m * n == 0:
         return c_shard.zero_()
-    ws = symm.get_workspace(ctx, "gemm_rs", c_shard.dtype, a.device, world_size * shard * n * c_shard.element_size())
+    ws = symm.get_workspace(ctx, "gemm_rs", a.dtype, a.device, world_size * shard * n * a.element_size())
     peers = _peers(ctx)
     breadcrumb("copy_engine gemm_rs: computing partials")
     ws.begin(ws.incoming("DONE", peers))
     bounds = [(r * shard, (r + 1) * shard) for r in range(world_size)]
-    sources = _scatter_partials(a, b, ctx, ws, bounds, shard, (scale_a, scale_b, out_dtype))
+    sources = _scatter_partials(a, b, ctx, ws, bounds, shard)
     reduce_inbox(ws, ("rs", shard, n), peers, sources, c_shard)
     ws.signal(ws.outgoing("DONE", peers))
     torch.cuda.current_stream().wait_stream(ws.stream)
@@ -207,22 +195,21 @@ def ar_mode(m: int, n: int, element_size: int) -> str:
     return "one_shot" if knobs.ar_one_shot(m, n, element_size) else "two_shot"
 
 
-def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
-            scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
     m, n = a.shape[0], b.shape[1]
     world_size, rank = ctx.world_size, ctx.rank
     if world_size == 1 or m * n == 0:
-        return mm(a, b, scale_a, scale_b, out_dtype)
-    c = new_output((m, n), dtype=out_dtype or a.dtype, device=a.device)
+        return torch.matmul(a, b)
+    c = new_output((m, n), dtype=a.dtype, device=a.device)
     peers = _peers(ctx)
-    if ar_mode(m, n, c.element_size()) == "one_shot":
+    if ar_mode(m, n, a.element_size()) == "one_shot":
         # its own workspace: its slot is read in place by every peer (credit: DONE from all), a
         # layout the two-shot workspace's credits do not protect
-        ws = symm.get_workspace(ctx, "gemm_ar_one_shot", c.dtype, a.device, m * n * c.element_size())
+        ws = symm.get_workspace(ctx, "gemm_ar_one_shot", a.dtype, a.device, m * n * a.element_size())
         breadcrumb("copy_engine gemm_ar (one-shot): computing the partial")
         ws.begin(ws.incoming("DONE", peers))
         with timeline.span("gemm", "GEMM", device=a.device):
-            mm(a, b, scale_a, scale_b, out_dtype, out=ws.data(rank, (m, n)))
+            torch.matmul(a, b, out=ws.data(rank, (m, n)))
         ws.signal(ws.outgoing("READY", peers))
         reduce_inbox(ws, ("ar1", m, n), peers, [ws.data(src, (m, n)) for src in range(world_size)], c)
         ws.signal(ws.outgoing("DONE", peers))
@@ -231,7 +218,7 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
 
     bounds = _row_bounds(m, world_size)
     slot_rows = -(-m // world_size)
-    ws = two_shot_workspace(ctx, c.dtype, a.device, slot_rows * n)
+    ws = two_shot_workspace(ctx, a.dtype, a.device, slot_rows * n)
     gather_at = two_shot_gather_offset(ws)
 
     def gathered(owner: int) -> torch.Tensor:
@@ -240,7 +227,7 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
 
     breadcrumb("copy_engine gemm_ar (two-shot): computing partials")
     ws.begin(ws.incoming("DONE", peers))
-    sources = _scatter_partials(a, b, ctx, ws, bounds, slot_rows, (scale_a, scale_b, out_dtype))
+    sources = _scatter_partials(a, b, ctx, ws, bounds, slot_rows)
     gather_reduced(ws, peers, sources, bounds, gathered, c)
     _finish(ws, "gemm_ar", c)
     return c
