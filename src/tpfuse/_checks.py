@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tpfuse import dtypes, strategies
+from tpfuse import _fp8, dtypes, strategies
 from tpfuse._dist import GroupContext
 
 __all__ = ["OPS", "check_call", "agreement_enabled", "agree", "signature",
@@ -56,12 +56,14 @@ def _check_matrix(op: str, name: str, layout: str, x: object) -> torch.Tensor:
 
 
 def check_call(op: str, a: object, b: object, ctx: GroupContext, strategy: object,
-               return_gathered: object = False) -> None:
+               return_gathered: object = False, scale_a: object = None, scale_b: object = None,
+               out_dtype: object = None) -> None:
     """Raise ``TypeError``/``ValueError`` for a call that no strategy may run.
 
     Checks only this rank's arguments (no communication); the same checks in the same order
     on every rank.  Strategy *availability* (including whether the named strategy takes the
-    dtype) is checked separately by :func:`tpfuse.strategies.why_unavailable`.
+    dtype) is checked separately by :func:`tpfuse.strategies.why_unavailable`.  fp8 operands,
+    scales and ``out_dtype``: :func:`tpfuse._fp8.check_scaled`.
     """
     names = strategies.names()
     if not isinstance(strategy, str):
@@ -77,15 +79,17 @@ def check_call(op: str, a: object, b: object, ctx: GroupContext, strategy: objec
     a_name, a_layout = _OPERANDS[op]
     a = _check_matrix(op, a_name, a_layout, a)
     b = _check_matrix(op, "b", "[K, N]", b)
-    if a.dtype != b.dtype:
+    fp8 = _fp8.is_fp8(a.dtype) or _fp8.is_fp8(b.dtype)
+    if a.dtype != b.dtype and not fp8:
         raise TypeError(
             f"{op}: {a_name} is {a.dtype} but b is {b.dtype}; cast one of them (b.to({a_name}.dtype))"
         )
     takers = [s for s in names if dtypes.accepts(strategies.info(s).dtypes, a.dtype)]
-    if not takers:
+    if not takers and not fp8:
         raise TypeError(
             f"{op}: dtype {a.dtype} is not supported; use one of "
-            f"{', '.join(sorted({str(d) for s in names for d in dtypes.inputs(strategies.info(s).dtypes)}))}"
+            f"{', '.join(sorted({str(d) for s in names for d in dtypes.inputs(strategies.info(s).dtypes)}))} "
+            f"(float8_e4m3fn with scale_a and scale_b)"
         )
     if a.device != b.device:
         raise ValueError(f"{op}: {a_name} is on {a.device} but b is on {b.device}; move both to one device")
@@ -106,6 +110,7 @@ def check_call(op: str, a: object, b: object, ctx: GroupContext, strategy: objec
             f"{ctx.world_size} (each rank gets M/W rows of the result); pad M to "
             f"{-(-a.shape[0] // ctx.world_size) * ctx.world_size}"
         )
+    _fp8.check_scaled(op, a_name, a, b, scale_a, scale_b, out_dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,9 +170,11 @@ class Signature:
 
 
 def call_signature(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor,
-                   return_gathered: bool = False, knobs: str = "") -> Signature:
+                   return_gathered: bool = False, knobs: str = "", scale_a: torch.Tensor | None = None,
+                   scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> Signature:
     """The :class:`Signature` of a call that passed :func:`check_call`; ``knobs``: the knobs
-    pinned on the group (``tpfuse.strategies.pinned_knobs``), agreed when there are any."""
+    pinned on the group (``tpfuse.strategies.pinned_knobs``), agreed when there are any (fp8
+    calls add b's dtype, the kind of each scale and the output dtype to the agreed fields)."""
     a_name, _ = _OPERANDS[op]
     rows = ("M/W (rows of a_shard)" if op == "ag_gemm" else "M (rows of a)", int(a.shape[0]))
     if op == "ag_gemm":
@@ -180,12 +187,16 @@ def call_signature(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor,
         fields += (("return_gathered", bool(return_gathered)),)
     if knobs:
         fields += (("pinned knobs", knobs),)
+    if _fp8.is_fp8(a.dtype):
+        fields += (("b dtype", str(b.dtype)), ("scale_a", _fp8.scale_kind(scale_a)),
+                   ("scale_b", _fp8.scale_kind(scale_b)), ("out_dtype", str(out_dtype or _fp8.DEFAULT_OUT_DTYPE)))
     return Signature(op, fields, local)
 
 
-def signature(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, extra: int = 0) -> Signature:
-    """:func:`call_signature` with ``return_gathered`` given as an int (the layers' spelling)."""
-    return call_signature(op, strategy, a, b, bool(extra))
+def signature(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, extra: int = 0, **scaled) -> Signature:
+    """:func:`call_signature` with ``return_gathered`` given as an int (the layers' spelling);
+    ``scaled``: ``scale_a``, ``scale_b``, ``out_dtype`` of an fp8 call."""
+    return call_signature(op, strategy, a, b, bool(extra), **scaled)
 
 
 def _agreed(message: str) -> ValueError:

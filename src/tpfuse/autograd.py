@@ -163,3 +163,160 @@ def _register() -> None:
 
 
 _register()
+
+
+# --------------------------------------------------------------------------------------------
+# fp8 layers: dynamic scaling + the scaled ops (torchao's float8 recipes, tpfuse._fp8.RECIPES)
+# --------------------------------------------------------------------------------------------
+#
+# Scales are computed from the amax of what the *unsharded* layer would scale: where a scaled
+# slice (a whole tensor, a token row, an output channel) is spread over the ranks, the amax is
+# all-reduced (MAX) over the group first, as torchao does on DTensors and Transformer Engine over
+# its amax-reduction group.  So a TP layer quantizes exactly as the unsharded layer in the same
+# recipe, and every rank of an ag_gemm has the same tensor-wise scale.
+
+
+def _all_reduce_max(x: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    if world_size == 1:
+        return x
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "max", group_name))
+
+
+def fp8_cast(x: torch.Tensor, granularity: str, dtype: torch.dtype, group_name: str, world_size: int, *,
+             spread: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [rows, cols] in fp8 with its dequantization scale: tensor-wise (0-d) or one per row
+    ([rows, 1]).  ``spread``: the scaled slices continue on the other ranks (their amax is
+    all-reduced).  Row-wise scales are powers of two (torchao's row-wise recipes round them)."""
+    from tpfuse import _fp8
+
+    rows = granularity == "rows"
+    amax = x.abs().amax(dim=-1, keepdim=True) if rows else x.abs().amax()
+    if spread:
+        amax = _all_reduce_max(amax, group_name, world_size)
+    return _fp8.quantize(x, dtype, "rows" if rows else "tensor", amax=amax, pow2=rows)
+
+
+def _dequantize(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (x8.float() * scale).to(dtype)
+
+
+def _as_scale_b(scale: torch.Tensor) -> torch.Tensor:
+    """A weight's per-output-channel scale [out, 1] as ``scale_b`` [1, out] of ``weight.t()``."""
+    return scale.reshape(1, -1) if scale.dim() == 2 else scale
+
+
+class Fp8ColumnParallel(torch.autograd.Function):
+    """fp8 column-parallel GEMM ``y = x @ weight.T`` (bias outside).
+
+    | | SP (``ag_gemm``) | no SP (local) |
+    |---|---|---|
+    | forward | ``ag_gemm(q(x_shard), q(w).T)`` | ``q(x) @ q(w).T`` |
+    | ``grad_x`` | ``gemm_rs(q(grad_y), q_gi(w))`` | ``gemm_ar(q(grad_y), q_gi(w))`` |
+    | ``grad_w`` | ``grad_y.T @ x_full`` in the layer's dtype | ``grad_y.T @ x`` |
+
+    ``q``/``q_gi``: the recipe's casts (:data:`tpfuse._fp8.RECIPES`).  ``x_full`` is the
+    dequantized fp8 input gathered by the forward op (``save_gathered_input=True``) or the
+    high-precision input gathered again in backward (``False``).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, group_name: str, strategy: str, world_size: int, recipe: str,
+                sequence_parallel: bool, save_gathered_input: bool):
+        from tpfuse import _fp8
+
+        (gx, dx), (gw, dw) = _fp8.RECIPES[recipe]["forward"]
+        # tensor-wise: amax over every rank's tokens (SP) and every rank's output channels;
+        # row-wise: token rows and output channels are whole on each rank.
+        x8, sx = fp8_cast(x, gx, dx, group_name, world_size, spread=gx == "tensor" and sequence_parallel)
+        w8, sw = fp8_cast(weight, gw, dw, group_name, world_size, spread=gw == "tensor")
+        x_full = None
+        if sequence_parallel:
+            y, x8_full, sx_full = torch.ops.tpfuse.ag_gemm_scaled(x8, w8.t(), group_name, strategy, sx,
+                                                                  _as_scale_b(sw), x.dtype)
+            if ctx.needs_input_grad[1] and save_gathered_input:
+                x_full = _dequantize(x8_full, sx_full, x.dtype)
+        else:
+            from tpfuse.strategies._scaled import mm
+
+            y = mm(x8, w8.t(), sx, _as_scale_b(sw), x.dtype)
+        if ctx.needs_input_grad[1] and x_full is None:
+            x_full = x  # no SP: the replicated input; SP regather: the shard, gathered in backward
+        ctx.save_for_backward(x_full, weight)
+        ctx.args = (group_name, strategy, world_size, recipe, sequence_parallel, save_gathered_input)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from tpfuse import _fp8
+
+        x_saved, weight = ctx.saved_tensors
+        group_name, strategy, world_size, recipe, sequence_parallel, save_gathered_input = ctx.args
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            (gg, dg), (gw, dw) = _fp8.RECIPES[recipe]["grad_input"]
+            # grad_y [T, out/W]: its rows (and the whole tensor) continue on the other ranks
+            g8, sg = fp8_cast(grad_y.contiguous(), gg, dg, group_name, world_size, spread=True)
+            w8, sw = fp8_cast(weight, gw, dw, group_name, world_size, spread=gw == "tensor")
+            op = torch.ops.tpfuse.gemm_rs_scaled if sequence_parallel else torch.ops.tpfuse.gemm_ar_scaled
+            grad_x = op(g8, w8, group_name, strategy, sg, sw, grad_y.dtype)
+        if ctx.needs_input_grad[1]:
+            x_full = x_saved
+            if sequence_parallel and not save_gathered_input:
+                x_full = all_gather_rows(x_saved, group_name, world_size)
+            grad_w = torch.matmul(grad_y.t(), x_full)
+        return grad_x, grad_w, None, None, None, None, None, None
+
+
+class Fp8RowParallel(torch.autograd.Function):
+    """fp8 row-parallel GEMM ``y = x @ weight.T`` (bias outside).
+
+    | | SP (``gemm_rs``) | no SP (``gemm_ar``) |
+    |---|---|---|
+    | forward | ``gemm_rs(q(x), q(w).T)`` | ``gemm_ar(q(x), q(w).T)`` |
+    | ``grad_x`` | ``ag_gemm(q(grad_y_shard), q_gi(w))`` | ``q(grad_y) @ q_gi(w)``, local |
+    | ``grad_w`` | ``grad_y_full.T @ x`` in the layer's dtype | ``grad_y.T @ x`` |
+
+    ``grad_y_full`` is the dequantized fp8 output gradient gathered by the backward's ``ag_gemm``
+    (``grad_y`` itself without SP).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, group_name: str, strategy: str, world_size: int, recipe: str,
+                sequence_parallel: bool):
+        from tpfuse import _fp8
+
+        (gx, dx), (gw, dw) = _fp8.RECIPES[recipe]["forward"]
+        # x [T, in/W] and weight [out, in/W]: token rows, output channels and the tensors all
+        # continue on the other ranks (the input features are split)
+        x8, sx = fp8_cast(x, gx, dx, group_name, world_size, spread=True)
+        w8, sw = fp8_cast(weight, gw, dw, group_name, world_size, spread=True)
+        op = torch.ops.tpfuse.gemm_rs_scaled if sequence_parallel else torch.ops.tpfuse.gemm_ar_scaled
+        y = op(x8, w8.t(), group_name, strategy, sx, _as_scale_b(sw), x.dtype)
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
+        ctx.args = (group_name, strategy, world_size, recipe, sequence_parallel)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from tpfuse import _fp8
+
+        x, weight = ctx.saved_tensors
+        group_name, strategy, world_size, recipe, sequence_parallel = ctx.args
+        (gg, dg), (gw, dw) = _fp8.RECIPES[recipe]["grad_input"]
+        grad_y = grad_y.contiguous()
+        # grad_y rows are whole on each rank; SP: the tensor continues on the others (its token
+        # blocks), no SP: it is replicated
+        g8, sg = fp8_cast(grad_y, gg, dg, group_name, world_size, spread=gg == "tensor" and sequence_parallel)
+        w8, sw = fp8_cast(weight, gw, dw, group_name, world_size, spread=gw == "tensor")
+        grad_full = grad_y
+        if sequence_parallel:
+            grad_x, g8_full, sg_full = torch.ops.tpfuse.ag_gemm_scaled(g8, w8, group_name, strategy, sg, sw,
+                                                                       grad_y.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_full = _dequantize(g8_full, sg_full, grad_y.dtype)
+        else:
+            from tpfuse.strategies._scaled import mm
+
+            grad_x = mm(g8, w8, sg, sw, grad_y.dtype)
+        grad_w = torch.matmul(grad_full.t(), x) if ctx.needs_input_grad[1] else None
+        return (grad_x if ctx.needs_input_grad[0] else None), grad_w, None, None, None, None, None

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Rule", "HALF", "FLOAT32", "FLOAT64", "FAST", "EVERY", "name", "torch_dtype", "itemsize",
+__all__ = ["Rule", "HALF", "FLOAT32", "FLOAT64", "FP8", "FAST", "EVERY", "name", "torch_dtype", "itemsize",
            "rule", "accepts", "inputs", "out_dtype", "accumulate", "reduce_dtype", "default", "rounding_floor",
            "describe"]
 
@@ -62,6 +62,10 @@ class Rule:
 HALF = Rule(inputs=(torch.bfloat16, torch.float16))
 FLOAT32 = Rule(inputs=(torch.float32,))
 FLOAT64 = Rule(inputs=(torch.float64,), accumulate=torch.float64, reduce=torch.float64)
+# fp8 (e4m3; e5m2 for gradients) with the scales and output dtypes of torch._scaled_mm; the legal
+# pairs, scale shapes and size rule are tpfuse/_fp8.py's checks
+FP8 = Rule(inputs=(torch.float8_e4m3fn, torch.float8_e5m2), out_dtypes=(torch.bfloat16, torch.float16, torch.float32),
+           scales=("scale_a", "scale_b"))
 FAST = (HALF, FLOAT32)              # the Triton-free symmetric-memory path (cuBLAS per chunk)
 EVERY = (HALF, FLOAT32, FLOAT64)    # torch.distributed strategies: float64 too (reference checks)
 
@@ -103,7 +107,7 @@ def inputs(rules: tuple[Rule, ...]) -> tuple[torch.dtype, ...]:
 
 
 def _default(dtype: Any) -> Rule:
-    r = rule(EVERY, dtype)
+    r = rule(EVERY + (FP8,), dtype)
     if r is None:
         raise ValueError(f"dtype: {dtype!r} has no default rule; name a strategy's DTYPES")
     return r

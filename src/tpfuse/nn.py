@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpfuse import _checks, strategies
+from tpfuse import _checks, _fp8, strategies
 from tpfuse import autograd as _autograd  # registers the custom ops' autograd formulas
 from tpfuse._dist import GroupContext, group_context
 from tpfuse.ops import resolve_strategy, traced_strategy
@@ -121,6 +121,27 @@ def _check_positive_int(layer: str, name: str, value: object) -> int:
     return value
 
 
+def _check_fp8(layer: str, fp8: object, sizes: dict[str, int]) -> str | None:
+    """``fp8`` is None or a recipe of :data:`tpfuse._fp8.RECIPES`; every GEMM size the recipe
+    feeds to a K or N dimension (``sizes``: name -> this rank's size) is a multiple of 16."""
+    if fp8 is None:
+        return None
+    if not isinstance(fp8, str) or fp8 not in _fp8.RECIPES:
+        raise ValueError(f"{layer}: fp8 = {fp8!r}; use None (no fp8), 'tensorwise' or 'rowwise'")
+    for name, size in sizes.items():
+        if size % _fp8.ALIGN:
+            raise ValueError(
+                f"{layer}: fp8 needs {name} = {size} to be a multiple of {_fp8.ALIGN} (a K or N of the "
+                f"layer's fp8 GEMMs: the fp8 tensor cores' alignment); pad the layer or use fp8=None"
+            )
+    return fp8
+
+
+def _fp8_stand_in(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor of ``shape`` that reads nothing (the strategy choice reads shape, dtype, device)."""
+    return torch.empty((), dtype=dtype, device=device).expand(shape)
+
+
 def _check_divisible(layer: str, name: str, value: int, world_size: int, what: str) -> int:
     if value % world_size != 0:
         lower = value // world_size * world_size
@@ -180,6 +201,7 @@ class _ParallelLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"world_size={self.world_size}, sequence_parallel={self.sequence_parallel}, strategy={self.strategy!r}"
+            + (f", fp8={self.fp8!r}" if self.fp8 is not None else "")
         )
 
     # -- per-call validation and strategy -----------------------------------------------------
@@ -220,8 +242,17 @@ class _ParallelLinear(nn.Module):
             )
         return x.reshape(-1, local_in)
 
+    def _fp8_call(self, op: str, a_shape: tuple[int, int], b_shape: tuple[int, int], gemm: str, device):
+        """fp8 stand-ins of an op's operands and scales as the recipe's ``gemm`` casts them:
+        (a, b, scaled kwargs).  Only shapes, dtypes and scale kinds are read."""
+        (ga, da), (gb, db) = _fp8.RECIPES[self.fp8][gemm]
+        scale_a = _fp8_stand_in((a_shape[0], 1) if ga == "rows" else (), torch.float32, device)
+        scale_b = _fp8_stand_in((1, b_shape[1]) if gb == "rows" else (), torch.float32, device)
+        return (_fp8_stand_in(a_shape, da, device), _fp8_stand_in(b_shape, db, device),
+                dict(scale_a=scale_a, scale_b=scale_b, out_dtype=self.weight.dtype))
+
     def _choose_strategy(self, op: str, a: Callable[[torch.Tensor], torch.Tensor], b: torch.Tensor, local_in: int,
-                         x: torch.Tensor) -> tuple[torch.Tensor, str]:
+                         x: torch.Tensor, fp8_gemm: str | None = None) -> tuple[torch.Tensor, str]:
         """Validate ``x``, then resolve the concrete strategy of the op that ``(a, b)`` stand for.
 
         In eager mode, with the cross-rank agreement check on (CPU tensors on gloo by default, or
@@ -229,11 +260,23 @@ class _ParallelLinear(nn.Module):
         communication.  Under ``torch.compile`` only local checks run (they become guards) and
         the strategy is fixed at trace time.
         ``a`` is a callable building the op's left operand from the flattened input.
+        ``fp8_gemm``: the fp8 layers resolve the scaled op, with the operands that GEMM of the
+        recipe casts ("forward" or "grad_input").
         """
         ctx = self._ctx
+        scaled: dict = {}
+        if fp8_gemm is not None:
+            plain_a = a
+
+            def a(x2d, _plain=plain_a):
+                nonlocal b, scaled
+                a_t = _plain(x2d)
+                a_t, b, scaled = self._fp8_call(op, tuple(a_t.shape), tuple(b.shape), fp8_gemm, x2d.device)
+                return a_t
         if torch.compiler.is_compiling():
             x2d = self._flatten(x, local_in)
-            return x2d, traced_strategy(op, self.strategy, a(x2d), b, ctx)
+            a_t = a(x2d)
+            return x2d, traced_strategy(op, self.strategy, a_t, b, ctx, **scaled)
         if not _checks.agreement_enabled(ctx, getattr(getattr(x, "device", None), "type", None)):
             try:
                 x2d = self._flatten(x, local_in)
@@ -243,15 +286,15 @@ class _ParallelLinear(nn.Module):
                 # once instead of waiting out the round's timeout
                 _checks.agree(ctx, f"{type(self).__name__} ({op})", exc, None)
                 raise
-            return x2d, resolve_strategy(op, self.strategy, a_t, b, ctx)
+            return x2d, resolve_strategy(op, self.strategy, a_t, b, ctx, **scaled)
         error: Exception | None = None
         x2d, chosen, signature = None, "unfused", None
         try:
             x2d = self._flatten(x, local_in)
             a_t = a(x2d)
-            _checks.check_call(op, a_t, b, ctx, self.strategy)
-            chosen = resolve_strategy(op, self.strategy, a_t, b, ctx)
-            signature = _checks.signature(op, chosen, a_t, b, 0)
+            _checks.check_call(op, a_t, b, ctx, self.strategy, **scaled)
+            chosen = resolve_strategy(op, self.strategy, a_t, b, ctx, **scaled)
+            signature = _checks.signature(op, chosen, a_t, b, 0, **scaled)
         except (TypeError, ValueError) as exc:
             error = exc
         _checks.agree(ctx, f"{type(self).__name__} ({op})", error, signature)
@@ -338,6 +381,10 @@ class ColumnParallelLinear(_ParallelLinear):
         save_gathered_input: keep the gathered input for the weight gradient (memory
             ``T x in`` per layer), or keep only the shard and gather it again in backward
             (``W`` times less activation memory, one more all-gather).  SP only.
+        fp8: None, "tensorwise" or "rowwise": the forward and the input-gradient GEMMs run in
+            fp8 through the scaled ops, with dynamic scales (:data:`tpfuse._fp8.RECIPES`,
+            docs/nn.md "fp8"); the weight gradient runs in the parameters' dtype.  ``in_features``
+            and ``out_features / W`` must be multiples of 16.
         dtype, device: of the parameters.
     """
 
@@ -346,16 +393,19 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group: dist.ProcessGroup | None = None,
                  sequence_parallel: bool = True, strategy: str = "auto", save_gathered_input: bool = True,
-                 dtype: torch.dtype | None = None, device=None):
+                 dtype: torch.dtype | None = None, device=None, fp8: str | None = None):
         ctx = self._validated_args("ColumnParallelLinear", in_features, out_features, bias, group,
                                    sequence_parallel, strategy)
         if not isinstance(save_gathered_input, bool):
             raise TypeError(f"ColumnParallelLinear: save_gathered_input must be a bool, got {save_gathered_input!r}")
         out_local = _check_divisible("ColumnParallelLinear", "out_features", out_features, ctx.world_size,
                                      "each rank holds out_features / world_size output features")
+        fp8 = _check_fp8("ColumnParallelLinear", fp8, {"in_features": in_features,
+                                                        "out_features / world_size": out_local})
         super().__init__(in_features, out_features, bias, group, sequence_parallel, strategy, dtype, device,
                          weight_shape=(out_local, in_features), bias_shape=(out_local,))
         self._ctx = ctx
+        self.fp8 = fp8
         self.save_gathered_input = save_gathered_input
         self.reset_parameters()
 
@@ -368,6 +418,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx, weight = self._ctx, self.weight
+        if self.fp8 is not None:
+            return self._forward_fp8(x)
         if self.sequence_parallel:
             b = weight.t()
             x2d, strategy = self._choose_strategy("ag_gemm", lambda x2d: x2d, b, self.in_features, x)
@@ -384,6 +436,24 @@ class ColumnParallelLinear(_ParallelLinear):
                 self.in_features, x)
             y = _LinearDgradAllReduce.apply(x2d, weight, ctx.group_name, strategy)
             lead = tuple(x.shape[:-1])
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, weight.shape[0])
+
+    def _forward_fp8(self, x: torch.Tensor) -> torch.Tensor:
+        ctx, weight = self._ctx, self.weight
+        if self.sequence_parallel:
+            x2d, strategy = self._choose_strategy("ag_gemm", lambda x2d: x2d, weight.t(), self.in_features, x,
+                                                  fp8_gemm="forward")
+            lead = (x.shape[0] * ctx.world_size, *x.shape[1:-1])
+        else:
+            # the collective is the backward's gemm_ar(grad_y [T, out/W], weight [out/W, in])
+            x2d, strategy = self._choose_strategy(
+                "gemm_ar", lambda x2d: x2d[:, :1].expand(x2d.shape[0], weight.shape[0]), weight,
+                self.in_features, x, fp8_gemm="grad_input")
+            lead = tuple(x.shape[:-1])
+        y = _autograd.Fp8ColumnParallel.apply(x2d, weight, ctx.group_name, strategy, ctx.world_size, self.fp8,
+                                              self.sequence_parallel, self.save_gathered_input)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, weight.shape[0])
@@ -428,6 +498,8 @@ class RowParallelLinear(_ParallelLinear):
             whatever each rank's random state.
         group, sequence_parallel, strategy, dtype, device: as for :class:`ColumnParallelLinear`;
             here ``sequence_parallel`` means the output is scattered by tokens (dim 0).
+        fp8: as for :class:`ColumnParallelLinear`; ``in_features / W`` and ``out_features`` must
+            be multiples of 16.
     """
 
     _weight_shard_dim = 1
@@ -436,14 +508,17 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group: dist.ProcessGroup | None = None,
                  sequence_parallel: bool = True, strategy: str = "auto", dtype: torch.dtype | None = None,
-                 device=None):
+                 device=None, fp8: str | None = None):
         ctx = self._validated_args("RowParallelLinear", in_features, out_features, bias, group,
                                    sequence_parallel, strategy)
         in_local = _check_divisible("RowParallelLinear", "in_features", in_features, ctx.world_size,
                                     "each rank holds in_features / world_size input features")
+        fp8 = _check_fp8("RowParallelLinear", fp8, {"in_features / world_size": in_local,
+                                                     "out_features": out_features})
         super().__init__(in_features, out_features, bias, group, sequence_parallel, strategy, dtype, device,
                          weight_shape=(out_features, in_local), bias_shape=(out_features,))
         self._ctx = ctx
+        self.fp8 = fp8
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -457,8 +532,21 @@ class RowParallelLinear(_ParallelLinear):
         ctx, weight = self._ctx, self.weight
         b = weight.t()
         op = "gemm_rs" if self.sequence_parallel else "gemm_ar"
-        x2d, strategy = self._choose_strategy(op, lambda x2d: x2d, b, weight.shape[1], x)
-        if self.sequence_parallel:
+        if self.fp8 is not None and self.sequence_parallel:
+            # resolved on the backward's ag_gemm (grad_y shard [T/W, out] x weight [out, in/W]): a
+            # strategy that runs it with the recipe's scales runs the forward gemm_rs too, not
+            # always the other way round (_fp8.why_strategy_refuses)
+            x2d, strategy = self._choose_strategy(
+                "ag_gemm", lambda x2d: x2d[:x2d.shape[0] // ctx.world_size, :1].expand(-1, self.out_features), weight,
+                weight.shape[1], x, fp8_gemm="grad_input")
+        else:
+            x2d, strategy = self._choose_strategy(op, lambda x2d: x2d, b, weight.shape[1], x,
+                                                  fp8_gemm="forward" if self.fp8 is not None else None)
+        if self.fp8 is not None:
+            y = _autograd.Fp8RowParallel.apply(x2d, weight, ctx.group_name, strategy, ctx.world_size, self.fp8,
+                                               self.sequence_parallel)
+            lead = (x.shape[0] // ctx.world_size, *x.shape[1:-1]) if self.sequence_parallel else tuple(x.shape[:-1])
+        elif self.sequence_parallel:
             y = torch.ops.tpfuse.gemm_rs(x2d, b, ctx.group_name, strategy)
             lead = (x.shape[0] // ctx.world_size, *x.shape[1:-1])
         else:

@@ -27,10 +27,10 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from tpfuse import _checks, strategies
+from tpfuse import _checks, _fp8, strategies
 from tpfuse._dist import GroupContext, group_context, resolve_group_name
 
-__all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "resolve_strategy", "traced_strategy", "group_decision",
+__all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "resolve_strategy", "traced_strategy", "group_decision", "why_unavailable",
            "clear_decisions"]
 
 
@@ -83,6 +83,73 @@ def _(a, b, group_name, strategy):
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
+# fp8: the scaled ops (as PyTorch has fused_all_gather_scaled_matmul beside fused_all_gather_matmul).
+# The scales and out_dtype are op arguments, so torch.compile and CUDA graphs see them.
+
+
+@torch.library.custom_op("tpfuse::ag_gemm_scaled", mutates_args=())
+def _ag_gemm_scaled_op(a_shard: torch.Tensor, b: torch.Tensor, group_name: str, strategy: str,
+                       scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp8 ``ag_gemm``: returns (c [M, N] in out_dtype, a_full [M, K] fp8, scale_a_full)."""
+    return strategies.get(strategy).ag_gemm(a_shard, b, _context_by_name(group_name), scale_a, scale_b, out_dtype)
+
+
+@_ag_gemm_scaled_op.register_fake
+def _(a_shard, b, group_name, strategy, scale_a, scale_b, out_dtype):
+    m = a_shard.shape[0] * _context_by_name(group_name).world_size
+    scale_full = scale_a.new_empty((m, 1)) if scale_a.dim() == 2 else scale_a.new_empty(scale_a.shape)
+    return a_shard.new_empty((m, b.shape[1]), dtype=out_dtype), a_shard.new_empty((m, a_shard.shape[1])), scale_full
+
+
+@torch.library.custom_op("tpfuse::gemm_rs_scaled", mutates_args=())
+def _gemm_rs_scaled_op(a: torch.Tensor, b: torch.Tensor, group_name: str, strategy: str,
+                       scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8 ``gemm_rs``: float32 partials reduce-scattered, rounded once to out_dtype: c_shard [M/W, N]."""
+    return strategies.get(strategy).gemm_rs(a, b, _context_by_name(group_name), scale_a, scale_b, out_dtype)
+
+
+@_gemm_rs_scaled_op.register_fake
+def _(a, b, group_name, strategy, scale_a, scale_b, out_dtype):
+    world_size = _context_by_name(group_name).world_size
+    return a.new_empty((a.shape[0] // world_size, b.shape[1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("tpfuse::gemm_ar_scaled", mutates_args=())
+def _gemm_ar_scaled_op(a: torch.Tensor, b: torch.Tensor, group_name: str, strategy: str,
+                       scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8 ``gemm_ar``: float32 partials all-reduced, rounded once to out_dtype: c [M, N]."""
+    return strategies.get(strategy).gemm_ar(a, b, _context_by_name(group_name), scale_a, scale_b, out_dtype)
+
+
+@_gemm_ar_scaled_op.register_fake
+def _(a, b, group_name, strategy, scale_a, scale_b, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def why_unavailable(strategy: str, ctx: GroupContext, device: torch.device, dtype: torch.dtype, *,
+                    op: str | None = None, scale_a: torch.Tensor | None = None) -> str | None:
+    """:func:`tpfuse.strategies.why_unavailable`, with the fp8 policy (:mod:`tpfuse._fp8`) first.
+
+    An fp8 call runs the strategy's own schedule with scaled GEMMs, so past the fp8 policy its
+    device and backend facts are those of its bfloat16 path.  MERGE NOTE: with tpfuse/dtypes.py
+    this becomes the registry's dtype-policy lookup.
+    """
+    if _fp8.is_fp8(dtype):
+        rowwise = scale_a is not None and scale_a.dim() == 2
+        reason = _fp8.why_strategy_refuses(strategy, op, rowwise)
+        if reason is not None:
+            return reason
+        dtype = torch.bfloat16
+    return strategies.why_unavailable(strategy, ctx, device, dtype)
+
+
+def _runnable(ctx: GroupContext, device: torch.device, dtype: torch.dtype, op: str,
+              scale_a: torch.Tensor | None) -> list[str]:
+    return [s for s in strategies.names()
+            if why_unavailable(s, ctx, device, dtype, op=op, scale_a=scale_a) is None]
+
+
 # --------------------------------------------------------------------------------------------
 # Strategy choice: one decision per (group, agreed signature), made from what every rank posted
 # --------------------------------------------------------------------------------------------
@@ -112,7 +179,8 @@ def _hardware_name(device: torch.device) -> str:
     return detect(device).name if device.type == "cuda" else "cpu-gloo"
 
 
-def _decision_inputs(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> dict:
+def _decision_inputs(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ctx: GroupContext,
+                     scale_a: torch.Tensor | None = None) -> dict:
     """What this rank contributes to an ``auto`` decision: its runnable strategies, hardware
     profile and the tuning-cache times measured for its own local shape."""
     if strategy != "auto":
@@ -123,7 +191,7 @@ def _decision_inputs(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, c
     hardware = _hardware_name(a.device)
     measured = measured_times(op, m=m, n=n, k=k, world_size=ctx.world_size, dtype=a.dtype, hardware=hardware) \
         if m * n * k > 0 else {}
-    return {"candidates": list(strategies.runnable(ctx, a.device, a.dtype)), "hardware": hardware,
+    return {"candidates": _runnable(ctx, a.device, a.dtype, op, scale_a), "hardware": hardware,
             "measured": measured}
 
 
@@ -159,7 +227,9 @@ def _decide(op: str, strategy: str, rows: list[dict], world_size: int) -> str:
 
 
 def group_decision(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *,
-                   return_gathered: bool = False, label: str | None = None, guard: bool = True) -> str:
+                   return_gathered: bool = False, label: str | None = None, guard: bool = True,
+                   scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> str:
     """The concrete strategy of a validated call, the same on every rank of the group.
 
     Cached per (group, agreed signature); the first call of a signature runs one agreement round
@@ -167,14 +237,15 @@ def group_decision(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ctx
     and carries what the decision needs.  ``guard=False`` skips the round for a named strategy
     (nothing to decide; used at trace time, where the shapes are stand-ins).
     """
-    sig = _checks.call_signature(op, strategy, a, b, return_gathered, strategies.pinned_knobs(ctx))
+    sig = _checks.call_signature(op, strategy, a, b, return_gathered, strategies.pinned_knobs(ctx),
+                                 scale_a, scale_b, out_dtype)
     key = (ctx.group, ctx.world_size, ctx.backend, sig.fields)
     chosen = _DECISIONS.get(key)
     if chosen is not None:
         return chosen
     if strategy != "auto" and not guard:
         return strategy
-    payload = _checks.payload_of(None, sig, **_decision_inputs(op, strategy, a, b, ctx))
+    payload = _checks.payload_of(None, sig, **_decision_inputs(op, strategy, a, b, ctx, scale_a))
     rows = [payload] if ctx.world_size == 1 else _checks.exchange(ctx, label or op, payload)
     _checks.check_rows(label or op, rows, None)
     chosen = _decide(op, strategy, rows, ctx.world_size)
@@ -185,34 +256,45 @@ def group_decision(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ctx
 
 
 def resolve_strategy(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *,
-                     guard: bool = True) -> str:
+                     guard: bool = True, scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None) -> str:
     """The concrete strategy a validated call runs: ``strategy`` itself if it can run here (else a
-    ``ValueError`` saying why), or the group's decision among what every rank can run for ``"auto"``."""
+    ``ValueError`` saying why), or the group's decision among what every rank can run for ``"auto"``.
+    ``scale_a``, ``scale_b``, ``out_dtype``: those of an fp8 call (only their kinds are read)."""
     if strategy != "auto":
-        reason = strategies.why_unavailable(strategy, ctx, a.device, a.dtype)
+        reason = why_unavailable(strategy, ctx, a.device, a.dtype, op=op, scale_a=scale_a)
         if reason is not None:
             raise ValueError(f"{op}: strategy {strategy!r} cannot run here: {reason}")
-    return group_decision(op, strategy, a, b, ctx, guard=guard)
+    return group_decision(op, strategy, a, b, ctx, guard=guard, scale_a=scale_a, scale_b=scale_b,
+                          out_dtype=out_dtype)
 
 
 @torch.compiler.assume_constant_result
 def _strategy_for_shapes(op: str, strategy: str, m: int, k: int, n: int, dtype: torch.dtype,
-                         device: torch.device, group_name: str) -> str:
+                         device: torch.device, group_name: str, scaled: tuple | None = None) -> str:
     """:func:`resolve_strategy` for ``a`` [m, k] and ``b`` [k, n] from plain values.
 
     The planner behind "auto" reads files and caches, which Dynamo cannot trace; marked as a
     constant result, it runs once at trace time and its answer is baked into the graph.  The
     stand-in operands are one-element tensors expanded to the shapes (only shape, dtype and
-    device are read).
+    device are read).  ``scaled`` (fp8): (b's dtype, scale_a row-wise, scale_b row-wise, out_dtype).
     """
-    def stand_in(shape: tuple[int, int]) -> torch.Tensor:
-        return torch.empty((), dtype=dtype, device=device).expand(shape)
+    def stand_in(shape: tuple[int, ...], of: torch.dtype) -> torch.Tensor:
+        return torch.empty((), dtype=of, device=device).expand(shape)
 
-    return resolve_strategy(op, strategy, stand_in((m, k)), stand_in((k, n)),
-                            group_context(resolve_group_name(group_name)), guard=False)
+    kw = {}
+    b_dtype = dtype
+    if scaled is not None:
+        b_dtype, rowwise_a, rowwise_b, out_dtype = scaled
+        kw = dict(scale_a=stand_in((m, 1) if rowwise_a else (), torch.float32),
+                  scale_b=stand_in((1, n) if rowwise_b else (), torch.float32), out_dtype=out_dtype)
+    return resolve_strategy(op, strategy, stand_in((m, k), dtype), stand_in((k, n), b_dtype),
+                            group_context(resolve_group_name(group_name)), guard=False, **kw)
 
 
-def traced_strategy(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> str:
+def traced_strategy(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ctx: GroupContext,
+                    scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> str:
     """The strategy under ``torch.compile``: fixed at trace time.
 
     A named strategy does not depend on sizes, so shapes stay dynamic.  For "auto",
@@ -223,7 +305,10 @@ def traced_strategy(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ct
     m = k = n = 1
     if strategy == "auto":
         m, k, n = (operator.index(size) for size in (a.shape[0], a.shape[1], b.shape[1]))
-    return _strategy_for_shapes(op, strategy, m, k, n, b.dtype, b.device, ctx.group_name)
+    scaled = None
+    if _fp8.is_fp8(a.dtype):
+        scaled = (b.dtype, scale_a.dim() == 2, scale_b.dim() == 2, out_dtype or _fp8.DEFAULT_OUT_DTYPE)
+    return _strategy_for_shapes(op, strategy, m, k, n, a.dtype, b.device, ctx.group_name, scaled)
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,12 +337,20 @@ def _world() -> object:
     return dist.distributed_c10d._world.default_pg
 
 
-def _prepare(op: str, a, b, group, strategy, return_gathered=False) -> _Call:
+def _scale_key(scale) -> tuple | None:
+    """What the per-shape cache needs to know of a scale (its checks read nothing else)."""
+    return None if scale is None else (type(scale), scale.shape, scale.dtype, scale.device)
+
+
+def _prepare(op: str, a, b, group, strategy, return_gathered=False, scale_a=None, scale_b=None,
+             out_dtype=None) -> _Call:
     """Validate, agree and decide; everything that can fail fails before any data moves, on every
     rank (with the per-call round) or on every rank of a new signature (without it)."""
     try:
         key = (op, group, strategy, return_gathered, type(a), type(b), a.shape, b.shape, a.dtype, b.dtype,
                a.device, b.device, a.layout, b.layout, strategies.pins_generation())
+        if scale_a is not None or scale_b is not None or out_dtype is not None:
+            key += (_scale_key(scale_a), _scale_key(scale_b), out_dtype)
         hit = _CALLS.get(key) if return_gathered.__class__ is bool else None
     except (AttributeError, TypeError):  # not tensors, unhashable group...: the slow path explains
         key = hit = None
@@ -265,16 +358,18 @@ def _prepare(op: str, a, b, group, strategy, return_gathered=False) -> _Call:
         if hit.per_call_round:
             _checks.agree(hit.ctx, op, None, hit.signature)
         return hit
-    return _prepare_slow(op, a, b, group, strategy, return_gathered, key)
+    return _prepare_slow(op, a, b, group, strategy, return_gathered, key, scale_a, scale_b, out_dtype)
 
 
-def _prepare_slow(op, a, b, group, strategy, return_gathered, key) -> _Call:
+def _prepare_slow(op, a, b, group, strategy, return_gathered, key, scale_a=None, scale_b=None,
+                  out_dtype=None) -> _Call:
+    scaled = dict(scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     if _fake(a) or _fake(b):
         # Shape propagation (FakeTensorMode): nothing runs and nothing is exchanged -- one rank may
         # do it alone.  Local checks only; the custom op's fake impl gives the same shapes for
         # every strategy.
         ctx = group_context(group)
-        _checks.check_call(op, a, b, ctx, strategy, return_gathered)
+        _checks.check_call(op, a, b, ctx, strategy, return_gathered, **scaled)
         chosen = "unfused" if strategy == "auto" else strategy
         return _Call(ctx, chosen, strategies.get("unfused"), None, False, _world())
     error: Exception | None = None
@@ -287,12 +382,13 @@ def _prepare_slow(op, a, b, group, strategy, return_gathered, key) -> _Call:
     sig = None
     if error is None:
         try:
-            _checks.check_call(op, a, b, ctx, strategy, return_gathered)
+            _checks.check_call(op, a, b, ctx, strategy, return_gathered, **scaled)
             if strategy != "auto":
-                reason = strategies.why_unavailable(strategy, ctx, a.device, a.dtype)
+                reason = why_unavailable(strategy, ctx, a.device, a.dtype, op=op, scale_a=scale_a)
                 if reason is not None:
                     raise ValueError(f"{op}: strategy {strategy!r} cannot run here: {reason}")
-            sig = _checks.call_signature(op, strategy, a, b, return_gathered, strategies.pinned_knobs(ctx))
+            sig = _checks.call_signature(op, strategy, a, b, return_gathered, strategies.pinned_knobs(ctx),
+                                         **scaled)
         except (TypeError, ValueError) as exc:
             error = exc
     per_call = _checks.agreement_enabled(ctx, getattr(getattr(a, "device", None), "type", None))
@@ -300,7 +396,7 @@ def _prepare_slow(op, a, b, group, strategy, return_gathered, key) -> _Call:
         _checks.agree(ctx, op, error, None)  # posts the error (world size > 1) and raises
     if per_call and (ctx.group, ctx.world_size, ctx.backend, sig.fields) in _DECISIONS:
         _checks.agree(ctx, op, None, sig)  # the decision is known: the per-call round only checks
-    chosen = group_decision(op, strategy, a, b, ctx, return_gathered=return_gathered)
+    chosen = group_decision(op, strategy, a, b, ctx, return_gathered=return_gathered, **scaled)
     call = _Call(ctx, chosen, strategies.get(chosen), sig, per_call, _world())
     if key is not None:
         if len(_CALLS) >= 4 * _MAX_DECISIONS:
@@ -332,14 +428,21 @@ def _direct(a: torch.Tensor, b: torch.Tensor) -> bool:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _traced(op: str, a, b, group, strategy, return_gathered=False) -> tuple[GroupContext, str]:
+def _traced(op: str, a, b, group, strategy, return_gathered=False, **scaled) -> tuple[GroupContext, str]:
     ctx = group_context(group)
-    _checks.check_call(op, a, b, ctx, strategy, return_gathered)  # local checks become guards
-    return ctx, traced_strategy(op, strategy, a, b, ctx)
+    _checks.check_call(op, a, b, ctx, strategy, return_gathered, **scaled)  # local checks become guards
+    return ctx, traced_strategy(op, strategy, a, b, ctx, **scaled)
+
+
+def _scaled_call(a) -> bool:
+    """Whether a call takes the scaled (fp8) path: its ``a`` is fp8 (the checks refused every
+    other way of passing fp8 operands or scales)."""
+    return isinstance(a, torch.Tensor) and _fp8.is_fp8(a.dtype)
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
-            strategy: str = "auto", return_gathered: bool = False):
+            scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None, strategy: str = "auto", return_gathered: bool = False):
     """AllGather + GEMM: ``all_gather(a_shard, dim=0) @ b``.
 
     | tensor | shape | sharding |
@@ -350,12 +453,23 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | N
     | ``a_full`` (``return_gathered=True``) | [M, K] | the gathered A, bit-exact copy of every shard |
 
     ``strategy``: "auto" (the planner), "unfused", "ring", "copy_engine", "fused".
+
+    fp8 (``torch._scaled_mm``'s meaning): ``a_shard`` and ``b`` float8_e4m3fn (one of them may be
+    float8_e5m2), ``scale_a`` float32 0-d (tensor-wise: the scale of the whole gathered A, the same
+    on every rank) or [M/W, 1] (row-wise, this shard's rows; gathered with them), ``scale_b`` 0-d
+    or [1, N]; ``c = (a_full * scale_a_full) @ (b * scale_b)`` accumulated in float32 and rounded
+    to ``out_dtype`` (default bfloat16; float16, float32).  K and N must be multiples of 16.
+    ``return_gathered=True`` returns ``(c, a_full, scale_a_full)`` (row-wise: [M, 1]; tensor-wise:
+    a copy of ``scale_a``).  docs/ops.md, "fp8".
     """
+    if _scaled_call(a_shard):
+        return _ag_gemm_scaled(a_shard, b, group, strategy, return_gathered, scale_a, scale_b, out_dtype)
     if torch.compiler.is_compiling():
-        ctx, chosen = _traced("ag_gemm", a_shard, b, group, strategy, return_gathered)
+        ctx, chosen = _traced("ag_gemm", a_shard, b, group, strategy, return_gathered,
+                              scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
         c, a_full = torch.ops.tpfuse.ag_gemm(a_shard, b, ctx.group_name, chosen)
         return (c, a_full) if return_gathered else c
-    call = _prepare("ag_gemm", a_shard, b, group, strategy, return_gathered)
+    call = _prepare("ag_gemm", a_shard, b, group, strategy, return_gathered, scale_a, scale_b, out_dtype)
     if _direct(a_shard, b):
         c, a_full = call.module.ag_gemm(a_shard, b, call.ctx, **strategies.knobs_for(call.strategy, call.ctx))
     else:
@@ -363,7 +477,26 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | N
     return (c, a_full) if return_gathered else c
 
 
-def gemm_rs(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *, strategy: str = "auto"):
+def _ag_gemm_scaled(a_shard, b, group, strategy, return_gathered, scale_a, scale_b, out_dtype):
+    out = out_dtype or _fp8.DEFAULT_OUT_DTYPE
+    if torch.compiler.is_compiling():
+        ctx, chosen = _traced("ag_gemm", a_shard, b, group, strategy, return_gathered,
+                              scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        c, a_full, scale_full = torch.ops.tpfuse.ag_gemm_scaled(a_shard, b, ctx.group_name, chosen, scale_a,
+                                                                scale_b, out)
+    else:
+        call = _prepare("ag_gemm", a_shard, b, group, strategy, return_gathered, scale_a, scale_b, out_dtype)
+        if _direct(a_shard, b):
+            c, a_full, scale_full = call.module.ag_gemm(a_shard, b, call.ctx, scale_a, scale_b, out)
+        else:
+            c, a_full, scale_full = torch.ops.tpfuse.ag_gemm_scaled(a_shard, b, call.ctx.group_name, call.strategy,
+                                                                    scale_a, scale_b, out)
+    return (c, a_full, scale_full) if return_gathered else c
+
+
+def gemm_rs(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+            scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None, strategy: str = "auto"):
     """GEMM + ReduceScatter: ``reduce_scatter_sum(a @ b, dim=0)``.
 
     | tensor | shape | sharding |
@@ -373,11 +506,15 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = 
     | returns ``c_shard`` | [M/W, N] | rows r*M/W .. (r+1)*M/W of the sum over ranks |
 
     M must be divisible by W.  bf16/fp16 partials are summed in float32, then rounded once.
+    fp8: ``scale_a`` 0-d or [M, 1], ``scale_b`` 0-d or [1, N], ``out_dtype`` as for
+    :func:`ag_gemm`; the float32 partials are summed, then rounded once to ``out_dtype``.
     """
-    return _reduce_op("gemm_rs", a, b, group, strategy)
+    return _reduce_op("gemm_rs", a, b, group, strategy, scale_a, scale_b, out_dtype)
 
 
-def gemm_ar(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *, strategy: str = "auto"):
+def gemm_ar(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+            scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None, strategy: str = "auto"):
     """GEMM + AllReduce: ``all_reduce_sum(a @ b)``.
 
     | tensor | shape | sharding |
@@ -386,18 +523,29 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = 
     | ``b`` | [K, N] | this rank's K rows |
     | returns ``c`` | [M, N] | the full sum, equal on every rank |
 
-    bf16/fp16 partials are summed in float32, then rounded once.
+    bf16/fp16 partials are summed in float32, then rounded once.  fp8: as for :func:`gemm_rs`.
     """
-    return _reduce_op("gemm_ar", a, b, group, strategy)
+    return _reduce_op("gemm_ar", a, b, group, strategy, scale_a, scale_b, out_dtype)
 
 
-def _reduce_op(op: str, a: torch.Tensor, b: torch.Tensor, group, strategy: str) -> torch.Tensor:
+def _reduce_op(op: str, a: torch.Tensor, b: torch.Tensor, group, strategy: str, scale_a=None, scale_b=None,
+               out_dtype=None) -> torch.Tensor:
     """gemm_rs / gemm_ar: traced -> the custom op with the strategy fixed at trace time; eager ->
     validate and decide, then the strategy directly (or through the custom op, see _direct)."""
+    scaled = dict(scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    fp8 = _scaled_call(a)
+    out = out_dtype or _fp8.DEFAULT_OUT_DTYPE
     if torch.compiler.is_compiling():
-        ctx, chosen = _traced(op, a, b, group, strategy)
+        ctx, chosen = _traced(op, a, b, group, strategy, **scaled)
+        if fp8:
+            return getattr(torch.ops.tpfuse, op + "_scaled")(a, b, ctx.group_name, chosen, scale_a, scale_b, out)
         return getattr(torch.ops.tpfuse, op)(a, b, ctx.group_name, chosen)
-    call = _prepare(op, a, b, group, strategy)
+    call = _prepare(op, a, b, group, strategy, False, scale_a, scale_b, out_dtype)
+    if fp8:
+        if _direct(a, b):
+            return getattr(call.module, op)(a, b, call.ctx, scale_a, scale_b, out)
+        return getattr(torch.ops.tpfuse, op + "_scaled")(a, b, call.ctx.group_name, call.strategy, scale_a, scale_b,
+                                                         out)
     if _direct(a, b):
         return getattr(call.module, op)(a, b, call.ctx, **strategies.knobs_for(call.strategy, call.ctx))
     return getattr(torch.ops.tpfuse, op)(a, b, call.ctx.group_name, call.strategy)

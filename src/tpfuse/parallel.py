@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor import parallel as _tp
 from torch.distributed.tensor.placement_types import Placement
 
-from tpfuse import _checks
+from tpfuse import _checks, strategies
 from tpfuse import autograd as _autograd  # noqa: F401  (registers the custom ops' autograd formulas)
 from tpfuse._dist import GroupContext, group_context
 from tpfuse.nn import _AllReduceGrad
@@ -67,9 +67,9 @@ parallelize_module = _tp.parallelize_module
 def _check_strategy(style: str, strategy: object) -> str:
     if not isinstance(strategy, str):
         raise TypeError(f"{style}: strategy must be a string, got {type(strategy).__name__} ({strategy!r})")
-    if strategy != "auto" and strategy not in _checks.STRATEGY_NAMES:
+    if strategy != "auto" and strategy not in strategies.names():
         raise ValueError(f"{style}: unknown strategy {strategy!r}; choose one of "
-                         f"{', '.join(_checks.STRATEGY_NAMES)} or 'auto'")
+                         f"{', '.join(strategies.names())} or 'auto'")
     return strategy
 
 

@@ -518,3 +518,12 @@ def test_example_trains_and_matches_reference():
                           text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "step 2: loss" in done.stdout and "match the unsharded reference" in done.stdout, done.stdout
+
+
+def test_example_trains_in_fp8():
+    """``--fp8 rowwise``: a short run whose bf16-reference check (windowed mean losses) passes."""
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tp_mlp_train.py")
+    done = subprocess.run([sys.executable, script, "--world-size", "2", "--steps", "20", "--fp8", "rowwise",
+                           "--dtype", "bfloat16"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "step 19: loss" in done.stdout and "follow the bfloat16 reference" in done.stdout, done.stdout

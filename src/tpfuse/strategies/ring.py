@@ -17,6 +17,11 @@ exchange (the send data and the receive buffer are ready), the buffers are ``rec
 on it so the caching allocator cannot hand them out while in flight, and the compute stream
 waits for it before touching a received chunk.
 
+fp8 (``scale_a``, ``scale_b``, ``out_dtype`` given): every step's GEMM is a scaled one
+(:func:`tpfuse.strategies._scaled.mm`); the fp8 rows travel as bytes and a row-wise ``scale_a``
+travels with its rows in the same exchange; ``gemm_rs``/``gemm_ar`` partials come out of the
+scaled GEMM in float32, travel and accumulate in float32 and are rounded once to ``out_dtype``.
+
 Under :func:`tpfuse.timeline.recording` each step records its spans (lanes "gemm",
 "copy" = exchange posted .. finished, "wait" = the compute side waiting for it, "reduce"); off by
 default, one ``timeline.current()`` read per call when off.
@@ -29,10 +34,11 @@ import functools
 import torch
 import torch.distributed as dist
 
-from tpfuse._dist import GroupContext, breadcrumb, new_output
+from tpfuse._dist import GroupContext, all_gather_rows, breadcrumb, new_output
 from tpfuse import dtypes, timeline
 from tpfuse.model import steps
 from tpfuse.model.simulate import Schedule
+from tpfuse.strategies._scaled import mm, wire
 from tpfuse.strategies.unfused import accumulation_dtype
 
 __all__ = ["NAME", "DESCRIPTION", "ORDER", "DTYPES", "SYMMETRIC_MEMORY", "KNOBS", "SCHEDULE", "why_unavailable",
@@ -41,7 +47,7 @@ __all__ = ["NAME", "DESCRIPTION", "ORDER", "DTYPES", "SYMMETRIC_MEMORY", "KNOBS"
 NAME = "ring"
 DESCRIPTION = "torch.distributed P2P ring steps overlapped with per-shard GEMMs"
 ORDER = 10
-DTYPES = dtypes.EVERY
+DTYPES = dtypes.EVERY + (dtypes.FP8,)   # fp8: torch._scaled_mm per GEMM
 SYMMETRIC_MEMORY = False
 KNOBS = None
 _STEPS = {"ag_gemm": steps.ring_all_gather, "gemm_rs": steps.ring_reduce_scatter, "gemm_ar": steps.ring_all_reduce}
@@ -72,15 +78,18 @@ class _Ring:
             if device.type == "cuda" else None
 
     def start(self, send: torch.Tensor | None, recv: torch.Tensor | None, what: str, *,
-              after_compute: bool = True, chunk: int | None = None) -> list:
+              after_compute: bool = True, chunk: int | None = None,
+              extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> list:
         """Post the exchange.  ``after_compute=False`` lets it start before the compute stream's
         pending work finishes: only correct when the send data was produced on the comm stream
-        (a chunk received by an earlier exchange) and the receive buffer is untouched."""
+        (a chunk received by an earlier exchange) and the receive buffer is untouched.
+        ``extra``: a second (send, recv) pair in the same exchange (row-wise fp8 scales)."""
         ops = []
-        if send is not None and send.numel() > 0:
-            ops.append(dist.P2POp(dist.isend, send, self.ctx.next_rank, self.ctx.group))
-        if recv is not None and recv.numel() > 0:
-            ops.append(dist.P2POp(dist.irecv, recv, self.ctx.prev_rank, self.ctx.group))
+        for snd, rcv in ((send, recv),) + ((extra,) if extra is not None else ()):
+            if snd is not None and snd.numel() > 0:
+                ops.append(dist.P2POp(dist.isend, wire(snd), self.ctx.next_rank, self.ctx.group))
+            if rcv is not None and rcv.numel() > 0:
+                ops.append(dist.P2POp(dist.irecv, wire(rcv), self.ctx.prev_rank, self.ctx.group))
         if not ops:
             return []
         breadcrumb(f"ring {what}: exchange posted")
@@ -119,19 +128,35 @@ class _Ring:
             self._posted = None
 
 
-def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[torch.Tensor, torch.Tensor]:
+def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
+            scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
+    """(c, a_full), or (c, a_full, scale_a_full) when scaled (fp8)."""
     world_size, rank = ctx.world_size, ctx.rank
     m_shard, k = a_shard.shape
     a_full = new_output((world_size * m_shard, k), dtype=a_shard.dtype, device=a_shard.device)
-    c = new_output((world_size * m_shard, b.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
+    c = new_output((world_size * m_shard, b.shape[1]), dtype=out_dtype or a_shard.dtype, device=a_shard.device)
+    rowwise = scale_a is not None and scale_a.dim() == 2
+    scale_full = scale_a.clone() if scale_a is not None and not rowwise else scale_a
+    if rowwise:
+        scale_full = new_output((world_size * m_shard, 1), dtype=scale_a.dtype, device=scale_a.device)
 
     def rows(chunk: int) -> slice:
         return slice(chunk * m_shard, (chunk + 1) * m_shard)
 
+    def scales(chunk: int) -> torch.Tensor | None:
+        return scale_full[rows(chunk)] if rowwise else scale_full
+
+    def done() -> tuple:
+        return (c, a_full) if scale_a is None else (c, a_full, scale_full)
+
     a_full[rows(rank)].copy_(a_shard)
+    if rowwise:
+        scale_full[rows(rank)].copy_(scale_a)
     if world_size == 1 or a_full.numel() == 0:
-        torch.matmul(a_full, b, out=c)
-        return c, a_full
+        if rowwise and world_size > 1 and scale_full.numel() > 0:  # K = 0: the scales still travel
+            all_gather_rows(scale_full, scale_a.contiguous(), ctx.group)
+        mm(a_full, b, scale_full, scale_b, out_dtype, out=c)
+        return done()
     ring = _Ring(ctx, a_shard.device)
     chunk = rank
     for step in range(world_size):
@@ -140,16 +165,17 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
         # From step 1 on, the chunk to forward arrived on the comm stream itself: its transfer need
         # not wait for the GEMM of the previous step, so transfers run back to back.
         works = [] if last else ring.start(a_full[rows(chunk)], a_full[rows(prev_chunk)], f"ag_gemm step {step}",
-                                           after_compute=step == 0, chunk=prev_chunk)
+                                           after_compute=step == 0, chunk=prev_chunk,
+                                           extra=(scales(chunk), scales(prev_chunk)) if rowwise else None)
         if ring.rec is None:
-            torch.matmul(a_full[rows(chunk)], b, out=c[rows(chunk)])
+            mm(a_full[rows(chunk)], b, scales(chunk), scale_b, out_dtype, out=c[rows(chunk)])
         else:
             with ring.rec.span("gemm", f"ag_gemm chunk {chunk}", device=ring.device, chunk=chunk):
-                torch.matmul(a_full[rows(chunk)], b, out=c[rows(chunk)])
+                mm(a_full[rows(chunk)], b, scales(chunk), scale_b, out_dtype, out=c[rows(chunk)])
         if works:
             ring.finish(works, f"ag_gemm step {step}")
         chunk = prev_chunk
-    return c, a_full
+    return done()
 
 
 def _row_bounds(m: int, world_size: int) -> list[tuple[int, int]]:
@@ -164,8 +190,16 @@ def _row_bounds(m: int, world_size: int) -> list[tuple[int, int]]:
 
 
 def _reduce_scatter_gemm(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, bounds: list[tuple[int, int]],
-                         op: str = "gemm_rs") -> torch.Tensor:
-    """This rank's chunk ``bounds[rank]`` of ``sum over ranks of a @ b``, in the accumulation dtype."""
+                         op: str = "gemm_rs", scale_a: torch.Tensor | None = None,
+                         scale_b: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's chunk ``bounds[rank]`` of ``sum over ranks of a @ b``, in the accumulation dtype
+    (scaled: ``(a * scale_a) @ (b * scale_b)``, float32 straight out of the scaled GEMM)."""
+
+    def product(lo: int, hi: int) -> torch.Tensor:
+        if scale_a is None:
+            return torch.matmul(a[lo:hi], b).to(acc_dtype)
+        return mm(a[lo:hi], b, scale_a[lo:hi] if scale_a.dim() == 2 else scale_a, scale_b, acc_dtype)
+
     world_size, rank = ctx.world_size, ctx.rank
     acc_dtype = accumulation_dtype(a.dtype)
     n = b.shape[1]
@@ -176,10 +210,10 @@ def _reduce_scatter_gemm(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, bo
         dest = (rank - 1 - step) % world_size
         lo, hi = bounds[dest]
         if ring.rec is None:
-            partial = torch.matmul(a[lo:hi], b).to(acc_dtype)
+            partial = product(lo, hi)
         else:
             with ring.rec.span("gemm", f"gemm_rs chunk {dest}", device=ring.device, chunk=dest):
-                partial = torch.matmul(a[lo:hi], b).to(acc_dtype)
+                partial = product(lo, hi)
         if works:
             ring.finish(works, f"{op} step {step}")
         if incoming is not None:
@@ -197,25 +231,28 @@ def _reduce_scatter_gemm(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, bo
     raise AssertionError("unreachable")
 
 
-def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
+def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
+            scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     m, n = a.shape[0], b.shape[1]
+    result_dtype = out_dtype or a.dtype
     if ctx.world_size == 1:
-        return torch.matmul(a, b)
+        return mm(a, b, scale_a, scale_b, out_dtype)
     if m * n == 0:
-        return new_output((m // ctx.world_size, n), dtype=a.dtype, device=a.device).zero_()
+        return new_output((m // ctx.world_size, n), dtype=result_dtype, device=a.device).zero_()
     shard = m // ctx.world_size
     bounds = [(r * shard, (r + 1) * shard) for r in range(ctx.world_size)]
-    return _reduce_scatter_gemm(a, b, ctx, bounds).to(a.dtype)
+    return _reduce_scatter_gemm(a, b, ctx, bounds, "gemm_rs", scale_a, scale_b).to(result_dtype)
 
 
-def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
+def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
+            scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     m, n = a.shape[0], b.shape[1]
     if ctx.world_size == 1 or m * n == 0:
-        return torch.matmul(a, b)
+        return mm(a, b, scale_a, scale_b, out_dtype)
     world_size, rank = ctx.world_size, ctx.rank
     bounds = _row_bounds(m, world_size)
-    mine = _reduce_scatter_gemm(a, b, ctx, bounds, "gemm_ar")
-    c = new_output((m, n), dtype=a.dtype, device=a.device)
+    mine = _reduce_scatter_gemm(a, b, ctx, bounds, "gemm_ar", scale_a, scale_b)
+    c = new_output((m, n), dtype=out_dtype or a.dtype, device=a.device)
     lo, hi = bounds[rank]
     c[lo:hi].copy_(mine)
     ring = _Ring(ctx, a.device)
