@@ -71,7 +71,7 @@ bytes in flight, producer stalls on credits, ready-queue depth, issue-to-complet
 chunk, bytes still moving when the GEMM ended.
 
 Errors, as in ``copy_engine`` and ``fused``: no eager call waits for the GPU (except the first
-call of a workspace capacity, and a call given ``stats=``).  Every wait -- the flag kernels',
+call of a workspace capacity, the module loads of a ring's first call, and a call given ``stats=``).  Every wait -- the flag kernels',
 the worker CTAs', the ring's credit wait and the AG GEMM's per-chunk waits -- shares the
 workspace's error word; a timed-out wait records rank, peer, chunk and generation there and in
 its host-visible mirror (this strategy's ring waits are ``abi.WAIT_SLOT_FREE`` /
