@@ -153,3 +153,30 @@ def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
     launches.clear()
     sm_workers.ag_gemm(a_shard, b, ctx, knobs=kn_ag)
     assert "worker_kernel" in launches and launches[-1] == "poison", launches
+    # A ring's first call (issue 30, the bed's first gemm_rs timed out): before the first worker
+    # launch it launches every producer kernel once -- the credit wait, READY, stamp, each distinct
+    # piece GEMM and the own rows' GEMM -- so that none is a first launch (a CUDA module load, which
+    # may wait for the spinning workers) after the workers; a second call launches none of these extra.
+    monkeypatch.undo()   # the reads and syncs refused above: the warm-up is allowed them
+    for name, value in (("current_stream", lambda *a: Stream()), ("stream", lambda s: contextlib.nullcontext()),
+                        ("Event", Event), ("is_current_stream_capturing", lambda: False)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
+    monkeypatch.setattr(symm.Workspace, "_launch", lambda self, k, *a, **kw: launches.append(k.__name__))
+    monkeypatch.setattr(symm.Workspace, "reduce", lambda self, *a, **kw: launches.append("reduce"))
+    monkeypatch.setattr(symm.Workspace, "stream", property(lambda self: Stream()))
+    monkeypatch.setattr(sm_workers, "_launch", lambda k, grid, *a, **kw: launches.append(k.__name__))
+    monkeypatch.setattr(symm, "get_workspace", get_workspace)
+    matmul = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda *a, **kw: (launches.append("matmul"), matmul(*a, **kw))[1])
+    kn2 = sm_workers.SmWorkersKnobs(comm_sms=2, slots=2, chunk_rows=4)   # a new ring: 4 pieces, 2 slots
+    launches.clear()
+    sm_workers.gemm_rs(a, b, ctx, knobs=kn2)
+    first = launches[:launches.index("worker_kernel")]
+    warm = ["slot_acquire_kernel", "slot_ready_kernel", "stamp_kernel"] + ["matmul"] * 5   # 4 pieces + own rows
+    assert first == ["wait_kernel"] + warm + ["matmul", "slot_ready_kernel"], launches   # then piece 0 (CPU order)
+    launches.clear()
+    sm_workers.gemm_rs(a, b, ctx, knobs=kn2)
+    assert launches.count("matmul") == 5 and launches.count("stamp_kernel") == 0, launches
+    assert launches.count("slot_acquire_kernel") == 2 and launches.count("slot_ready_kernel") == 4, launches
+    assert launches[1:3] == ["matmul", "slot_ready_kernel"], launches   # piece 0 straight after begin

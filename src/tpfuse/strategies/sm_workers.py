@@ -48,6 +48,21 @@ GEMM first, with kernels issued after it, timed out in ``fused`` while their fir
 outlasted the GEMM's bounded spins).  gemm_rs's producer GEMMs are one cuBLAS call per piece:
 the GEMM core's epilogue hook cannot take a credit per slot.
 
+**Launch order and module loading.**  CUDA loads a kernel's module at its first launch (lazy
+loading, the default since CUDA 12; a Triton kernel's module is loaded at its first launch too,
+not when it is compiled), and a load may wait for the device's running work.  A kernel that
+spins on words set only by kernels issued after it must therefore not be followed by a first
+launch: gemm_rs's first call in the bed timed out so (the workers spun on ring chunk 0 while
+the producer's first cuBLAS GEMM waited to be loaded).  So the producer's kernels are launched
+once before the workers, on the first call of each ring (shape, knobs) and operand layout
+(:meth:`Ring.warm_up`: the credit and READY kernels with values that change nothing, each
+distinct piece GEMM into its own slot): that call issues this extra work, and its module loads
+may wait for the GPU, as the first call's allocations may.  ag_gemm and gemm_ar's gather need
+none: there the side stream's workers are the producers, launched first, and what follows
+them (the AG GEMM, whose tiles wait on the workers' arrival words; the flag and copy kernels
+after them) waits on them, never they on it -- a first load there waits for the workers, which
+finish without it.
+
 Knobs: :class:`SmWorkersKnobs` (``knobs=`` of the three functions, else
 :func:`default_knobs`, a pure function of the shape, W and the GPU).  Observability: pass a
 dict as ``stats=`` (eager calls) and it is filled after the call by :func:`summarize`, which
@@ -56,7 +71,7 @@ bytes in flight, producer stalls on credits, ready-queue depth, issue-to-complet
 chunk, bytes still moving when the GEMM ended.
 
 Errors, as in ``copy_engine`` and ``fused``: no eager call waits for the GPU (except the first
-call of a workspace capacity, and a call given ``stats=``).  Every wait -- the flag kernels',
+call of a workspace capacity, the module loads of a ring's first call, and a call given ``stats=``).  Every wait -- the flag kernels',
 the worker CTAs', the ring's credit wait and the AG GEMM's per-chunk waits -- shares the
 workspace's error word; a timed-out wait records rank, peer, chunk and generation there and in
 its host-visible mirror (this strategy's ring waits are ``abi.WAIT_SLOT_FREE`` /
@@ -564,22 +579,47 @@ class Ring:
         # this rank's inbox slots in rank order (views of the rows it owns); its own is written directly
         self.sources = [ws.data(rank, (slot_rows, n), offset=src * slot_rows * n)[: bounds[rank][1] - bounds[rank][0]]
                         for src in range(world_size)]
-        if _cuda(dev):   # compile the ring's kernels now, not while the workers spin on them
-            self._warm_up(ws)
+        self.warmed: set = set()   # operand layouts whose producer kernels are loaded (:meth:`warm_up`)
 
-    def _warm_up(self, ws: symm.Workspace) -> None:
+    def warm_up(self, ws: symm.Workspace, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Load every kernel the producer launches while the workers spin, before they are
+        launched: once per ring and per operand layout (the call's first of a shape), on the
+        current stream.  Why: CUDA loads a module at its kernel's first launch (lazy loading,
+        the default since CUDA 12; a Triton kernel's module likewise, at its first launch, not
+        when compiled), and a load may wait for the device's running work -- the worker CTAs,
+        which spin on ``ready`` words only the producer's kernels set: the first gemm_rs call
+        timed out in the bed (chunk 0 never produced).  So this issues the producer's own
+        launches with values that change nothing: the credit wait with use 0 (returns at once),
+        the READY kernel writing ready[0] = 0 (the words are 0 between calls), the stamp, and
+        each distinct piece GEMM (cuBLAS picks its kernel by shape, strides, alignment, dtype)
+        and the own rows' GEMM with the call's operand views into their real outputs (the
+        slots, this rank's own inbox slot: nobody reads them before this call writes them).
+        Skipped while a CUDA graph is captured (nothing runs then; this stays to do)."""
+        layout = (tuple(a.stride()), tuple(b.stride()), a.data_ptr() % 256, b.data_ptr() % 256)
+        if layout in self.warmed:   # every call after the first: one set lookup
+            return
         from tpfuse.kernels.sm_workers import slot_acquire_kernel, slot_ready_kernel
 
-        dev = ws.spec.device
-        try:
-            slot_acquire_kernel.warmup(self.free, 0, 1, ws.error, self.stalls, _bound(dev), ws.rank, 0, 0,
-                                       WAIT_SLOT_FREE, USE_ASM=True, num_warps=1, grid=(1,))
-            slot_ready_kernel.warmup(self.ready, 0, 0, self.stamps, 0, ws.error, USE_ASM=True, num_warps=1, grid=(1,))
-        except Exception as exc:  # noqa: BLE001 - the first launches compile instead
-            import warnings
-
-            warnings.warn(f"sm_workers: compiling the staging ring's kernels ahead failed ({exc!r}); their first "
-                          "launches compile them while the worker CTAs wait (bounded by TPFUSE_TIMEOUT_S)")
+        dev = a.device
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        asm = _cuda(dev)
+        if not self.warmed:
+            _launch(slot_acquire_kernel, (1,), self.free, 0, 0, ws.error, self.stalls, _bound(dev), ws.rank, 0, 0,
+                    WAIT_SLOT_FREE, USE_ASM=asm)
+            _launch(slot_ready_kernel, (1,), self.ready, 0, -1, self.stamps, 0, ws.error, USE_ASM=asm)
+            _stamp(self.stamps, len(self.pieces), dev)
+        elem = a.element_size()
+        seen = set()
+        for p in self.pieces:
+            rows = p.hi - p.lo
+            out = self.slot(p.slot)[:rows * self.n].view(rows, self.n)
+            key = (rows, (a.data_ptr() + p.lo * a.stride(0) * elem) % 256, out.data_ptr() % 256)
+            if key not in seen:
+                seen.add(key)
+                torch.matmul(a[p.lo:p.hi], b, out=out)
+        torch.matmul(a[self.own_rows], b, out=self.sources[ws.rank])
+        self.warmed.add(layout)
 
     def slot(self, s: int) -> torch.Tensor:
         return self.buffer[s * self.slot_elems:(s + 1) * self.slot_elems]
@@ -615,10 +655,13 @@ def push_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, bounds: 
     On CUDA one worker launch on the side stream covers every piece, issued before the
     producer's GEMMs; on a CPU device (the interpreter: kernels run one after another, so a
     worker launch could not wait for a GEMM issued after it) each piece's worker launch follows
-    its GEMM -- the same kernels, words and credits, serialized."""
+    its GEMM -- the same kernels, words and credits, serialized.  The first call of a ring and
+    operand layout first launches the producer's kernels once (:meth:`Ring.warm_up`), so that
+    none of them is a first launch (a module load) while the workers spin."""
     rank, n = ws.rank, b.shape[1]
     dev = a.device
     ring, launch = _ring(ws, bounds, slot_rows, n, kn)
+    ring.warm_up(ws, a, b)   # first call of a shape/layout only: the producer's kernels loaded
     task_stats = _new_stats(len(launch.tasks), dev) if stats is not None else None
     if stats is not None:
         ring.stalls.zero_()
