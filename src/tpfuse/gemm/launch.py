@@ -626,25 +626,38 @@ def _launch_cached(spec, grid, full: list, device, jit_launch, direct: bool) -> 
 _SEEN_COMPILED: dict = {}   # id -> CompiledKernel returned by a JIT launch
 
 
+@functools.lru_cache(maxsize=256)
+def _kernel_layout(spec: PersistentSpec, tl, km) -> tuple:
+    """(kernel, its runtime argument names, its constexprs by name, their values in signature
+    order) of a projected spec's variant in kernel module ``km`` (the one triton_modules() has
+    now: tests re-import it under the interpreter): per spec once, not per call. The kernels
+    take their constexprs after every runtime argument."""
+    kernel = getattr(km, spec.KERNEL)
+    constexprs = spec.constexprs(tl)
+    names = list(kernel.arg_names)
+    runtime = tuple(n for n in names if n not in constexprs)
+    if names != list(runtime) + list(constexprs):
+        raise AssertionError(f"{spec.KERNEL}: constexprs must follow the runtime arguments in the "
+                             f"order of {type(spec).__name__}'s fields")
+    return kernel, runtime, constexprs, tuple(constexprs.values())
+
+
 def _launch_gemm_kernel(plan: LaunchPlan, plan_key, values: dict, device) -> None:
     """Launch the plan's variant of the Triton GEMM family (``plan.spec.KERNEL``) with its
     runtime arguments taken by name from ``values`` (which may hold more) and its constexprs
     from ``plan.spec``. Its specialization depends only on the plan (the projected spec is part
     of it), the 16-byte alignment of the tensor arguments and the width of the ints."""
-    _, tl, km = triton_modules()
-    kernel = getattr(km, plan.spec.KERNEL)
-    given = {**values, **plan.spec.constexprs(tl)}
-    kwargs = {name: given[name] for name in kernel.arg_names}
+    kernel, runtime, constexprs, constexpr_values = _kernel_layout(plan.spec, *triton_modules()[1:])
+    args = [values[name] for name in runtime]
     cfg = plan.config
     if interpreting() or device.type != "cuda":
-        kernel[plan.grid](**kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        kernel[plan.grid](*args, **constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         _LAUNCHES["interpreter"] += 1
         return
-    args = [v for v in kwargs.values()]
-    spec = (plan_key, plan.spec, tuple(x.data_ptr() % 16 == 0 for x in args if isinstance(x, torch.Tensor)),
-            tuple(-2**31 <= x < 2**31 for x in args if isinstance(x, int) and not isinstance(x, bool)))
-    _launch_cached(spec, plan.grid, args, device,
-                   lambda: kernel[plan.grid](**kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    spec = (plan_key, tuple(x.data_ptr() % 16 == 0 for x in args if isinstance(x, torch.Tensor)),
+            tuple(-2**31 <= x < 2**31 for x in args if isinstance(x, int)))
+    _launch_cached(spec, plan.grid, args + list(constexpr_values), device,
+                   lambda: kernel[plan.grid](*args, **constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
                    plan.options.direct_launch)
 
 
