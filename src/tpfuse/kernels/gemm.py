@@ -531,6 +531,64 @@ def _sum_segments(ws, q_first, q_last, first_slot, total_steps, num_progs, SUB_I
 
 
 @triton.jit
+def _count_previous(pend_lo, pend_hi, pend_n, pend_poll, poll_q, c_lo, seen, sig, M, chunk_m, num_pid_n,
+                    counters, signal_ptrs, epi_gen, status, BLOCK_M: tl.constexpr, EPI_TMA: tl.constexpr,
+                    EPI_COUNT: tl.constexpr, USE_ASM: tl.constexpr):
+    """Epilogue hook, after a whole tile's main loop (its chunks start at ``c_lo``): count the
+    previous stored tiles now -- their stores have drained during this main loop, so the
+    release costs no wait (publication is a tile later). Returns ``(poll_q, merge)``: the chunk
+    polled from now on, and (EPI_COUNT=3) whether the pending tiles wait for this one."""
+    merge = pend_lo < 0
+    if EPI_COUNT == 4:
+        # ... or rather, they were counted a few K-steps into this main loop, under its MMAs;
+        # poll with what was read there
+        poll_q = _poll_chunk(poll_q, seen, sig, M, chunk_m, num_pid_n, counters, epi_gen, status,
+                             BLOCK_M, USE_ASM)
+        poll_q = _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM)
+    elif EPI_COUNT == 3:
+        # ... with a release that returns nothing, so no warp waits for it. Pending tiles of
+        # this tile's chunk wait for it and are counted with it, a tile later (the chunk cannot
+        # be complete before this tile is counted anyway): one release, and one fence, per run
+        # of a program's tiles in one chunk.
+        merge = (pend_hi >= pend_lo) & (pend_lo == c_lo) & (pend_poll == 0)
+        poll_q = _count_and_poll(pend_lo, tl.where(merge, pend_lo - 1, pend_hi), pend_n, pend_poll,
+                                 poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
+                                 status, BLOCK_M, EPI_TMA, USE_ASM)
+    else:
+        _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                           epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
+    return poll_q, merge
+
+
+@triton.jit
+def _pend_stored(off_m, off_n, c_lo, c_hi, pend_poll, pend_n, cnt_n, merge, work_id, num_progs, num_work, M,
+                 chunk_m, num_chunks, start_chunk, num_pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 TILE_ORDER: tl.constexpr, EPI_COUNT: tl.constexpr, USE_ASM: tl.constexpr):
+    """Epilogue hook, after a whole tile's stores: the tile becomes the pending one the next
+    tile counts. Returns ``(pend_lo, pend_hi, pend_poll, pend_n, cnt_n)``, each through
+    :func:`_carry`."""
+    pend_lo = _carry(c_lo, USE_ASM)
+    pend_hi = _carry(c_hi, USE_ASM)
+    if EPI_COUNT >= 3:
+        pend_poll = _carry(_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N), USE_ASM)
+    if EPI_COUNT == 4:
+        # The run of pending tiles grows by this tile if this main loop did not count it
+        # (cnt_n == 0: merged). It is counted in the next tile's main loop unless that tile
+        # lies in this chunk too and this is no poll tile -- decided here, a tile ahead: a
+        # count inside the K-steps can only take values the tile loop carries (see
+        # _count_in_loop).
+        run_n = tl.where((pend_n > 0) & (cnt_n == 0), pend_n + 1, 1)
+        merge_next = (_next_in_segment(work_id, num_progs, num_work, c_lo, M, chunk_m, num_chunks,
+                                       start_chunk, num_pid_n, BLOCK_M, TILE_ORDER)
+                      & (_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N) == 0))
+        pend_n = _carry(run_n, USE_ASM)
+        cnt_n = _carry(tl.where(merge_next, 0, run_n), USE_ASM)
+    elif EPI_COUNT == 3:
+        pend_n = _carry(tl.where(merge, pend_n + 1, 1), USE_ASM)
+    return pend_lo, pend_hi, pend_poll, pend_n, cnt_n
+
+
+@triton.jit
 def _kloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
            USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -787,51 +845,18 @@ def gemm_hooked_kernel(
                                    BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32,
                                    EPILOGUE and EPI_COUNT == 4, EPI_TMA, USE_ASM)
         if EPILOGUE:
-            # Count the previous tile now: its stores have drained during this tile's main
-            # loop, so the release below costs no wait (publication is a tile later).
-            if EPI_COUNT == 4:
-                # ... or rather, it was counted a few K-steps into this main loop, under its
-                # MMAs; poll with what was read there
-                poll_q = _poll_chunk(poll_q, seen, sig, M, chunk_m, num_pid_n, counters, epi_gen, status,
-                                     BLOCK_M, USE_ASM)
-                poll_q = _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM)
-            elif EPI_COUNT == 3:
-                # ... with a release that returns nothing, so no warp waits for it. Pending
-                # tiles of this tile's chunk wait for it and are counted with it, a tile
-                # later (the chunk cannot be complete before this tile is counted anyway):
-                # one release, and one fence, per run of a program's tiles in one chunk.
-                merge = (pend_hi >= pend_lo) & (pend_lo == c_lo) & (pend_poll == 0)
-                poll_q = _count_and_poll(pend_lo, tl.where(merge, pend_lo - 1, pend_hi), pend_n, pend_poll,
-                                         poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
-                                         status, BLOCK_M, EPI_TMA, USE_ASM)
-            else:
-                _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                                   epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
+            poll_q, merge = _count_previous(pend_lo, pend_hi, pend_n, pend_poll, poll_q, c_lo, seen, sig, M,
+                                            chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
+                                            BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
         _store_tile(acc, c, off_m, off_n, M, N, stride_cm, dest_offs, stride_dm, chunk_m, num_chunks, epi_descs,
                     scale_a, scale_b, c, 0, 0, 0, 0, 0, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE, DEST_ALIGNED,
                     EPI_TMA, SCALE_A, SCALE_B, False)
         if RECORD_TILES:
             _record(tile_records, off_m, off_n, num_pid_n, rec_t0, rec_tw, step, BLOCK_M, BLOCK_N, USE_ASM)
         if EPILOGUE:   # after the stores (see _carry)
-            pend_lo = _carry(c_lo, USE_ASM)
-            pend_hi = _carry(c_hi, USE_ASM)
-            if EPI_COUNT >= 3:
-                pend_poll = _carry(_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N),
-                                   USE_ASM)
-            if EPI_COUNT == 4:
-                # The run of pending tiles grows by this tile if this main loop did not count
-                # it (cnt_n == 0: merged). It is counted in the next tile's main loop unless
-                # that tile lies in this chunk too and this is no poll tile -- decided here,
-                # a tile ahead: a count inside the K-steps can only take values the tile
-                # loop carries (see _count_in_loop).
-                run_n = tl.where((pend_n > 0) & (cnt_n == 0), pend_n + 1, 1)
-                merge_next = (_next_in_segment(work_id, num_progs, num_work, c_lo, M, chunk_m, num_chunks,
-                                               start_chunk, num_pid_n, BLOCK_M, TILE_ORDER)
-                              & (_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N) == 0))
-                pend_n = _carry(run_n, USE_ASM)
-                cnt_n = _carry(tl.where(merge_next, 0, run_n), USE_ASM)
-            elif EPI_COUNT == 3:
-                pend_n = _carry(tl.where(merge, pend_n + 1, 1), USE_ASM)
+            pend_lo, pend_hi, pend_poll, pend_n, cnt_n = _pend_stored(
+                off_m, off_n, c_lo, c_hi, pend_poll, pend_n, cnt_n, merge, work_id, num_progs, num_work, M,
+                chunk_m, num_chunks, start_chunk, num_pid_n, BLOCK_M, BLOCK_N, TILE_ORDER, EPI_COUNT, USE_ASM)
     if STREAM_K:
         lo, hi, first_idx, num_segs, total_steps = _sk_run(start_pid, num_progs, sk_tiles, k_tiles)
         if RECORD_TILES:   # work items of this program's whole-tile loop (the logical clock)
