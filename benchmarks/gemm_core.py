@@ -7,6 +7,11 @@ checked against cuBLAS first), then time the best config, ``torch.matmul`` (cuBL
 best config with hooks on (signals pre-set) in one run: ``triton.testing.do_bench`` median,
 random data, inputs rotated over enough copies to exceed L2 (do_bench also flushes L2).
 Writes ``gemm_core_h200.json`` (``--name`` changes it) and prints a short table last.
+
+``--dtype fp8``: e4m3 operands (``b = weight.t()``), bf16 output, scales tensor-wise and
+row-wise (``--scaling``; one row per shape and scaling, named ``<shape>-tensorwise`` /
+``-rowwise``), against ``torch._scaled_mm`` (cuBLASLt) in the "cublas" columns: ``graph_ratio`` =
+``torch._scaled_mm`` time / ours. Writes ``gemm_core_fp8_h200.json`` unless ``--name`` says.
 """
 from __future__ import annotations
 
@@ -53,15 +58,48 @@ def shapes(quick: bool) -> list[Shape]:
     return out
 
 
-def make_inputs(s: Shape, dtype):
-    per_set = (s.m * s.k + s.n * s.k + s.m * s.n) * torch.empty((), dtype=dtype).element_size()
+FP8 = torch.float8_e4m3fn
+FP8_OUT = torch.bfloat16
+
+
+def make_inputs(s: Shape, dtype, scaling=None):
+    """Input sets ``(a, b, c, *scales)``: ``b = weight.t()``; fp8: e4m3 operands of N(0, 1)
+    values, a bf16 ``c`` and fp32 scales (``scaling`` "tensor": 0-d; "row": ``[M, 1]``, ``[1, N]``)
+    that carry the weight's 1/sqrt(K)."""
+    fp8 = dtype == FP8
+    out_dtype = FP8_OUT if fp8 else dtype
+    el, out_el = torch.empty((), dtype=dtype).element_size(), torch.empty((), dtype=out_dtype).element_size()
+    per_set = (s.m * s.k + s.n * s.k) * el + s.m * s.n * out_el
     n_sets = max(1, min(8, math.ceil(3 * L2_BYTES / per_set)))
     sets = []
     for _ in range(n_sets):
-        a = torch.randn(s.m, s.k, device="cuda", dtype=dtype)
-        w = torch.randn(s.n, s.k, device="cuda", dtype=dtype) / math.sqrt(s.k)
-        sets.append((a, w.t(), torch.empty(s.m, s.n, device="cuda", dtype=dtype)))
+        c = torch.empty(s.m, s.n, device="cuda", dtype=out_dtype)
+        if not fp8:
+            a = torch.randn(s.m, s.k, device="cuda", dtype=dtype)
+            w = torch.randn(s.n, s.k, device="cuda", dtype=dtype) / math.sqrt(s.k)
+            sets.append((a, w.t(), c))
+            continue
+        a = torch.randn(s.m, s.k, device="cuda").to(dtype)
+        w = torch.randn(s.n, s.k, device="cuda").to(dtype)
+        if scaling == "tensor":
+            sa, sb = torch.tensor(1.0, device="cuda"), torch.tensor(1 / math.sqrt(s.k), device="cuda")
+        else:
+            sa = torch.rand(s.m, 1, device="cuda") + 0.5
+            sb = (torch.rand(1, s.n, device="cuda") + 0.5) / math.sqrt(s.k)
+        sets.append((a, w.t(), c, sa, sb))
     return sets
+
+
+def _scales(sc) -> dict:
+    """matmul's scale arguments of an input set's tail (nothing for 16-bit sets)."""
+    return dict(scale_a=sc[0], scale_b=sc[1]) if sc else {}
+
+
+def baseline(a, b, c, *sc):
+    """cuBLAS: ``torch.matmul``, or for fp8 ``torch._scaled_mm`` (cuBLASLt) into ``c``."""
+    if not sc:
+        return torch.matmul(a, b, out=c)
+    return torch._scaled_mm(a, b, scale_a=sc[0], scale_b=sc[1], out_dtype=c.dtype, out=c)
 
 
 def bench(fn_of_set, sets, rep):
@@ -144,11 +182,12 @@ def hook_specs(s: Shape, out, num_chunks=WORLD_SIZE):
     return chunk_m, wait, epi, esig
 
 
-def run_shape(s: Shape, dtype, args, log):
-    sets = make_inputs(s, dtype)
-    a0, b0, c0 = sets[0]
-    ref = torch.matmul(a0, b0)
-    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+def run_shape(s: Shape, dtype, args, log, scaling=None):
+    sets = make_inputs(s, dtype, scaling)
+    a0, b0, c0, *sc0 = sets[0]
+    ref = baseline(a0, b0, torch.empty_like(c0), *sc0)
+    tol = 2e-2 if c0.dtype == torch.bfloat16 else 5e-3
+    s_name = s.name + (f"-{scaling}wise" if scaling else "")
     timings = []
     num_sms = torch.cuda.get_device_properties(a0.device).multi_processor_count
     cands = gc.candidate_configs(s.m, s.n, s.k, dtype, num_sms=num_sms)
@@ -156,32 +195,32 @@ def run_shape(s: Shape, dtype, args, log):
         cands = [gc.default_config(s.m, s.n, s.k, dtype, num_sms=num_sms)]
     for cfg in cands:
         try:
-            gc.matmul(a0, b0, out=c0, config=cfg)        # compiles; the next call launches directly
+            gc.matmul(a0, b0, out=c0, config=cfg, **_scales(sc0))   # compiles; the next call launches directly
             c0.fill_(float("nan"))
-            gc.matmul(a0, b0, out=c0, config=cfg)
+            gc.matmul(a0, b0, out=c0, config=cfg, **_scales(sc0))
             err = rel_err(c0, ref)
             if not math.isfinite(err) or err > tol:
-                log.append({"shape": s.name, "config": cfg.to_dict(), "error": f"rel_err {err}"})
+                log.append({"shape": s_name, "config": cfg.to_dict(), "error": f"rel_err {err}"})
                 continue
-            fn = lambda a, b, c: gc.matmul(a, b, out=c, config=cfg)  # noqa: E731
+            fn = lambda a, b, c, *sc: gc.matmul(a, b, out=c, config=cfg, **_scales(sc))  # noqa: E731
             # CUDA-graph replays by default: eager timings of small shapes measure the host's
             # launch cost, not the kernel, and would pick configs by launch noise
             ms = graph_bench(fn, sets, args.tune_rep) if args.tune_graphs else bench(fn, sets, args.tune_rep)
         except Exception as e:  # noqa: BLE001 - record and skip configs that do not compile
-            log.append({"shape": s.name, "config": cfg.to_dict(), "error": f"{type(e).__name__}: {e}"[:300]})
+            log.append({"shape": s_name, "config": cfg.to_dict(), "error": f"{type(e).__name__}: {e}"[:300]})
             continue
         timings.append((ms, cfg))
-        log.append({"shape": s.name, "config": cfg.to_dict(), "ms": ms})
+        log.append({"shape": s_name, "config": cfg.to_dict(), "ms": ms})
     timings.sort(key=lambda t: t[0])
     if args.finalists > 1 and not args.no_tune:
         # One timing per candidate is exposed to drift: the leaders are timed again in
         # interleaved rounds and ranked by the median of their timings (tpfuse.gemm.rerank_leaders)
         def timed(cfg, sets=sets):   # sets: bound now (deleted at the end of run_shape)
-            fn = lambda a, b, c: gc.matmul(a, b, out=c, config=cfg)  # noqa: E731
+            fn = lambda a, b, c, *sc: gc.matmul(a, b, out=c, config=cfg, **_scales(sc))  # noqa: E731
             return graph_bench(fn, sets, args.tune_rep) if args.tune_graphs else bench(fn, sets, args.tune_rep)
         ranked = gc.rerank_leaders([(cfg, ms) for ms, cfg in timings], timed, args.finalists, args.finalist_rounds)
         for cfg, _, ts in ranked[:args.finalists]:
-            log.append({"shape": s.name, "config": cfg.to_dict(), "finalist_ms": ts})
+            log.append({"shape": s_name, "config": cfg.to_dict(), "finalist_ms": ts})
         timings = [(ms, cfg) for cfg, ms, _ in ranked]
     best = timings[0][1]
     flops = 2.0 * s.m * s.n * s.k
@@ -193,9 +232,11 @@ def run_shape(s: Shape, dtype, args, log):
         "wait": dict(tile_order="round", start_chunk=1, wait=wait, check=False),
         "epilogue": dict(tile_order="owner", start_chunk=1, epilogue=epi),
     }
-    row = {"name": s.name, "phase": s.phase, "m": s.m, "n": s.n, "k": s.k, "config": best.to_dict(),
+    row = {"name": s_name, "phase": s.phase, "m": s.m, "n": s.n, "k": s.k, "config": best.to_dict(),
            "runner_up": [dict(ms=t, **c.to_dict()) for t, c in timings[1:4]]}
-    fns = {"cublas": lambda a, b, c: torch.matmul(a, b, out=c)}
+    if scaling:
+        row.update(dtype="float8_e4m3fn", out_dtype="bfloat16", scaling=f"{scaling}wise")
+    fns = {"cublas": baseline}
     for key, kw in variants.items():
         try:
             for _ in range(2):
@@ -203,7 +244,7 @@ def run_shape(s: Shape, dtype, args, log):
                 for d in epi.dests:
                     d.fill_(float("nan"))
                 esig.zero_()
-                gc.matmul(a0, b0, out=None if "epilogue" in kw else c0, config=best, **kw)
+                gc.matmul(a0, b0, out=None if "epilogue" in kw else c0, config=best, **kw, **_scales(sc0))
             torch.cuda.synchronize()
             err = rel_err(torch.cat(epi.dests) if "epilogue" in kw else c0, ref)
             if "wait" in kw:
@@ -220,8 +261,8 @@ def run_shape(s: Shape, dtype, args, log):
 
             if not math.isfinite(err) or err > tol:
                 raise RuntimeError(f"rel_err {err}")
-            fns[key] = (lambda kw: lambda a, b, c: gc.matmul(
-                a, b, out=None if "epilogue" in kw else c, config=best, **kw))(kw)
+            fns[key] = (lambda kw: lambda a, b, c, *sc: gc.matmul(
+                a, b, out=None if "epilogue" in kw else c, config=best, **kw, **_scales(sc)))(kw)
         except Exception as e:  # noqa: BLE001
             row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:300]
     # Rounds interleave the variants (each round in a rotated order) so that clock and
@@ -277,8 +318,11 @@ def run_shape(s: Shape, dtype, args, log):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON")
-    p.add_argument("--name", default="gemm_core_h200.json")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--name", default=None, help="JSON file name (default: gemm_core_h200.json, "
+                                                "gemm_core_fp8_h200.json for --dtype fp8)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "fp8"])
+    p.add_argument("--scaling", default="tensor,row",
+                   help="with --dtype fp8: comma-separated scalings, tensor (0-d scales) and/or row ([M, 1], [1, N])")
     p.add_argument("--rep", type=int, default=40, help="do_bench rep (ms) for the final timings")
     p.add_argument("--tune-rep", type=int, default=15, help="do_bench rep (ms) per tuning candidate")
     p.add_argument("--quick", action="store_true", help="70B shapes only")
@@ -296,7 +340,12 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gemm_core.py needs a CUDA GPU")
     import triton
-    dtype = getattr(torch, args.dtype)
+    fp8 = args.dtype == "fp8"
+    dtype = FP8 if fp8 else getattr(torch, args.dtype)
+    scalings = [x for x in args.scaling.split(",") if x] if fp8 else [None]
+    if any(x not in ("tensor", "row") for x in scalings) or not scalings:
+        raise SystemExit(f"--scaling {args.scaling!r}: choose tensor and/or row")
+    args.name = args.name or ("gemm_core_fp8_h200.json" if fp8 else "gemm_core_h200.json")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -307,7 +356,8 @@ def main(argv=None):
                       "--rounds interleaved rounds of (cublas, ours, round_order, owner_order, wait, epilogue), "
                       "each round in a rotated order; eager: min of the rounds' medians; graph (one CUDA-graph "
                       "replay per call): median of the rounds' medians, graph_ratio and *_graph_overhead are "
-                      "medians of per-round pairs; cublas = torch.matmul(a, w.t()); "
+                      "medians of per-round pairs; cublas = torch.matmul(a, w.t()) (fp8: torch._scaled_mm(a, w.t(), "
+                      "scale_a, scale_b, out_dtype=bfloat16), cuBLASLt); "
                       "ours = best tuned config (tuning timed from CUDA-graph replays unless --eager-tuning); hooks reuse that config with signals pre-set"}
     todo = shapes(args.quick)
     if args.only:
@@ -317,10 +367,10 @@ def main(argv=None):
     meta["host_us_per_call"] = host_overhead_us()
     print("host time per call (us):", meta["host_us_per_call"], flush=True)
     t0 = time.time()
-    for s in todo:
-        row = run_shape(s, dtype, args, log)
+    for s, scaling in [(s, x) for s in todo for x in scalings]:
+        row = run_shape(s, dtype, args, log, scaling)
         rows.append(row)
-        print(f"[{time.time() - t0:6.1f}s] {s.name:24s} {s.m:6d}x{s.n:6d}x{s.k:6d} ours {row['ours_tflops']:6.1f} "
+        print(f"[{time.time() - t0:6.1f}s] {row['name']:24s} {s.m:6d}x{s.n:6d}x{s.k:6d} ours {row['ours_tflops']:6.1f} "
               f"cublas {row['cublas_tflops']:6.1f} ratio {row['ratio']:.3f} graph {row.get('graph_ratio', float('nan')):.3f} "
               f"wait {row.get('wait_overhead', float('nan')):+.3f} epi {row.get('epilogue_overhead', float('nan')):+.3f} "
               f"{row['config']['BLOCK_M']}x{row['config']['BLOCK_N']}x{row['config']['BLOCK_K']} "

@@ -12,6 +12,7 @@ _PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"   # before any triton import: kernels are decorated lazily
 
 import dataclasses  # noqa: E402
+import inspect  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -685,3 +686,139 @@ def test_launch_plan_says_which_kernel_ran_and_why():
     assert gc.launch_counts()["interpreter"] == counts["interpreter"] + 1
     gc.matmul(a[:0], b)
     assert gc.last_plan().kernel == "none" and gc.launch_counts()["interpreter"] == counts["interpreter"] + 1
+
+
+# ---- scales and fp8 (torch._scaled_mm's meaning) ------------------------------------------------
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _scaled_operands(m, k, n, a_dtype, b_dtype, mode, seed=0):
+    """fp8 (or any) ``a [m, k]``, ``b = weight.t()`` and fp32 scales: ``mode`` "tensor" (0-d)
+    or "row" (``[m, 1]`` and ``[1, n]``); returns (a, b, scale_a, scale_b, float64 reference of
+    the dequantized product)."""
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(m, k, generator=g) * 2).to(a_dtype)
+    b = (torch.randn(n, k, generator=g) * 2).to(b_dtype).t()
+    if mode == "tensor":
+        sa, sb = torch.tensor(0.75), torch.tensor(1.5)
+    else:
+        sa, sb = torch.rand(m, 1, generator=g) + 0.25, torch.rand(1, n, generator=g) + 0.25
+    ref = (a.double() * sa.double()) @ (b.double() * sb.double())
+    return a, b, sa, sb, ref
+
+
+def _assert_rounded(out, ref, out_dtype):
+    """``out`` is ``ref`` rounded to ``out_dtype`` give or take an fp32 accumulation: relative
+    Frobenius error within 2 units of the output's rounding."""
+    assert out.dtype == out_dtype and not torch.isnan(out).any()
+    eps = torch.finfo(out_dtype).eps if out_dtype != torch.float32 else 1e-5
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err <= 2 * eps, f"relative error {err:.3g} > {2 * eps:.3g}"
+
+
+@pytest.mark.parametrize("mode", ["tensor", "row"])
+@pytest.mark.parametrize("a_dtype,b_dtype,out_dtype", [(E4M3, E4M3, torch.bfloat16), (E4M3, E5M2, torch.float32),
+                                                       (E5M2, E4M3, torch.float16)],
+                         ids=["e4m3-bf16", "e4m3xe5m2-fp32", "e5m2xe4m3-fp16"])
+def test_fp8_matches_scaled_mm(mode, a_dtype, b_dtype, out_dtype):
+    m, k, n = 37, 48, 32
+    a, b, sa, sb, ref = _scaled_operands(m, k, n, a_dtype, b_dtype, mode)
+    out = torch.full((m, n), float("nan"), dtype=out_dtype)
+    assert gc.matmul(a, b, out=out, config=CFG, scale_a=sa, scale_b=sb, out_dtype=out_dtype) is out
+    _assert_rounded(out, ref, out_dtype)
+    plan = gc.last_plan()
+    assert plan.variant == "gemm_kernel" and plan.out_dtype == out_dtype
+    assert (plan.scale_a, plan.scale_b) == ((1, 1) if mode == "tensor" else (2, 2))
+    # against torch._scaled_mm itself (CPU): the same products, rounded once
+    theirs = torch._scaled_mm(a, b, scale_a=sa if mode == "row" else sa.reshape(()),
+                              scale_b=sb if mode == "row" else sb.reshape(()), out_dtype=out_dtype)
+    _assert_rounded(theirs, ref, out_dtype)
+    if out_dtype == torch.bfloat16:   # default out dtype of fp8 inputs
+        assert gc.matmul(a, b, config=CFG, scale_a=sa, scale_b=sb).dtype == torch.bfloat16
+
+
+def test_scales_on_bf16_operands_and_stream_k_sums():
+    # the epilogue's scaling of 16-bit operands (the interpreter's stand-in for fp8 dots where a
+    # Triton cannot run them), through whole tiles and stream-K's workspace sums (2 subtiles)
+    m, k, n = 45, 130, 32
+    a, b, sa, sb, ref = _scaled_operands(m, k, n, torch.bfloat16, torch.bfloat16, "row", seed=4)
+    for cfg in (CFG, dataclasses.replace(CFG, num_programs=4, stream_k=1, EPI_SUBTILE=2)):
+        out = gc.matmul(a, b, config=cfg, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+        _assert_rounded(out, ref, torch.float32)
+        assert gc.last_plan().variant == ("gemm_sk_kernel" if cfg.stream_k else "gemm_kernel")
+    a8, b8, sa8, sb8, ref8 = _scaled_operands(m, 144, n, E4M3, E4M3, "row", seed=5)   # K: a multiple of 16
+    sk = dataclasses.replace(CFG, num_programs=4, stream_k=2, EPI_SUBTILE=2)
+    out = gc.matmul(a8, b8, config=sk, scale_a=sa8, scale_b=sb8)
+    assert gc.last_plan().sk_tiles > 0
+    _assert_rounded(out, ref8, torch.bfloat16)
+
+
+def test_fp8_hooks_take_row_scales_by_global_row():
+    # wait hook: the gathered rows' scales are indexed by global row like a (round order from
+    # chunk 1); epilogue hook: each chunk's rows, scaled, go to that chunk's bf16 destination.
+    # Both bitwise equal to the call without hooks (same sums, same scaling).
+    m, k, n, chunk_m = 64, 48, 32, 16
+    a, b, sa, sb, ref = _scaled_operands(m, k, n, E4M3, E4M3, "row", seed=6)
+    plain = gc.matmul(a, b, config=CFG, scale_a=sa, scale_b=sb)
+    _assert_rounded(plain, ref, torch.bfloat16)
+    signal = torch.full((4,), 3, dtype=torch.int32)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    gc.matmul(a, b, out=out, config=CFG, tile_order="round", start_chunk=1, scale_a=sa, scale_b=sb,
+              wait=gc.WaitSpec(signal, generation=3, chunk_m=chunk_m, max_spins=10))
+    assert gc.last_plan().variant == "gemm_hooked_kernel"
+    assert torch.equal(out, plain)
+    dests = [torch.full((chunk_m, n), float("nan"), dtype=torch.bfloat16) for _ in range(4)]
+    signals = torch.zeros(4, dtype=torch.int32)
+    spec = gc.EpilogueSpec.from_tensors(dests, signals, 1, chunk_m)
+    gc.matmul(a, b, config=CFG, tile_order="owner", start_chunk=2, epilogue=spec, scale_a=sa, scale_b=sb)
+    assert signals.tolist() == [1] * 4 and torch.equal(torch.cat(dests), plain)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda a, w, s: gc.matmul(a[:, :40], w.t()[:40]), ValueError, "K=40 and N=32 must be multiples of 16"),
+    (lambda a, w, s: gc.matmul(a, w[:24].t()), ValueError, "N=24 must be multiples of 16|pad"),
+    (lambda a, w, s: gc.matmul(a, w.t().contiguous()), ValueError, "fp8 b has strides .*weight.t"),
+    (lambda a, w, s: gc.matmul(a, w.t().to(torch.bfloat16)), TypeError, "fp8 operands pair as"),
+    (lambda a, w, s: gc.matmul(a.to(E5M2), w.t().to(E5M2)), TypeError, "float8_e5m2 with b.dtype"),
+    (lambda a, w, s: gc.matmul(a, w.t(), out_dtype=E4M3), TypeError, "out_dtype=torch.float8_e4m3fn"),
+    (lambda a, w, s: gc.matmul(a, w.t(), scale_a=s.double()), TypeError, "scale_a.dtype=torch.float64"),
+    (lambda a, w, s: gc.matmul(a, w.t(), scale_a=torch.ones(1, 16)), ValueError, r"scale_a has shape \(1, 16\)"),
+    (lambda a, w, s: gc.matmul(a, w.t(), scale_b=torch.ones(32, 1)), ValueError, r"need .*\[1, 32\]"),
+    (lambda a, w, s: gc.matmul(a, w.t(), scale_b=2.0), TypeError, "scale_b must be a torch.Tensor"),
+    (lambda a, w, s: gc.matmul(a, w.t(), out=torch.empty(16, 32)), ValueError, "need \\(16, 32\\) torch.bfloat16"),
+])
+def test_fp8_bad_input_names_argument_and_fix(call, exc, match):
+    a = torch.randn(16, 48).to(E4M3)
+    w = torch.randn(32, 48).to(E4M3)
+    with pytest.raises(exc, match=match):
+        call(a, w, torch.ones(()))
+
+
+def test_compile_spec_projects_to_each_variant():
+    from tpfuse.gemm.spec import CompileSpec, HookedSpec, PersistentSpec, StreamKSpec
+    import tpfuse.kernels.gemm as km
+    fields = {f.name: 0 for f in dataclasses.fields(CompileSpec)}
+    fields.update(C_DTYPE="bfloat16")
+    full = CompileSpec(**fields)
+    assert type(full.project()) is PersistentSpec
+    assert type(dataclasses.replace(full, STREAM_K=True).project()) is StreamKSpec
+    for hook in ("WAIT", "EPILOGUE"):
+        spec = dataclasses.replace(full, STREAM_K=True, **{hook: True}).project()
+        assert type(spec) is HookedSpec and spec.STREAM_K
+    # each variant's spec is exactly that kernel's constexprs (and a hashable cache key)
+    for cls in (PersistentSpec, StreamKSpec, HookedSpec):
+        kernel = getattr(km, cls.KERNEL)
+        params = inspect.signature(kernel.fn).parameters.values()   # JIT or interpreted function
+        constexprs = [p.name for p in params if "constexpr" in str(p.annotation)]
+        assert [f.name for f in dataclasses.fields(cls)] == constexprs, cls.KERNEL
+        hash(dataclasses.replace(full, STREAM_K=True, WAIT=True).project())
+
+
+def test_fp8_default_configs_take_deep_k_steps_and_fit():
+    from tpfuse.gemm.config import _SM90_SMEM_BYTES
+    for m, n, k in ((16384, 3584, 4096), (512, 3584, 4096), (128, 8192, 3584), (128, 3584, 4096)):
+        cfg = gc.default_config(m, n, k, E4M3)
+        assert cfg.BLOCK_K >= 128 and cfg.smem_bytes(1, 2) <= _SM90_SMEM_BYTES, cfg
+        cands = gc.candidate_configs(m, n, k, E4M3)
+        assert cands and all(c.smem_bytes(1, 2) <= _SM90_SMEM_BYTES for c in cands)
+        assert sum(c.BLOCK_K == 128 for c in cands) >= len(cands) // 2

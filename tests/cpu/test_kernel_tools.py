@@ -31,8 +31,10 @@ def _ptxas():
     return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
 
 
-# The compiler-output assertions below (instruction counts, loop nesting, shared memory) hold for
-# what this Triton made of the kernels; another version may schedule them differently.
+# The compiler-output assertions of the pinned tests below (instruction counts, loop nesting,
+# shared memory equalities) hold for what this Triton made of the kernels; another version may
+# schedule them differently. The unpinned ones (wgmma and TMA present, no spills, shared memory
+# fits) must hold on every Triton the package supports (3.6, 3.7, 3.8 checked).
 KNOWN_TRITON = "3.6."
 
 
@@ -42,23 +44,55 @@ def _known_triton():
         pytest.skip(f"compiler-output checks are pinned to Triton {KNOWN_TRITON}x; this is {triton.__version__}")
 
 
-def _offline_tools():
-    """(compile_kernel, sass_of) of tpfuse/gemm/offline.py; skips under the interpreter and on
-    other Triton versions."""
+def _offline_tools(pinned=True):
+    """(compile_kernel, sass_of) of tpfuse/gemm/offline.py; skips under the interpreter and,
+    ``pinned``, on other Triton versions."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("compiling needs Triton's compiler, not the interpreter")
-    _known_triton()
+    if pinned:
+        _known_triton()
     from tpfuse.gemm.offline import compile_kernel, sass_of
     return compile_kernel, sass_of
 
 
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_SK = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, stream_k=1)
+_FP8 = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3)
+_FP8_SUB2 = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=6, EPI_SUBTILE=2)
+# (kernel the plan would launch, shape, config, compile_kernel's keywords, wgmma of the PTX)
+_VARIANTS = {
+    "plain": ("gemm_kernel", (512, 3584, 4096), gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8,
+                                                             num_stages=6), {}, ".bf16.bf16"),
+    "stream_k": ("gemm_sk_kernel", (1024, 1024, 4096), _SK, dict(sk_tiles=16), ".bf16.bf16"),
+    "hooked": ("gemm_hooked_kernel", (4096, 4096, 1792), gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                                                                      num_warps=8, num_stages=3, flatten=True),
+               dict(epilogue=True, tile_order=2, epi_tma=9, epi_count=4), ".bf16.bf16"),
+    "fp8_tensorwise": ("gemm_kernel", (4096, 3584, 4096), _FP8, dict(dtype=E4M3, scale_a=1, scale_b=1), ".e4m3.e4m3"),
+    "fp8_rowwise": ("gemm_kernel", (4096, 3584, 4096), _FP8, dict(dtype=E4M3, scale_a=2, scale_b=2), ".e4m3.e4m3"),
+    "fp8_rowwise_sub2": ("gemm_kernel", (512, 3584, 4096), _FP8_SUB2, dict(dtype=E4M3, scale_a=2, scale_b=2),
+                         ".e4m3.e4m3"),
+    "fp8_e5m2_grad": ("gemm_kernel", (4096, 3584, 4096), _FP8, dict(dtype=E5M2, b_dtype=E4M3, scale_a=1, scale_b=1),
+                      ".e5m2.e4m3"),
+    "fp8_stream_k_rowwise": ("gemm_sk_kernel", (1024, 1024, 4096), dataclasses.replace(_SK, BLOCK_K=128),
+                             dict(sk_tiles=16, dtype=E4M3, scale_a=2, scale_b=2), ".e4m3.e4m3"),
+    "fp8_hooked_rowwise": ("gemm_hooked_kernel", (4096, 3584, 4096), dataclasses.replace(_FP8, flatten=True),
+                           dict(dtype=E4M3, scale_a=2, scale_b=2, epilogue=True, tile_order=2, epi_tma=9,
+                                epi_count=4), ".e4m3.e4m3"),
+}
+
+
 @pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
-def test_offline_sm90_compile_uses_wgmma_and_tma_without_spills():
-    compile_kernel, sass_of = _offline_tools()
-    cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=6)
-    kern = compile_kernel(512, 3584, 4096, cfg)
+@pytest.mark.parametrize("variant", list(_VARIANTS))
+def test_offline_sm90_compile_uses_wgmma_and_tma_without_spills(variant):
+    # on every supported Triton: each variant (bf16 and fp8) compiles for sm_90 to wgmma fed by
+    # TMA loads, spills nothing and fits sm_90's shared memory
+    compile_kernel, sass_of = _offline_tools(pinned=False)
+    kernel, (m, n, k), cfg, kw, mma = _VARIANTS[variant]
+    kern = compile_kernel(m, n, k, cfg, **kw)
+    assert kern.name == kernel
     sass, res = sass_of(kern.asm["cubin"])
-    assert "HGMMA" in sass and "UTMALDG" in sass      # wgmma fed by TMA loads
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k\d+\.f32" + re.escape(mma), kern.asm["ptx"])
+    assert re.search(r"\b[HQ]GMMA\.", sass) and "UTMALDG" in sass   # wgmma (QGMMA: fp8) fed by TMA loads
     assert "LOCAL:0" in res and "STACK:0" in res      # no register spills
     assert kern.metadata.shared <= 232448             # fits sm_90's shared memory
 
@@ -170,10 +204,11 @@ def test_count_mode_follows_the_options():
         gc.GemmOptions(gluon=1)
 
 
-def _offline_ws():
+def _offline_ws(pinned=True):
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("compiling needs Triton's compiler, not the interpreter")
-    _known_triton()
+    if pinned:
+        _known_triton()
     from tpfuse.gemm.offline import compile_ws_kernel, sass_of
     return compile_ws_kernel, sass_of
 
@@ -216,7 +251,7 @@ def test_offline_ws_kernel_waits_in_its_load_warp():
 
 @pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
 def test_offline_ws_kernel_takes_row_major_b_and_narrow_tiles():
-    compile_ws, sass_of = _offline_ws()
+    compile_ws, sass_of = _offline_ws(pinned=False)
     for kw in (dict(b_kmajor=False), dict(block=(128, 128, 64), stages=5)):
         kern = compile_ws(1000, 512, 256, epi_tma=9, tile_order=1, **kw)
         sass, res = sass_of(kern.asm["cubin"])

@@ -548,3 +548,92 @@ def test_tile_records_on_gpu(kernel, config, hook):
         assert torch.equal(out, plain), "the records changed the result"
         _check_tile_records(rec, plan, waited=hook == "wait")
     assert gc.launch_counts().get("direct", 0) > before.get("direct", 0)
+
+
+# ---- fp8 against torch._scaled_mm (cuBLASLt) ----------------------------------------------------
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+FP8_BIG = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3)
+FP8_NARROW = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=5, EPI_SUBTILE=2)
+
+
+def _fp8_operands(m, k, n, a_dtype, b_dtype, mode, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = (torch.randn(m, k, generator=g, device="cuda") * 2).to(a_dtype)
+    b = (torch.randn(n, k, generator=g, device="cuda") * 2).to(b_dtype).t()
+    if mode == "tensor":
+        sa, sb = torch.tensor(0.75, device="cuda"), torch.tensor(1.5, device="cuda")
+    else:
+        sa = torch.rand(m, 1, generator=g, device="cuda") + 0.25
+        sb = torch.rand(1, n, generator=g, device="cuda") + 0.25
+    return a, b, sa, sb
+
+
+def _scaled_mm(a, b, sa, sb, out_dtype):
+    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+
+
+def _fp8_close(ours, theirs, a, b, sa, sb):
+    """Both within 2 output roundings of the float64 product of the dequantized inputs."""
+    torch.cuda.synchronize()
+    ref = (a.double() * sa.double()) @ (b.double() * sb.double())
+    eps = torch.finfo(ours.dtype).eps if ours.dtype != torch.float32 else 1e-5
+    for name, got in (("ours", ours), ("torch._scaled_mm", theirs)):
+        assert not torch.isnan(got).any(), name
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert err <= 2 * eps, f"{name}: relative error {err:.3g}"
+
+
+@pytest.mark.skipif(not FP8, reason="fp8 MMAs need compute capability 8.9+")
+@pytest.mark.parametrize("mode", ["tensor", "row"])
+@pytest.mark.parametrize("shape", [(37 * 4, 1008, 776), (2048, 4096, 3584), (128, 3584, 4096)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("config", [None, FP8_BIG, FP8_NARROW], ids=["default", "128x256x128", "128x128x128_sub2"])
+def test_fp8_against_scaled_mm(mode, shape, config):
+    m, k, n = shape
+    a, b, sa, sb = _fp8_operands(m, k, n, E4M3, E4M3, mode)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gc.matmul(a, b, out=out, config=config, scale_a=sa, scale_b=sb)
+    plan = gc.last_plan()
+    assert plan.kernel == "gemm_kernel" and plan.use_tma == HOPPER, plan.explain()
+    _fp8_close(out, _scaled_mm(a, b, sa, sb, torch.bfloat16), a, b, sa, sb)
+
+
+@pytest.mark.skipif(not FP8, reason="fp8 MMAs need compute capability 8.9+")
+@pytest.mark.parametrize("a_dtype,b_dtype,out_dtype", [(E4M3, E5M2, torch.float32), (E5M2, E4M3, torch.float16)])
+def test_fp8_mixes_and_out_dtypes(a_dtype, b_dtype, out_dtype):
+    a, b, sa, sb = _fp8_operands(1024, 512, 768, a_dtype, b_dtype, "tensor", seed=1)
+    out = gc.matmul(a, b, config=FP8_NARROW, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    assert out.dtype == out_dtype
+    _fp8_close(out, _scaled_mm(a, b, sa, sb, out_dtype), a, b, sa, sb)
+
+
+@pytest.mark.skipif(not FP8, reason="fp8 MMAs need compute capability 8.9+")
+def test_fp8_stream_k_and_hooks_match_the_plain_call_bitwise():
+    # stream-K sums and scales per subtile from the workspace; the wait hook's gathered rows
+    # take their scales by global row; the epilogue hook stores scaled rows to each chunk's
+    # destination. Hooks change neither sums nor scaling: bitwise the plain call.
+    m, k, n, chunk_m = 1024, 2048, 1024, 256
+    a, b, sa, sb = _fp8_operands(m, k, n, E4M3, E4M3, "row", seed=2)
+    sk = dataclasses.replace(FP8_NARROW, num_programs=7, stream_k=2)
+    out = gc.matmul(a, b, config=sk, scale_a=sa, scale_b=sb)
+    assert gc.last_plan().sk_tiles > 0
+    _fp8_close(out, _scaled_mm(a, b, sa, sb, torch.bfloat16), a, b, sa, sb)
+    plain = gc.matmul(a, b, config=FP8_BIG, scale_a=sa, scale_b=sb)
+    signal = torch.full((m // chunk_m,), 5, dtype=torch.int32, device="cuda")
+    waited = gc.matmul(a, b, config=FP8_BIG, tile_order="round", start_chunk=2, scale_a=sa, scale_b=sb,
+                       wait=gc.WaitSpec(signal, generation=5, chunk_m=chunk_m, timeout_ns=10**9))
+    assert gc.last_plan().variant == "gemm_hooked_kernel"
+    dests = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    signals = torch.zeros(m // chunk_m, dtype=torch.int32, device="cuda")
+    spec = gc.EpilogueSpec.from_tensors(list(dests.split(chunk_m)), signals, 1, chunk_m)
+    gc.matmul(a, b, config=FP8_BIG, tile_order="owner", start_chunk=1, epilogue=spec, scale_a=sa, scale_b=sb)
+    torch.cuda.synchronize()
+    assert torch.equal(waited, plain) and torch.equal(dests, plain) and signals.tolist() == [1] * 4
+
+
+@pytest.mark.skipif(not FP8, reason="fp8 MMAs need compute capability 8.9+")
+def test_fp8_sizes_off_the_tensor_core_multiple_raise_with_the_fix():
+    a, b, sa, sb = _fp8_operands(64, 1000, 776, E4M3, E4M3, "tensor")   # K = 1000: not a multiple of 16
+    with pytest.raises(ValueError, match="multiples of 16.*pad"):
+        gc.matmul(a, b, scale_a=sa, scale_b=sb)

@@ -15,10 +15,12 @@ from typing import Optional
 
 import torch
 
+from ..kernels import _types
+
 __all__ = ["GemmConfig", "GemmOptions", "default_config", "candidate_configs", "stream_k_tiles",
            "SUPPORTED_DTYPES"]
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPPORTED_DTYPES = _types.INPUT_DTYPES   # the kernels' input dtypes (kernels/_types.py)
 
 # Shared memory per block on sm_90 with the opt-in limit (CUDA guide, H100/H200: 227 KiB).
 _SM90_SMEM_BYTES = 232448
@@ -67,11 +69,13 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.stream_k={self.stream_k!r}: must be 0 (off), 1 (the last partial "
                              "wave) or 2 (the last partial wave and one full wave)")
 
-    def smem_bytes(self, elem_size: int) -> int:
-        """Shared memory estimate: pipelined A and B stages plus one TMA-store subtile (none
-        with ``tma_store=False``: the pointer store's layout conversion reuses the stages)."""
+    def smem_bytes(self, elem_size: int, out_elem_size: Optional[int] = None) -> int:
+        """Shared memory estimate: pipelined A and B stages of ``elem_size``-byte inputs plus one
+        TMA-store subtile of ``out_elem_size``-byte outputs (default: the inputs'; none with
+        ``tma_store=False``: the pointer store's layout conversion reuses the stages)."""
+        out_elem_size = elem_size if out_elem_size is None else out_elem_size
         stages = (self.BLOCK_M + self.BLOCK_N) * self.BLOCK_K * elem_size * self.num_stages
-        return stages + (self.BLOCK_M * (self.BLOCK_N // self.EPI_SUBTILE) * elem_size if self.tma_store else 0)
+        return stages + (self.BLOCK_M * (self.BLOCK_N // self.EPI_SUBTILE) * out_elem_size if self.tma_store else 0)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -98,7 +102,7 @@ class GemmConfig:
 _REMOVED_FIELDS = {"warp_specialize": False, "split_k": 1}
 
 
-def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
+def default_config(m: int, n: int, k: int, dtype: torch.dtype = _types.HEURISTIC_DTYPE,
                    num_sms: int = _H200_NUM_SMS) -> GemmConfig:
     """Heuristic config for one GEMM shape (pure; used when the tuning cache has no entry).
 
@@ -110,8 +114,27 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     when B is small (8B: 64x64x128 x 6 stages) and wider ones as B grows (70B: 128x64x64 x 8,
     405B: 128x128x64 x 5). ``num_sms`` is not used by the tile choice today (kept so the
     heuristic can depend on the grid, as stream-K's candidates do).
+
+    fp8 (1-byte inputs, not yet measured: the lead's fp8 GEMM benchmark tunes them): the same
+    tiles with BLOCK_K doubled, 128 where bf16 takes 64 -- the same bytes per pipeline stage and
+    the usual fp8 K-step on Hopper (one wgmma takes K = 32 of fp8) -- and the stages that fit
+    beside a bf16 staging buffer.
     """
+    if _types.is_fp8(dtype):
+        return _fp8_tiles(m, n, k)
     return _default_tiles(m, n, k, dtype)
+
+
+def _fp8_tiles(m: int, n: int, k: int) -> GemmConfig:
+    if m <= 128:
+        if n * k >= 100_000_000:
+            return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=5)
+        if n * k >= 25_000_000:
+            return GemmConfig(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=8)
+        return GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=6)
+    if -(-m // 128) * -(-n // 256) < 100:
+        return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=6)
+    return GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3)
 
 
 def _grid(m: int, n: int, k: int, cfg: GemmConfig) -> tuple[int, int]:
@@ -134,12 +157,20 @@ def _default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     return GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
-def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
+def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = _types.HEURISTIC_DTYPE,
                       smem_limit: int = _SM90_SMEM_BYTES,
                       num_sms: int = _H200_NUM_SMS) -> list[GemmConfig]:
     """Small tuning space for one shape, pruned by shared memory; stream-K variants only for
-    shapes whose tiles end in a partly filled wave (:func:`_stream_k_candidates`)."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    shapes whose tiles end in a partly filled wave (:func:`_stream_k_candidates`). fp8: the
+    16-bit space with BLOCK_K doubled (the same bytes per stage; BLOCK_K 128 for most tiles),
+    a bf16 output's staging buffer counted, plus a few more stages where they fit."""
+    elem = _types.element_size(dtype)
+    if _types.is_fp8(dtype):
+        base = candidate_configs(m, n, k, _types.HEURISTIC_DTYPE, smem_limit=10**9, num_sms=num_sms)
+        out = [dataclasses.replace(c, BLOCK_K=min(2 * c.BLOCK_K, 256)) for c in base]
+        out += [dataclasses.replace(c, num_stages=c.num_stages + 1) for c in out if not c.stream_k]
+        out_elem = _types.element_size(_types.FP8_DEFAULT_OUT)
+        return [c for c in dict.fromkeys(out) if c.smem_bytes(elem, out_elem) <= smem_limit]
     out = []
     if m <= 256:   # decode: bound by reading B; narrow tiles put more programs in flight,
         # deep pipelines more bytes (2026-11-30, M=128 N=3584 K=4096, L2 flushed: 64x64x128

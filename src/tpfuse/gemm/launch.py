@@ -20,15 +20,17 @@ from typing import Optional
 
 import torch
 
-from ..kernels import abi
+from ..kernels import _types, abi
 from . import cache
-from .config import DEFAULT_OPTIONS, SUPPORTED_DTYPES, GemmConfig, GemmOptions, default_config, stream_k_tiles
+from .config import DEFAULT_OPTIONS, GemmConfig, GemmOptions, default_config, stream_k_tiles
 from .device import device_index, device_info, interpreting, num_sms, triton_modules, warn_once
 from .hooks import ERROR_WORDS, MAX_GENERATION, EpilogueSpec, WaitSpec, check_error_word, new_error_word, stacked_dests
+from .spec import CompileSpec, PersistentSpec
 
 __all__ = ["matmul", "LaunchPlan", "last_plan", "launch_counts", "clear_plans", "tile_records_for", "TILE_ORDERS"]
 
 TILE_ORDERS = abi.TILE_ORDERS
+_SCALE_NAMES = {_types.SCALE_NONE: "none", _types.SCALE_TENSOR: "tensor-wise", _types.SCALE_VECTOR: "row-wise"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -48,7 +50,12 @@ class LaunchPlan:
     The launched kernel's tile grid (the rows of ``matmul(tile_records=...)``): ``tile_shape``
     (BLOCK_M, BLOCK_N: the config's, or the Gluon kernel's ``ws_block``), ``tile_grid``
     (M-tiles, N-tiles), ``num_tiles``, and :meth:`tile_box` (tile id -> its rows and columns).
-    ``record_tiles``: the launch writes per-tile records (RECORD_TILES)."""
+    ``record_tiles``: the launch writes per-tile records (RECORD_TILES).
+
+    ``out_dtype``: the output's dtype (the inputs' own, or for fp8 inputs the one asked for);
+    ``scale_a`` / ``scale_b``: the scale modes (``kernels/_types.py`` ``SCALE_*``).
+    ``spec``: gemm_kernel family's compile spec, projected to the variant launched
+    (:mod:`tpfuse.gemm.spec`; ``variant`` names its kernel); None for the Gluon kernel."""
     m: int
     n: int
     k: int
@@ -72,7 +79,16 @@ class LaunchPlan:
     ws_stages: int = 0
     record_tiles: bool = False
     reasons: tuple = ()
-    constexprs: tuple = dataclasses.field(default=(), repr=False)   # gemm_kernel's, in signature order
+    out_dtype: Optional[torch.dtype] = None
+    scale_a: int = _types.SCALE_NONE
+    scale_b: int = _types.SCALE_NONE
+    spec: Optional[PersistentSpec] = dataclasses.field(default=None, repr=False)
+
+    @property
+    def variant(self) -> str:
+        """The Triton kernel launched: "gemm_kernel", "gemm_sk_kernel", "gemm_hooked_kernel",
+        "gemm_ws_kernel" (Gluon) or "none"."""
+        return self.spec.KERNEL if self.spec is not None and self.kernel == "gemm_kernel" else self.kernel
 
     @property
     def programs(self) -> int:
@@ -106,9 +122,14 @@ class LaunchPlan:
         tile = (f"{self.ws_block[0]}x{self.ws_block[1]}x{self.ws_block[2]}, {self.ws_stages} stages"
                 if self.ws_block else
                 f"{cfg.BLOCK_M}x{cfg.BLOCK_N}x{cfg.BLOCK_K}, {cfg.num_stages} stages, {cfg.num_warps} warps")
+        variant = f"{self.variant}, " if self.variant != self.kernel else ""
+        dtypes = "" if self.out_dtype is None else f"out {_types.dtype_name(self.out_dtype)}"
+        if self.scale_a or self.scale_b:
+            dtypes += (f", scale_a {_SCALE_NAMES[self.scale_a]}, scale_b "
+                       + _SCALE_NAMES[self.scale_b].replace("row", "column"))
         lines = [f"{self.m}x{self.n}x{self.k}: {self.kernel} ({tile}; config from {self.config_source}), "
-                 f"{self.programs} programs over {self.num_tiles} tiles, tile order {self.tile_order!r}, "
-                 f"{self.num_chunks} chunk(s) of {self.chunk_m} rows",
+                 f"{variant}{self.programs} programs over {self.num_tiles} tiles, tile order {self.tile_order!r}, "
+                 f"{self.num_chunks} chunk(s) of {self.chunk_m} rows" + (f"; {dtypes}" if dtypes else ""),
                  f"  loads: {'TMA' if self.use_tma else 'pointers'}; b {'k-major' if self.b_kmajor else 'n-major'}"
                  + (f"; stream-K over the last {self.sk_tiles} tiles" if self.sk_tiles else "")]
         if self.epi_count or self.epi_tma:
@@ -178,15 +199,22 @@ def tile_records_for(m: int, n: int, config_or_plan: GemmConfig | LaunchPlan,
 # --------------------------------------------------------------------------------------------
 # validation
 # --------------------------------------------------------------------------------------------
-def _check_operands(a, b, out):
+def _check_operands(a, b, out, out_dtype=None):
+    """(b_kmajor, the output's dtype) of a valid call; raises naming the argument otherwise."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"matmul: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 2:
             raise ValueError(f"matmul: {name} must be 2-D, got shape {tuple(t.shape)}; flatten leading dims first")
-    if a.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"matmul: a.dtype={a.dtype} is not supported; use bfloat16, float16 or float32 (tf32)")
-    if b.dtype != a.dtype:
+    names = ", ".join(_types.dtype_name(d) for d in _types.INPUT_DTYPES)
+    if a.dtype not in _types.INPUT_DTYPES:
+        raise TypeError(f"matmul: a.dtype={a.dtype} is not supported; use one of {names}")
+    fp8 = _types.is_fp8(a.dtype)
+    if fp8 and (a.dtype, b.dtype) not in _types.FP8_PAIRS:
+        pairs = ", ".join(f"{_types.dtype_name(x)} x {_types.dtype_name(y)}" for x, y in _types.FP8_PAIRS)
+        raise TypeError(f"matmul: a.dtype={a.dtype} with b.dtype={b.dtype}; fp8 operands pair as {pairs} "
+                        "(torch._scaled_mm's); cast b")
+    if not fp8 and b.dtype != a.dtype:
         raise TypeError(f"matmul: b.dtype={b.dtype} differs from a.dtype={a.dtype}; cast one of them")
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul: a is {tuple(a.shape)} and b is {tuple(b.shape)}; need a [M, K] and b [K, N]")
@@ -204,14 +232,51 @@ def _check_operands(a, b, out):
     else:
         raise ValueError(f"matmul: b has strides {b.stride()}; need row-major [K, N] or column-major "
                          "(weight.t() of a contiguous [N, K] weight); call b.contiguous()")
-    m, n = a.shape[0], b.shape[1]
+    m, k = a.shape
+    n = b.shape[1]
+    if out_dtype is None:   # fp8: torch._scaled_mm's default; else the inputs' own dtype
+        out_dtype = _types.FP8_DEFAULT_OUT if fp8 else a.dtype
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in _types.FP8_OUT_DTYPES:
+        outs = ", ".join(_types.dtype_name(d) for d in _types.FP8_OUT_DTYPES)
+        raise TypeError(f"matmul: out_dtype={out_dtype!r}; choose one of {outs} (fp8 outputs are not produced)")
+    if fp8:
+        q = _types.FP8_MULTIPLE
+        if k % q or n % q:
+            raise ValueError(f"matmul: fp8 a {tuple(a.shape)} @ b {tuple(b.shape)}: K={k} and N={n} must be "
+                             f"multiples of {q} (fp8 tensor-core MMAs and 16-byte TMA rows, as torch._scaled_mm "
+                             f"asks); pad K (zeros in a and b) and N (zero columns of b) to multiples of {q}")
+        if not b_kmajor and n > 1:
+            raise ValueError(f"matmul: fp8 b has strides {b.stride()}; fp8 MMAs read b column-major: pass "
+                             "weight.t() of a contiguous [N, K] weight (as torch._scaled_mm asks)")
     if out is not None:
-        if out.shape != (m, n) or out.dtype != a.dtype or out.device != a.device:
+        if out.shape != (m, n) or out.dtype != out_dtype or out.device != a.device:
             raise ValueError(f"matmul: out is {tuple(out.shape)} {out.dtype} on {out.device}; "
-                             f"need ({m}, {n}) {a.dtype} on {a.device}")
+                             f"need ({m}, {n}) {out_dtype} on {a.device}")
         if out.stride(1) != 1 and n > 1:
             raise ValueError(f"matmul: out has strides {out.stride()}; need unit column stride")
-    return b_kmajor
+    return b_kmajor, out_dtype
+
+
+def _scale_mode(scale, name, rows, cols, dim):
+    """The kernels' SCALE_* mode of ``scale`` for an operand of ``rows x cols`` scaled along
+    ``dim`` ("row" of a: ``[M, 1]``; "column" of b: ``[1, N]``); raises naming the fix."""
+    if scale is None:
+        return _types.SCALE_NONE
+    want = f"[{rows}, 1]" if dim == "row" else f"[1, {cols}]"
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"matmul: {name} must be a torch.Tensor or None, got {type(scale).__name__}")
+    if scale.dtype != torch.float32:
+        raise TypeError(f"matmul: {name}.dtype={scale.dtype}; need torch.float32 (a 0-d/1-element tensor-wise "
+                        f"scale or {want} {dim}-wise scales, torch._scaled_mm's layout)")
+    if scale.numel() == 1:
+        return _types.SCALE_TENSOR
+    shape = (rows, 1) if dim == "row" else (1, cols)
+    if tuple(scale.shape) != shape:
+        raise ValueError(f"matmul: {name} has shape {tuple(scale.shape)}; need a 0-d/1-element tensor "
+                         f"(tensor-wise) or {want} ({dim}-wise)")
+    if not scale.is_contiguous():
+        raise ValueError(f"matmul: {name} has strides {scale.stride()}; need a contiguous tensor")
+    return _types.SCALE_VECTOR
 
 
 def _check_chunks(m, chunk_m, name):
@@ -259,14 +324,12 @@ def _tma_ok(device, a, b, out, b_kmajor) -> tuple[bool, str]:
         return False, "not on CUDA"
     if device_info(device_index(device))["capability"][0] < 9:
         return False, "TMA needs compute capability >= 9.0"
-    e = a.element_size()
-    strides = [a.stride(0), b.stride(1) if b_kmajor else b.stride(0)]
+    rows = [(a, a.stride(0)), (b, b.stride(1) if b_kmajor else b.stride(0))]
     if out is not None:
-        strides.append(out.stride(0))
-    tensors = [a, b] + ([out] if out is not None else [])
-    if any((s * e) % 16 for s in strides) or any(t.data_ptr() % 16 for t in tensors):
-        return False, (f"TMA needs 16-byte aligned base pointers and row strides; got strides "
-                       f"{strides} of {e}-byte elements")
+        rows.append((out, out.stride(0)))
+    if any((s * t.element_size()) % 16 for t, s in rows) or any(t.data_ptr() % 16 for t, _ in rows):
+        return False, (f"TMA needs 16-byte aligned base pointers and row strides; got row strides "
+                       f"{[s for _, s in rows]} of {[t.element_size() for t, _ in rows]}-byte elements")
     return True, ""
 
 
@@ -302,8 +365,9 @@ def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0
         return (), "GemmOptions(gluon=False): gemm_kernel"
     if not use_asm:
         return (), "no inline PTX (signal_asm off or not on CUDA): gemm_kernel"
-    if dtype not in (torch.bfloat16, torch.float16) or cfg.BLOCK_M != 128 or cfg.BLOCK_N not in (128, 256):
-        return (), "config outside the Gluon kernel's (bf16/fp16, 128x128 or 128x256 tiles): gemm_kernel"
+    if dtype not in _types.WS_DTYPES or cfg.BLOCK_M != 128 or cfg.BLOCK_N not in (128, 256):
+        return (), ("config outside the Gluon kernel's (bf16/fp16 in and out, no scales, 128x128 or 128x256 "
+                    "tiles): gemm_kernel")
     if capability[0] != 9:
         return (), f"compute capability {capability}: the Gluon kernel's wgmma is sm_90's; gemm_kernel"
     bn = cfg.BLOCK_N
@@ -357,8 +421,13 @@ def epilogue_tma_dests(epilogue, tma_store, num_chunks, block_m, options: GemmOp
 
 
 def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilogue, use_tma, num_sms_cap,
-               options, record_tiles=False) -> LaunchPlan:
-    b_kmajor = _check_operands(a, b, out)
+               options, record_tiles=False, out_dtype=None, scale_a=None, scale_b=None) -> LaunchPlan:
+    b_kmajor, out_dtype = _check_operands(a, b, out, out_dtype)
+    mode_a = _scale_mode(scale_a, "scale_a", a.shape[0], a.shape[1], "row")
+    mode_b = _scale_mode(scale_b, "scale_b", b.shape[0], b.shape[1], "column")
+    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if t is not None and t.device != a.device:
+            raise ValueError(f"matmul: {name} is on {t.device}; need {a.device} (a's device)")
     if tile_order not in TILE_ORDERS:
         raise ValueError(f"matmul: tile_order={tile_order!r}; choose one of {TILE_ORDERS}")
     if not isinstance(options, GemmOptions):
@@ -387,7 +456,8 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
     if not isinstance(cfg, GemmConfig):
         raise TypeError(f"matmul: config must be a GemmConfig, got {type(cfg).__name__}")
     common = dict(config=cfg, config_source=source, options=options, b_kmajor=b_kmajor, tile_order=tile_order,
-                  chunk_m=chunk_m or 1, num_chunks=num_chunks, start_chunk=start_chunk, record_tiles=record_tiles)
+                  chunk_m=chunk_m or 1, num_chunks=num_chunks, start_chunk=start_chunk, record_tiles=record_tiles,
+                  out_dtype=out_dtype, scale_a=mode_a, scale_b=mode_b)
     if m == 0 or n == 0 or k == 0:   # nothing to launch; matmul() handles these
         return LaunchPlan(m, n, k, kernel="none", grid=(0,), reasons=("empty M, N or K: no launch",), **common)
 
@@ -415,7 +485,6 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
     # stream-K shares its steps out to every program; otherwise no more programs than work items
     grid = (programs if sk_tiles else min(num_tiles, programs), 1, 1)
     use_asm = device.type == "cuda" and not interpreting() and options.signal_asm
-    c_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[a.dtype]
     epi_tma = epilogue_tma_dests(epilogue, use_tma and cfg.tma_store, num_chunks, cfg.BLOCK_M, options)
     epi_count = 0
     if epilogue is not None:
@@ -423,14 +492,18 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
                                    and num_chunks <= abi.MAX_POLLED_CHUNKS
                                    and num_tiles < abi.HANDOFF
                                    and (num_chunks == 1 or chunk_m % cfg.BLOCK_M == 0), cfg.flatten)
-    constexprs = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.GROUP_M, cfg.EPI_SUBTILE,
-                  TILE_ORDERS.index(tile_order), bool(use_tma), b_kmajor, c_dtype,
-                  wait is not None, epilogue is not None, use_asm, cfg.flatten,
-                  interpreting(), epilogue.align_elems if epilogue is not None else 0,
-                  sk_tiles > 0, epi_tma, cfg.tma_store, epi_count if epilogue is not None else 1,
-                  record_tiles)
+    spec = CompileSpec(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+                       EPI_SUBTILE=cfg.EPI_SUBTILE, TILE_ORDER=TILE_ORDERS.index(tile_order), USE_TMA=bool(use_tma),
+                       TMA_STORE=cfg.tma_store, B_KMAJOR=b_kmajor, C_DTYPE=_types.tl_name(out_dtype),
+                       SCALE_A=mode_a, SCALE_B=mode_b, FLATTEN=cfg.flatten, DOT_FP32=interpreting(),
+                       USE_ASM=use_asm, RECORD_TILES=record_tiles, STREAM_K=sk_tiles > 0, WAIT=wait is not None,
+                       EPILOGUE=epilogue is not None,
+                       DEST_ALIGNED=epilogue.align_elems if epilogue is not None else 0, EPI_TMA=epi_tma,
+                       EPI_COUNT=epi_count if epilogue is not None else abi.EPI_COUNT_RETURNING).project()
     capability = device_info(device_index(device))["capability"] if device.type == "cuda" else (0, 0)
-    ws, why_ws = ws_choice(capability, a.dtype, cfg, epilogue, wait, epi_tma, use_asm, m, n, programs,
+    # the Gluon kernel writes its inputs' dtype, unscaled
+    ws_dtype = a.dtype if out_dtype == a.dtype and not (mode_a or mode_b) else None
+    ws, why_ws = ws_choice(capability, ws_dtype, cfg, epilogue, wait, epi_tma, use_asm, m, n, programs,
                            out_tma=bool(use_tma) and cfg.tma_store and epilogue is None, options=options)
     if epilogue is not None or wait is not None:
         reasons.append(why_ws)
@@ -441,7 +514,7 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
     return LaunchPlan(m, n, k, kernel="gemm_ws_kernel" if ws else "gemm_kernel", use_tma=bool(use_tma), grid=grid,
                       use_asm=use_asm, num_tiles=num_tiles, sk_tiles=sk_tiles, epi_tma=epi_tma,
                       epi_count=epi_count if not ws else 0, ws_block=ws[0] if ws else (),
-                      ws_stages=ws[1] if ws else 0, reasons=tuple(reasons), constexprs=constexprs, **common)
+                      ws_stages=ws[1] if ws else 0, reasons=tuple(reasons), spec=None if ws else spec, **common)
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,15 +562,14 @@ def _epilogue_descriptors(epilogue: EpilogueSpec, plan: LaunchPlan) -> tuple:
 def _shared_layout(block: tuple, dtype: str):
     """The shared layout the Gluon kernel stages a ``block`` of ``dtype`` in (per call: cached)."""
     from triton.experimental.gluon import language as gl
-    return gl.NVMMASharedLayout.get_default_for(list(block), {"torch.bfloat16": gl.bfloat16,
-                                                              "torch.float16": gl.float16}[dtype])
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, dtype))
 
 
 def _gluon_descriptor(t, shape, strides, block):
     """A Gluon TMA descriptor of ``t`` (bf16/fp16, unit column stride) with the shared layout
     the Gluon kernel stages ``block`` in (same arguments as triton's TensorDescriptor)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    return TensorDescriptor(t, list(shape), list(strides), list(block), _shared_layout(tuple(block), str(t.dtype)))
+    return TensorDescriptor(t, list(shape), list(strides), list(block), _shared_layout(tuple(block), _types.tl_name(t.dtype)))
 
 
 def _stream_k_buffers(plan: LaunchPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -554,20 +626,38 @@ def _launch_cached(spec, grid, full: list, device, jit_launch, direct: bool) -> 
 _SEEN_COMPILED: dict = {}   # id -> CompiledKernel returned by a JIT launch
 
 
-def _launch_gemm_kernel(plan: LaunchPlan, plan_key, args: list, device) -> None:
-    """Launch gemm_kernel. Its specialization depends only on the plan and on the 16-byte
-    alignment of the plain-pointer operands (hook arguments are not specialized)."""
-    _, _, km = triton_modules()
-    full = args + list(plan.constexprs)
+@functools.lru_cache(maxsize=256)
+def _kernel_layout(spec: PersistentSpec, tl, km) -> tuple:
+    """(kernel, its runtime argument names, its constexprs by name, their values in signature
+    order) of a projected spec's variant in kernel module ``km`` (the one triton_modules() has
+    now: tests re-import it under the interpreter): per spec once, not per call. The kernels
+    take their constexprs after every runtime argument."""
+    kernel = getattr(km, spec.KERNEL)
+    constexprs = spec.constexprs(tl)
+    names = list(kernel.arg_names)
+    runtime = tuple(n for n in names if n not in constexprs)
+    if names != list(runtime) + list(constexprs):
+        raise AssertionError(f"{spec.KERNEL}: constexprs must follow the runtime arguments in the "
+                             f"order of {type(spec).__name__}'s fields")
+    return kernel, runtime, constexprs, tuple(constexprs.values())
+
+
+def _launch_gemm_kernel(plan: LaunchPlan, plan_key, values: dict, device) -> None:
+    """Launch the plan's variant of the Triton GEMM family (``plan.spec.KERNEL``) with its
+    runtime arguments taken by name from ``values`` (which may hold more) and its constexprs
+    from ``plan.spec``. Its specialization depends only on the plan (the projected spec is part
+    of it), the 16-byte alignment of the tensor arguments and the width of the ints."""
+    kernel, runtime, constexprs, constexpr_values = _kernel_layout(plan.spec, *triton_modules()[1:])
+    args = [values[name] for name in runtime]
     cfg = plan.config
     if interpreting() or device.type != "cuda":
-        km.gemm_kernel[plan.grid](*full, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        kernel[plan.grid](*args, **constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         _LAUNCHES["interpreter"] += 1
         return
-    spec = (plan_key, tuple(x.data_ptr() % 16 == 0 for x in args[:3] if isinstance(x, torch.Tensor)),
-            tuple(-2**31 <= x < 2**31 for x in args[12:] if isinstance(x, int)))
-    _launch_cached(spec, plan.grid, full, device,
-                   lambda: km.gemm_kernel[plan.grid](*full, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    spec = (plan_key, tuple(x.data_ptr() % 16 == 0 for x in args if isinstance(x, torch.Tensor)),
+            tuple(-2**31 <= x < 2**31 for x in args if isinstance(x, int)))
+    _launch_cached(spec, plan.grid, args + list(constexpr_values), device,
+                   lambda: kernel[plan.grid](*args, **constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
                    plan.options.direct_launch)
 
 
@@ -636,8 +726,19 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
            wait: Optional[WaitSpec] = None, epilogue: Optional[EpilogueSpec] = None,
            check: bool = True, use_tma: Optional[bool] = None, num_sms: Optional[int] = None,
            options: Optional[GemmOptions] = None,
-           tile_records: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """``a [M, K] @ b [K, N]`` with the persistent Triton core.
+           tile_records: Optional[torch.Tensor] = None, scale_a: Optional[torch.Tensor] = None,
+           scale_b: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    """``a [M, K] @ b [K, N]`` with the persistent Triton core (times ``scale_a`` and ``scale_b``).
+
+    fp8 (``a``, ``b`` in ``torch.float8_e4m3fn``, or e5m2 with e4m3 either way round, as
+    ``torch._scaled_mm`` takes them): ``b`` column-major (``weight.t()``), K and N multiples of
+    16 (else ValueError: pad them); ``scale_a`` / ``scale_b`` float32, a 0-d/1-element tensor
+    (tensor-wise) or ``[M, 1]`` / ``[1, N]`` (row-wise, column-wise), applied to the fp32
+    product in the epilogue (``torch._scaled_mm``'s meaning); None: no scale. A row-wise
+    ``scale_a`` is indexed by the global row, like ``a`` (with the wait hook, the gathered
+    rows' scales). ``out_dtype``: bfloat16 (the default for fp8), float16 or float32; for other
+    inputs the default is their own dtype. Scales and another ``out_dtype`` work for 16/32-bit
+    inputs too (the Gluon kernel is then not taken).
 
     Returns ``out`` (allocated when None) or, with ``epilogue``, None (tiles went to the
     chunk destinations). ``chunk_m`` defaults to the hook spec's; tile orders ``"round"`` and
@@ -673,13 +774,15 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
                config, tile_order, chunk_m, start_chunk, wait is not None and wait.chunk_m,
                epilogue is not None and (epilogue.chunk_m, epilogue.align_elems, len(epilogue.dests),
                                          stacked_dests(epilogue)),
-               use_tma, num_sms, options, interpreting(), tile_records is not None)
+               use_tma, num_sms, options, interpreting(), tile_records is not None, out_dtype,
+               None if scale_a is None else (scale_a.shape, scale_a.stride(), scale_a.dtype, scale_a.device),
+               None if scale_b is None else (scale_b.shape, scale_b.stride(), scale_b.dtype, scale_b.device))
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):   # not tensors / unhashable: full validation says why
         key, plan = None, None
     if plan is None:
         plan = _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilogue, use_tma, num_sms,
-                          options, tile_records is not None)
+                          options, tile_records is not None, out_dtype, scale_a, scale_b)
         if key is not None:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
@@ -688,7 +791,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
     m, n, k = plan.m, plan.n, plan.k
     device = a.device
     if out is None and epilogue is None:
-        out = torch.empty(m, n, dtype=a.dtype, device=device)
+        out = torch.empty(m, n, dtype=plan.out_dtype, device=device)
     if m == 0 or n == 0:
         return out if epilogue is None else None
     if k == 0 and epilogue is None and wait is None:
@@ -709,9 +812,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
             raise ValueError(f"matmul: wait.error must be int32 with {ERROR_WORDS} words; use new_error_word()")
     if epilogue is not None:
         _check_generation(epilogue.generation, "epilogue.generation")
-        if epilogue.base.dtype != a.dtype or epilogue.base.device != device:
+        if epilogue.base.dtype != plan.out_dtype or epilogue.base.device != device:
             raise ValueError(f"matmul: epilogue.base is {epilogue.base.dtype} on {epilogue.base.device}; "
-                             f"need {a.dtype} on {device} (the destinations' dtype)")
+                             f"need {plan.out_dtype} on {device} (the destinations' dtype: the output's)")
         for nm, t, dt in (("dest_offsets", epilogue.dest_offsets, torch.int64),
                           ("signal_ptrs", epilogue.signal_ptrs, torch.int64),
                           ("counters", epilogue.counters, torch.int32)):
@@ -750,21 +853,23 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
     if epilogue is not None:
         c_arg = epilogue.base   # typed origin of the destinations' offsets
 
-    args = [
-        a_arg, b_arg, c_arg, m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0,
-        plan.chunk_m, num_chunks, plan.start_chunk,
-        wait.signal if wait else None, wait.generation if wait else 0,
-        (wait.timeout_ns if plan.use_asm else wait.max_spins) if wait else 0, err,
-        epilogue.dest_offsets if epilogue else None, epilogue.dest_stride if epilogue else 0,
-        epilogue.signal_ptrs if epilogue else None, epilogue.counters if epilogue else None,
-        epilogue.generation if epilogue else 0,
-        *_epilogue_descriptor_args(epilogue, plan),
-        *(_stream_k_buffers(plan, device) if plan.sk_tiles else (None, None)),
-        plan.sk_tiles, tile_records,
-    ]
-    _launch_gemm_kernel(plan, key, args, device)
+    values = dict(
+        a=a_arg, b=b_arg, c=c_arg, M=m, N=n, K=k,
+        stride_am=a.stride(0), stride_ak=a.stride(1), stride_bk=b.stride(0), stride_bn=b.stride(1),
+        stride_cm=out.stride(0) if out is not None else 0, stride_cn=out.stride(1) if out is not None else 0,
+        chunk_m=plan.chunk_m, num_chunks=num_chunks, start_chunk=plan.start_chunk,
+        scale_a=scale_a, scale_b=scale_b, tile_records=tile_records)
+    if wait is not None or epilogue is not None:
+        values.update(
+            wait_signal=wait.signal if wait else None, wait_gen=wait.generation if wait else 0,
+            wait_timeout=(wait.timeout_ns if plan.use_asm else wait.max_spins) if wait else 0, err_ptr=err,
+            dest_offs=epilogue.dest_offsets if epilogue else None, stride_dm=epilogue.dest_stride if epilogue else 0,
+            signal_ptrs=epilogue.signal_ptrs if epilogue else None,
+            counters=epilogue.counters if epilogue else None, epi_gen=epilogue.generation if epilogue else 0,
+            **{f"epi_d{q}": d for q, d in enumerate(_epilogue_descriptor_args(epilogue, plan))})
+    ws_buf, tile_counters = _stream_k_buffers(plan, device) if plan.sk_tiles else (None, None)
+    values.update(ws=ws_buf, tile_counters=tile_counters, sk_tiles=plan.sk_tiles)
+    _launch_gemm_kernel(plan, key, values, device)
     if wait is not None and check:
         check_error_word(err, rank=wait.rank, timeout_ns=wait.timeout_ns if plan.use_asm else None)
     return out if epilogue is None else None

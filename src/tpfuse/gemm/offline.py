@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import abi
+from ..kernels import _types, abi
 from .config import GemmConfig
+from .spec import CompileSpec
 
 __all__ = ["parse_spec", "compile_kernel", "compile_ws_kernel", "sass_of"]
 
@@ -43,7 +44,7 @@ def parse_spec(spec: str) -> GemmConfig | None:
 
 NOT_SPECIALIZED = {"chunk_m", "num_chunks", "start_chunk", "wait_gen", "wait_timeout", "stride_dm",
                    "epi_gen", "wait_signal", "err_ptr", "dest_offs", "signal_ptrs", "counters",
-                   "tile_counters", "tile_records"}
+                   "tile_counters", "tile_records", "scale_a", "scale_b"}
 
 
 def _signature(names, args: dict, cons: dict, aligned) -> tuple[dict, dict, dict]:
@@ -69,11 +70,17 @@ def _signature(names, args: dict, cons: dict, aligned) -> tuple[dict, dict, dict
 
 def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_order: int = 0,
                    wait: bool = False, sk_tiles: int = 0, epi_tma: int = 0, epi_count: int = 1,
-                   record_tiles: bool = False):
-    """triton.compile of gemm_kernel for bf16 ``a[m, k] @ weight[n, k].t()`` (TMA path);
-    ``epi_tma`` > 0: the epilogue hook stores through that many TMA descriptors (chunks of
-    ``m // epi_tma`` rows), or ``EPI_TMA_STACKED`` (9) through one over all of ``c``;
-    ``record_tiles``: the per-tile timeline on (RECORD_TILES)."""
+                   record_tiles: bool = False, dtype: torch.dtype = _types.HEURISTIC_DTYPE,
+                   b_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
+                   scale_a: int = _types.SCALE_NONE, scale_b: int = _types.SCALE_NONE):
+    """triton.compile of the Triton GEMM variant tpfuse.gemm.launch would launch for
+    ``a[m, k] @ weight[n, k].t()`` in ``dtype`` (``b_dtype``: the weight's, default the same;
+    TMA path) on sm_90: ``gemm_kernel``, ``gemm_sk_kernel`` (a ``stream_k`` config with
+    ``sk_tiles``) or ``gemm_hooked_kernel`` (``epilogue`` / ``wait``; ``epi_tma`` > 0: the
+    epilogue hook stores through that many TMA descriptors (chunks of ``m // epi_tma`` rows), or
+    ``EPI_TMA_STACKED`` (9) through one over all of ``c``); ``record_tiles``: the per-tile
+    timeline on (RECORD_TILES). ``out_dtype``: the output's (default: the input's, bfloat16 for
+    fp8); ``scale_a`` / ``scale_b``: scale modes (``kernels/_types.py`` ``SCALE_*``)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -83,33 +90,39 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
     # the module as sys.modules has it now (a test run may have re-imported it after using
     # the interpreter), not a stale attribute of the package
     km = importlib.import_module("tpfuse.kernels.gemm")
-    stacked = epi_tma == km.EPI_TMA_STACKED.value
+    stacked = epi_tma == abi.EPI_TMA_STACKED
+    b_dtype = dtype if b_dtype is None else b_dtype
+    if out_dtype is None:
+        out_dtype = _types.FP8_DEFAULT_OUT if _types.is_fp8(dtype) else dtype
 
     bm, bn, bk = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
-    a = torch.empty(m, k, dtype=torch.bfloat16)
-    w = torch.empty(n, k, dtype=torch.bfloat16)
-    c = torch.empty(m, n, dtype=torch.bfloat16)
+    a = torch.empty(m, k, dtype=dtype)
+    w = torch.empty(n, k, dtype=b_dtype)
+    c = torch.empty(m, n, dtype=out_dtype)
     i32, i64, f32 = (torch.empty(4, dtype=t) for t in (torch.int32, torch.int64, torch.float32))
+    scales = {_types.SCALE_NONE: None, _types.SCALE_TENSOR: torch.empty(1), _types.SCALE_VECTOR: torch.empty(max(m, n))}
     args = dict(a=TensorDescriptor.from_tensor(a, [bm, bk]), b=TensorDescriptor.from_tensor(w, [bn, bk]),
                 c=c if epilogue or not cfg.tma_store else TensorDescriptor.from_tensor(c, [bm, bn // cfg.EPI_SUBTILE]),
                 M=m, N=n, K=k, stride_am=k, stride_ak=1, stride_bk=1, stride_bn=k, stride_cm=n, stride_cn=1,
-                chunk_m=m, num_chunks=1, start_chunk=0, wait_signal=i32, wait_gen=0, wait_timeout=0,
+                chunk_m=m, num_chunks=1, start_chunk=0, scale_a=scales[scale_a], scale_b=scales[scale_b],
+                wait_signal=i32, wait_gen=0, wait_timeout=0,
                 err_ptr=i32, dest_offs=i64, stride_dm=0, signal_ptrs=i64, counters=i32, epi_gen=0,
                 **{f"epi_d{q}": TensorDescriptor.from_tensor(c if stacked else c[:max(m // epi_tma, 1)],
                                                             [bm, bn // cfg.EPI_SUBTILE])
                    if q < (1 if stacked else epi_tma) else None for q in range(8)},
                 ws=f32, tile_counters=i32, sk_tiles=sk_tiles,
                 tile_records=torch.empty(4, abi.TILE_RECORD_COLUMNS, dtype=torch.int64) if record_tiles else None)
-    cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.GROUP_M, EPI_SUBTILE=cfg.EPI_SUBTILE,
-                TILE_ORDER=tile_order, USE_TMA=True, B_KMAJOR=True, C_DTYPE=tl.bfloat16, WAIT=wait,
-                EPILOGUE=epilogue, USE_ASM=True, FLATTEN=cfg.flatten,
-                DOT_FP32=False, DEST_ALIGNED=8 if epilogue else 0,
-                STREAM_K=bool(cfg.stream_k), EPI_TMA=epi_tma,
-                TMA_STORE=cfg.tma_store, EPI_COUNT=epi_count, RECORD_TILES=record_tiles)
+    spec = CompileSpec(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.GROUP_M, EPI_SUBTILE=cfg.EPI_SUBTILE,
+                       TILE_ORDER=tile_order, USE_TMA=True, TMA_STORE=cfg.tma_store, B_KMAJOR=True,
+                       C_DTYPE=_types.tl_name(out_dtype), SCALE_A=scale_a, SCALE_B=scale_b, FLATTEN=cfg.flatten,
+                       DOT_FP32=False, USE_ASM=True, RECORD_TILES=record_tiles,
+                       STREAM_K=bool(cfg.stream_k) and sk_tiles > 0, WAIT=wait, EPILOGUE=epilogue,
+                       DEST_ALIGNED=8 if epilogue else 0, EPI_TMA=epi_tma, EPI_COUNT=epi_count).project()
+    kernel = getattr(km, spec.KERNEL)
     sig, attrs, constexprs = _signature(
-        km.gemm_kernel.arg_names, args, cons,
+        kernel.arg_names, args, spec.constexprs(tl),
         lambda name, v: name not in NOT_SPECIALIZED and (isinstance(v, torch.Tensor) or (isinstance(v, int) and v and v % 16 == 0)))
-    src = ASTSource(fn=km.gemm_kernel, signature=sig, attrs=attrs, constexprs=constexprs)
+    src = ASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
@@ -129,12 +142,12 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
     from .launch import _gluon_descriptor as make_descriptor
     W = importlib.import_module("tpfuse.kernels.gemm_ws")
     bm, bn, bk = block
-    a = torch.empty(m, k, dtype=torch.bfloat16)
-    c = torch.empty(m, n, dtype=torch.bfloat16)
+    a = torch.empty(m, k, dtype=_types.HEURISTIC_DTYPE)
+    c = torch.empty(m, n, dtype=_types.HEURISTIC_DTYPE)
     if b_kmajor:
-        b_desc = make_descriptor(torch.empty(n, k, dtype=torch.bfloat16), (n, k), (k, 1), (bn, bk))
+        b_desc = make_descriptor(torch.empty(n, k, dtype=_types.HEURISTIC_DTYPE), (n, k), (k, 1), (bn, bk))
     else:
-        b_desc = make_descriptor(torch.empty(k, n, dtype=torch.bfloat16), (k, n), (n, 1), (bk, bn))
+        b_desc = make_descriptor(torch.empty(k, n, dtype=_types.HEURISTIC_DTYPE), (k, n), (n, 1), (bk, bn))
     c_desc = make_descriptor(c, (m, n), (n, 1), (bm, bn))
     hook = epi_tma >= 0
     descs = 1 if epi_tma == W.EPI_TMA_STACKED.value else max(epi_tma, 0)

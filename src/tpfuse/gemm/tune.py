@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..kernels import _types
 from . import cache, launch
 from .config import GemmConfig, candidate_configs
 from .device import interpreting, num_sms, triton_modules, warn_once
@@ -32,7 +33,8 @@ def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmCon
     n = b.shape[1]
     configs = (list(configs) if configs is not None
                else candidate_configs(m, n, k, a.dtype, num_sms=num_sms(a.device)))
-    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    # fp8 inputs: their default output (the scales change no timing, so tuning runs without them)
+    out = torch.empty(m, n, dtype=_types.FP8_DEFAULT_OUT if _types.is_fp8(a.dtype) else a.dtype, device=a.device)
     if graphs is None:
         graphs = a.device.type == "cuda" and not interpreting()
 

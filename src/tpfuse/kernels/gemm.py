@@ -1,11 +1,28 @@
-"""Persistent Triton GEMM shared by every fused strategy: ``c = a @ b``.
+"""Persistent Triton GEMM shared by every fused strategy: ``c = a @ b`` (times the scales).
+
+Three variants, in the style of Triton's persistent matmul tutorial, over shared helpers:
+
+* :func:`gemm_kernel` -- plain persistent: program ``p`` of ``P`` runs tiles ``p, p + P, ...``
+  of the tile order (the grid is at most one program per SM), so tiles early in the order run
+  first.
+* :func:`gemm_sk_kernel` -- the same for the first tiles, then stream-K: the last ``sk_tiles``
+  tiles of the order are shared out to every program by K-steps (partials in a workspace).
+* :func:`gemm_hooked_kernel` -- either of the above with the wait hook and/or the epilogue
+  hook (below).
+
+Shared helpers: the tile order (:func:`_tile_coords`), the K loop (:func:`_mainloop`), the
+tile's stores in ``EPI_SUBTILE`` column slices with the scales applied (:func:`_store_tile`,
+written once for registers and for stream-K's workspace sums), stream-K's runs
+(:func:`_sk_run`, :func:`_sk_segment`, :func:`_sk_partial`, :func:`_sk_claim`), and the epilogue
+hook's counts. The host (``tpfuse/gemm/launch.py``) picks the variant and passes exactly the
+constexprs it takes (a frozen compile spec per variant).
 
 Shapes: ``a [M, K]`` row-major (any row stride), ``b [K, N]`` row-major (``B_KMAJOR=False``)
 or column-major, i.e. ``weight.t()`` of a contiguous ``[N, K]`` weight (``B_KMAJOR=True``).
-fp32 accumulation; fp32 inputs go through tf32.
-
-The grid is at most one program per SM; program ``p`` runs tiles ``p, p + P, p + 2P, ...`` of
-the tile order (``P`` = number of programs), so tiles early in the order run first.
+fp32 accumulation; fp32 inputs go through tf32; fp8 inputs (e4m3, e5m2) through fp8 MMAs.
+Scales (``SCALE_A``, ``SCALE_B``: 0 none, 1 one fp32 value, 2 one per row of ``a`` / column of
+``b``; ``torch._scaled_mm``'s meaning) multiply the fp32 tile in the epilogue, before the
+rounding to ``C_DTYPE``; a row-wise ``scale_a`` is indexed by the global row, like ``a``.
 
 Tile orders (``TILE_ORDER`` constexpr); rows are cut in communication chunks of ``chunk_m``:
 
@@ -18,7 +35,7 @@ Tile orders (``TILE_ORDER`` constexpr); rows are cut in communication chunks of 
   and the first destination gets its rows as early as possible. A tile straddling two chunks
   runs with the one earlier in the order. With small chunks (few M-tiles) L2 reuse of B drops.
 
-Hooks (constexpr, compiled away when off):
+Hooks (constexpr, compiled away when off; :func:`gemm_hooked_kernel` only):
 
 * ``WAIT``: before loading the A rows of a tile, wait until ``wait_signal[c] >= wait_gen`` for
   every chunk ``c`` the tile's rows touch (acquire, system scope, bounded; see signals.py).
@@ -56,6 +73,10 @@ this tile's epilogue. It does so only when the tile loop holds exactly one loop 
 ``tl.debug_barrier``: hence the owner order's closed form, the hooks' chunk loops inside an
 ``if``, ``cta_barrier`` and ``_carry`` (docs/gemm_core.md, "Kernels"; CPU test
 ``test_offline_hooked_kernels_flatten_into_one_pipelined_loop``).
+
+No @triton.jit helpers of triton.language.standard here (tl.cdiv, tl.zeros): the interpreter
+cannot call them when triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py
+imports tpfuse, which imports torch._dynamo, which imports triton).
 """
 import triton
 import triton.language as tl
@@ -80,6 +101,10 @@ EPI_TMA_STACKED = tl.constexpr(abi.EPI_TMA_STACKED)
 # last, if it has fewer): late enough for the previous tile's TMA stores to have drained, and
 # with this K-step's MMAs in flight, so the release's fence waits under them
 COUNT_STEP = tl.constexpr(abi.COUNT_STEP)
+# SCALE_A / SCALE_B (kernels/_types.py): no scale, one value, one per row of a / column of b
+SCALE_NONE = tl.constexpr(0)
+SCALE_TENSOR = tl.constexpr(1)
+SCALE_VECTOR = tl.constexpr(2)
 
 
 @triton.jit
@@ -132,7 +157,6 @@ def _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_ch
         pid_m = (seg_lo + pos_m + t0) % num_pid_m
     return pid_m, pid_n
 
-
 @triton.jit
 def _store_rows(base, rows, offs_n, vals, row_lo, row_hi, N, stride_m, stride_n):
     """Masked store of a [BM, BN'] block; rows outside [row_lo, row_hi) or cols >= N skipped."""
@@ -140,17 +164,35 @@ def _store_rows(base, rows, offs_n, vals, row_lo, row_hi, N, stride_m, stride_n)
     ptrs = base + (rows - row_lo)[:, None] * stride_m + offs_n[None, :] * stride_n
     tl.store(ptrs, vals, mask=mask)
 
+@triton.jit
+def _scale_tile(acc, offs_m, offs_n, M, N, scale_a, scale_b, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr):
+    """``acc * scale_a * scale_b`` in fp32 (torch._scaled_mm's meaning): a tensor-wise pair
+    multiplies by their product, a row-wise scale of A by ``scale_a[global row]``, a
+    column-wise scale of B by ``scale_b[column]``. Nothing without scales."""
+    if SCALE_A == SCALE_TENSOR and SCALE_B == SCALE_TENSOR:
+        acc = acc * (tl.load(scale_a) * tl.load(scale_b))
+    else:
+        if SCALE_A == SCALE_TENSOR:
+            acc = acc * tl.load(scale_a)
+        elif SCALE_A == SCALE_VECTOR:
+            acc = acc * tl.load(scale_a + offs_m, mask=offs_m < M, other=0.0)[:, None]
+        if SCALE_B == SCALE_TENSOR:
+            acc = acc * tl.load(scale_b)
+        elif SCALE_B == SCALE_VECTOR:
+            acc = acc * tl.load(scale_b + offs_n, mask=offs_n < N, other=0.0)[None, :]
+    return acc
+
 
 @triton.jit
-def _epilogue_store(acc, c, off_m, off_n, M, N,
-                    c_ptr, stride_cm, stride_cn, dest_offs, stride_dm, chunk_m, num_chunks, epi_descs,
+def _epilogue_store(acc, c, off_m, off_n, M, N, stride_cm, dest_offs, stride_dm, chunk_m, num_chunks,
+                    epi_descs, scale_a, scale_b,
                     C_DTYPE: tl.constexpr, SUB_N: tl.constexpr, SUB_IDX: tl.constexpr,
                     USE_TMA: tl.constexpr, EPILOGUE: tl.constexpr, DEST_ALIGNED: tl.constexpr,
-                    EPI_TMA: tl.constexpr):
-    """Store one column subtile (SUB_IDX-th slice of SUB_N columns)."""
-    vals = acc.to(C_DTYPE)
+                    EPI_TMA: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr):
+    """Scale and store one column subtile (SUB_IDX-th slice of SUB_N columns)."""
     offs_m = off_m + tl.arange(0, acc.shape[0])
     offs_n = off_n + SUB_IDX * SUB_N + tl.arange(0, SUB_N)
+    vals = _scale_tile(acc, offs_m, offs_n, M, N, scale_a, scale_b, SCALE_A, SCALE_B).to(C_DTYPE)
     if EPILOGUE and EPI_TMA == EPI_TMA_STACKED:
         epi_descs[0].store([off_m, off_n + SUB_IDX * SUB_N], vals)
     elif EPILOGUE and EPI_TMA > 0:
@@ -166,38 +208,47 @@ def _epilogue_store(acc, c, off_m, off_n, M, N,
                 epi_descs[q].store([off_m - q * chunk_m, off_n + SUB_IDX * SUB_N], vals)
     elif EPILOGUE:
         # One store for the whole subtile even when it straddles chunks: row r goes to
-        # c_ptr (the destinations' common origin) + dest_offs[chunk(r)] + its row in the chunk.
+        # c (the destinations' common origin) + dest_offs[chunk(r)] + its row in the chunk.
         row_chunk = tl.minimum(offs_m // chunk_m, num_chunks - 1)
         row_off = tl.load(dest_offs + row_chunk) + (offs_m - row_chunk * chunk_m).to(tl.int64) * stride_dm
         if DEST_ALIGNED > 0:   # host checked: every offset and the row stride are 16-byte multiples
             row_off = tl.multiple_of(row_off, DEST_ALIGNED)
-        ptrs = c_ptr + row_off[:, None] + offs_n[None, :]
+        ptrs = c + row_off[:, None] + offs_n[None, :]
         tl.store(ptrs, vals, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
     elif USE_TMA:
         c.store([off_m, off_n + SUB_IDX * SUB_N], vals)
     else:
         # unit column stride (checked on the host), so the compiler can vectorize
-        _store_rows(c_ptr, offs_m, offs_n, vals, 0, M, N, stride_cm, 1)
+        _store_rows(c, offs_m, offs_n, vals, 0, M, N, stride_cm, 1)
 
 
 @triton.jit
-def _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm, chunk_m,
-               num_chunks, epi_descs, C_DTYPE: tl.constexpr, EPI_SUBTILE: tl.constexpr,
-               USE_TMA: tl.constexpr, EPILOGUE: tl.constexpr, DEST_ALIGNED: tl.constexpr,
-               EPI_TMA: tl.constexpr):
-    """Store a whole fp32 tile held in registers, in EPI_SUBTILE column slices."""
+def _store_tile(acc, c, off_m, off_n, M, N, stride_cm, dest_offs, stride_dm, chunk_m, num_chunks, epi_descs,
+                scale_a, scale_b, ws, q_first, q_last, first_slot, total_steps, num_progs,
+                C_DTYPE: tl.constexpr, EPI_SUBTILE: tl.constexpr, USE_TMA: tl.constexpr,
+                EPILOGUE: tl.constexpr, DEST_ALIGNED: tl.constexpr, EPI_TMA: tl.constexpr,
+                SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, FROM_WS: tl.constexpr):
+    """Store one tile in EPI_SUBTILE column slices: the fp32 tile ``acc`` held in registers or,
+    FROM_WS (stream-K), each slice summed from the workspace partials of programs
+    ``q_first..q_last`` (:func:`_sum_segments`; ``acc`` then only gives the tile's shape)."""
+    BLOCK_M: tl.constexpr = acc.shape[0]
     BLOCK_N: tl.constexpr = acc.shape[1]
     SUB_N: tl.constexpr = BLOCK_N // EPI_SUBTILE
-    if EPI_SUBTILE == 1:
-        _epilogue_store(acc, c, off_m, off_n, M, N, c, stride_cm, stride_cn, dest_offs, stride_dm,
-                        chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 0, USE_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
-    else:
-        acc3 = tl.permute(tl.reshape(acc, (acc.shape[0], 2, BLOCK_N // 2)), (0, 2, 1))
-        acc_lo, acc_hi = tl.split(acc3)
-        _epilogue_store(acc_lo, c, off_m, off_n, M, N, c, stride_cm, stride_cn, dest_offs, stride_dm,
-                        chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 0, USE_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
-        _epilogue_store(acc_hi, c, off_m, off_n, M, N, c, stride_cm, stride_cn, dest_offs, stride_dm,
-                        chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 1, USE_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
+    if not FROM_WS:
+        if EPI_SUBTILE == 2:
+            acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, SUB_N)), (0, 2, 1)))
+    for s in tl.static_range(EPI_SUBTILE):
+        if FROM_WS:
+            vals = _sum_segments(ws, q_first, q_last, first_slot, total_steps, num_progs, s, BLOCK_M, BLOCK_N, SUB_N)
+        elif EPI_SUBTILE == 1:
+            vals = acc
+        elif s == 0:
+            vals = acc_lo
+        else:
+            vals = acc_hi
+        _epilogue_store(vals, c, off_m, off_n, M, N, stride_cm, dest_offs, stride_dm, chunk_m, num_chunks,
+                        epi_descs, scale_a, scale_b, C_DTYPE, SUB_N, s, USE_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA,
+                        SCALE_A, SCALE_B)
 
 
 @triton.jit
@@ -468,7 +519,7 @@ def _sum_segments(ws, q_first, q_last, first_slot, total_steps, num_progs, SUB_I
     q_first..q_last (slot `first_slot` of q_first, slot 0 of the others; programs whose run
     is empty -- more programs than steps -- hold none), in program order."""
     offs = (tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
-            + (SUB_IDX * SUB_N + tl.arange(0, SUB_N))[None, :])
+            + (tl.arange(0, SUB_N) + SUB_IDX * SUB_N)[None, :])
     q64 = q_first.to(tl.int64)
     total = tl.load(ws + (q64 * 2 + first_slot) * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
     for j in tl.range(1, q_last - q_first + 1, num_stages=1):
@@ -479,54 +530,288 @@ def _sum_segments(ws, q_first, q_last, first_slot, total_steps, num_progs, SUB_I
     return total
 
 
-# Per-call values (generations, timeouts, chunk geometry) and the hook buffers are not
-# specialized on, so a new generation or a new signal pad never compiles a new kernel.
+@triton.jit
+def _count_previous(pend_lo, pend_hi, pend_n, pend_poll, poll_q, c_lo, seen, sig, M, chunk_m, num_pid_n,
+                    counters, signal_ptrs, epi_gen, status, BLOCK_M: tl.constexpr, EPI_TMA: tl.constexpr,
+                    EPI_COUNT: tl.constexpr, USE_ASM: tl.constexpr):
+    """Epilogue hook, after a whole tile's main loop (its chunks start at ``c_lo``): count the
+    previous stored tiles now -- their stores have drained during this main loop, so the
+    release costs no wait (publication is a tile later). Returns ``(poll_q, merge)``: the chunk
+    polled from now on, and (EPI_COUNT=3) whether the pending tiles wait for this one."""
+    merge = pend_lo < 0
+    if EPI_COUNT == 4:
+        # ... or rather, they were counted a few K-steps into this main loop, under its MMAs;
+        # poll with what was read there
+        poll_q = _poll_chunk(poll_q, seen, sig, M, chunk_m, num_pid_n, counters, epi_gen, status,
+                             BLOCK_M, USE_ASM)
+        poll_q = _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM)
+    elif EPI_COUNT == 3:
+        # ... with a release that returns nothing, so no warp waits for it. Pending tiles of
+        # this tile's chunk wait for it and are counted with it, a tile later (the chunk cannot
+        # be complete before this tile is counted anyway): one release, and one fence, per run
+        # of a program's tiles in one chunk.
+        merge = (pend_hi >= pend_lo) & (pend_lo == c_lo) & (pend_poll == 0)
+        poll_q = _count_and_poll(pend_lo, tl.where(merge, pend_lo - 1, pend_hi), pend_n, pend_poll,
+                                 poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
+                                 status, BLOCK_M, EPI_TMA, USE_ASM)
+    else:
+        _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                           epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
+    return poll_q, merge
+
+
+@triton.jit
+def _pend_stored(off_m, off_n, c_lo, c_hi, pend_poll, pend_n, cnt_n, merge, work_id, num_progs, num_work, M,
+                 chunk_m, num_chunks, start_chunk, num_pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 TILE_ORDER: tl.constexpr, EPI_COUNT: tl.constexpr, USE_ASM: tl.constexpr):
+    """Epilogue hook, after a whole tile's stores: the tile becomes the pending one the next
+    tile counts. Returns ``(pend_lo, pend_hi, pend_poll, pend_n, cnt_n)``, each through
+    :func:`_carry`."""
+    pend_lo = _carry(c_lo, USE_ASM)
+    pend_hi = _carry(c_hi, USE_ASM)
+    if EPI_COUNT >= 3:
+        pend_poll = _carry(_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N), USE_ASM)
+    if EPI_COUNT == 4:
+        # The run of pending tiles grows by this tile if this main loop did not count it
+        # (cnt_n == 0: merged). It is counted in the next tile's main loop unless that tile
+        # lies in this chunk too and this is no poll tile -- decided here, a tile ahead: a
+        # count inside the K-steps can only take values the tile loop carries (see
+        # _count_in_loop).
+        run_n = tl.where((pend_n > 0) & (cnt_n == 0), pend_n + 1, 1)
+        merge_next = (_next_in_segment(work_id, num_progs, num_work, c_lo, M, chunk_m, num_chunks,
+                                       start_chunk, num_pid_n, BLOCK_M, TILE_ORDER)
+                      & (_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N) == 0))
+        pend_n = _carry(run_n, USE_ASM)
+        cnt_n = _carry(tl.where(merge_next, 0, run_n), USE_ASM)
+    elif EPI_COUNT == 3:
+        pend_n = _carry(tl.where(merge, pend_n + 1, 1), USE_ASM)
+    return pend_lo, pend_hi, pend_poll, pend_n, cnt_n
+
+
+@triton.jit
+def _kloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr):
+    """:func:`_mainloop` without the epilogue hook's in-loop count: the fp32 tile."""
+    acc, _, _ = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                          0, 0, 0, a, a, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32,
+                          False, 0, False)
+    return acc
+
+
+@triton.jit
+def _tile_corner(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, TILE_ORDER: tl.constexpr):
+    """(off_m, off_n) of tile ``tile_id`` of the tile order."""
+    pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+                                BLOCK_M, GROUP_M, TILE_ORDER)
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@triton.jit
+def _sk_run(start_pid, num_progs, sk_tiles, k_tiles):
+    """Stream-K: the ``sk_tiles * k_tiles`` K-steps of the shared tiles are cut into
+    ``num_progs`` equal runs, one per program, so every SM gets the same work. This program's
+    run ``[lo, hi)`` covers pieces of consecutive tiles ("segments"): returns ``(lo, hi,
+    first_idx, num_segs, total_steps)``, segment ``s`` being the part of shared tile
+    ``first_idx + s`` in the run."""
+    total_steps = sk_tiles * k_tiles
+    lo = (start_pid * total_steps) // num_progs
+    hi = ((start_pid + 1) * total_steps) // num_progs
+    first_idx = lo // k_tiles
+    num_segs = tl.where(hi > lo, (hi - 1) // k_tiles - first_idx + 1, 0)
+    return lo, hi, first_idx, num_segs, total_steps
+
+
+@triton.jit
+def _sk_segment(seg, first_idx, lo, hi, k_tiles):
+    """Segment ``seg`` of this program's run: ``(sk_idx, it, k_lo, k_hi)``: shared tile
+    ``sk_idx``, the run's first step in it (``it``) and its K-steps ``[k_lo, k_hi)``."""
+    sk_idx = first_idx + seg
+    it = tl.maximum(lo, sk_idx * k_tiles)
+    k_lo = it - sk_idx * k_tiles
+    k_hi = tl.minimum(hi - sk_idx * k_tiles, k_tiles)
+    return sk_idx, it, k_lo, k_hi
+
+
+@triton.jit
+def _sk_partial(acc, ws, start_pid, it, lo, tile_counters, tile_id, steps, k_tiles,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stream-K: a partial tile goes to this program's workspace slot (0: the segment that
+    starts the run, 1: the one that ends it) and is counted in the tile's counter by its
+    ``steps`` K-steps (acq_rel). Returns whether this segment brought the count to
+    ``k_tiles``: then every other segment's release is acquired, their partials are visible,
+    and this one sums and stores the tile (:func:`_sk_claim`, :func:`_store_tile`)."""
+    offs_ws = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    slot = tl.where(it == lo, 0, 1)
+    ws_slot = ws + (start_pid.to(tl.int64) * 2 + slot) * (BLOCK_M * BLOCK_N)
+    tl.store(ws_slot + offs_ws, acc)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(tile_counters + tile_id, steps, sem="acq_rel", scope="gpu")
+    return arrived + steps == k_tiles
+
+
+@triton.jit
+def _sk_claim(tile_counters, tile_id, sk_idx, k_tiles, total_steps, num_progs):
+    """Stream-K, in the segment that completes shared tile ``sk_idx``: reset its counter for
+    the next launch and find the programs holding its partials, the owners of its first and
+    last steps (owner(i) = the largest p with lo_p <= i); the first one's partial is in its slot
+    0 only if its run starts exactly at the tile's first step. Returns ``(q_first, q_last,
+    first_slot)`` for :func:`_sum_segments`, which sums them in program order -- the same sum
+    whichever segment comes last."""
+    tl.atomic_xchg(tile_counters + tile_id, 0, sem="relaxed", scope="gpu")
+    t_start = sk_idx * k_tiles
+    q_first = ((t_start + 1) * num_progs - 1) // total_steps
+    q_last = ((t_start + k_tiles) * num_progs - 1) // total_steps
+    first_slot = tl.where((q_first * total_steps) // num_progs == t_start, 0, 1)
+    return q_first, q_last, first_slot
+
+
+@triton.jit
+def _record(tile_records, off_m, off_n, num_pid_n, t_start, t_wait, step, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+    """The tile at ``(off_m, off_n)``'s record, its end read now (tile_records.py)."""
+    record_tile(tile_records, (off_m // BLOCK_M) * num_pid_n + off_n // BLOCK_N, t_start, t_wait,
+                tile_clock(step, 2, USE_ASM), USE_ASM)
+
+
+# --------------------------------------------------------------------------------------------
+# the kernels
+# --------------------------------------------------------------------------------------------
+# Per-call values (chunk geometry; with hooks: generations, timeouts) and the scale, hook and
+# record buffers are not specialized on, so a new generation or a new signal pad never compiles
+# a new kernel. ``c`` is a TMA descriptor (USE_TMA and TMA_STORE: TMA loads and stores) or a
+# pointer (TMA loads and pointer stores: no staging buffer, its shared memory goes to the
+# pipeline; or the plain-pointer path); ``a`` and ``b`` are descriptors with USE_TMA.
+@triton.jit(do_not_specialize=["chunk_m", "num_chunks", "start_chunk"],
+            do_not_specialize_on_alignment=["scale_a", "scale_b", "tile_records"])
+def gemm_kernel(
+    a, b, c, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    chunk_m, num_chunks, start_chunk,          # the tile order's chunks
+    scale_a, scale_b,                          # fp32 scales (SCALE_A / SCALE_B) or None
+    tile_records,                              # int64 [num_tiles, abi.TILE_RECORD_COLUMNS] or None
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPI_SUBTILE: tl.constexpr, TILE_ORDER: tl.constexpr, USE_TMA: tl.constexpr, TMA_STORE: tl.constexpr,
+    B_KMAJOR: tl.constexpr, C_DTYPE: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
+    FLATTEN: tl.constexpr, DOT_FP32: tl.constexpr, USE_ASM: tl.constexpr, RECORD_TILES: tl.constexpr,
+):
+    """Plain persistent GEMM: program ``p`` computes and stores tiles ``p, p + P, ...``."""
+    start_pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
+    k_tiles = (K + BLOCK_K - 1) // BLOCK_K
+    for tile_id in tl.range(start_pid, num_pid_m * num_pid_n, num_progs, flatten=FLATTEN):
+        if RECORD_TILES:
+            step = (tile_id - start_pid) // num_progs   # the logical clock's work item
+            rec_t0 = tile_clock(step, 0, USE_ASM)
+        off_m, off_n = _tile_corner(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+                                    BLOCK_M, BLOCK_N, GROUP_M, TILE_ORDER)
+        acc = _kloop(a, b, off_m, off_n, 0, k_tiles, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                     BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32)
+        _store_tile(acc, c, off_m, off_n, M, N, stride_cm, c, 0, chunk_m, num_chunks, c, scale_a, scale_b,
+                    c, 0, 0, 0, 0, 0, C_DTYPE, EPI_SUBTILE, USE_TMA and TMA_STORE, False, 0, 0,
+                    SCALE_A, SCALE_B, False)
+        if RECORD_TILES:
+            _record(tile_records, off_m, off_n, num_pid_n, rec_t0, rec_t0, step, BLOCK_M, BLOCK_N, USE_ASM)
+
+
+@triton.jit(do_not_specialize=["chunk_m", "num_chunks", "start_chunk"],
+            do_not_specialize_on_alignment=["scale_a", "scale_b", "tile_counters", "tile_records"])
+def gemm_sk_kernel(
+    a, b, c, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    chunk_m, num_chunks, start_chunk, scale_a, scale_b,
+    # fp32 partials [programs, 2, BLOCK_M, BLOCK_N], int32 [num_tiles] zeros (tile counters),
+    # and how many tiles (the last ones of the order) are shared out by K-steps
+    ws, tile_counters, sk_tiles,
+    tile_records,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPI_SUBTILE: tl.constexpr, TILE_ORDER: tl.constexpr, USE_TMA: tl.constexpr, TMA_STORE: tl.constexpr,
+    B_KMAJOR: tl.constexpr, C_DTYPE: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
+    FLATTEN: tl.constexpr, DOT_FP32: tl.constexpr, USE_ASM: tl.constexpr, RECORD_TILES: tl.constexpr,
+):
+    """Persistent GEMM with a stream-K tail: whole tiles as :func:`gemm_kernel`, then the last
+    ``sk_tiles`` of the order shared out to every program by K-steps (:func:`_sk_run`)."""
+    start_pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
+    k_tiles = (K + BLOCK_K - 1) // BLOCK_K
+    num_work = num_pid_m * num_pid_n - sk_tiles
+    C_TMA: tl.constexpr = USE_TMA and TMA_STORE
+    for tile_id in tl.range(start_pid, num_work, num_progs, flatten=FLATTEN):
+        if RECORD_TILES:
+            step = (tile_id - start_pid) // num_progs
+            rec_t0 = tile_clock(step, 0, USE_ASM)
+        off_m, off_n = _tile_corner(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+                                    BLOCK_M, BLOCK_N, GROUP_M, TILE_ORDER)
+        acc = _kloop(a, b, off_m, off_n, 0, k_tiles, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                     BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32)
+        _store_tile(acc, c, off_m, off_n, M, N, stride_cm, c, 0, chunk_m, num_chunks, c, scale_a, scale_b,
+                    c, 0, 0, 0, 0, 0, C_DTYPE, EPI_SUBTILE, C_TMA, False, 0, 0, SCALE_A, SCALE_B, False)
+        if RECORD_TILES:
+            _record(tile_records, off_m, off_n, num_pid_n, rec_t0, rec_t0, step, BLOCK_M, BLOCK_N, USE_ASM)
+    lo, hi, first_idx, num_segs, total_steps = _sk_run(start_pid, num_progs, sk_tiles, k_tiles)
+    if RECORD_TILES:   # work items of the whole-tile loop (the logical clock)
+        whole_steps = (num_work - start_pid + num_progs - 1) // num_progs
+    for seg in tl.range(0, num_segs, flatten=FLATTEN):
+        sk_idx, it, k_lo, k_hi = _sk_segment(seg, first_idx, lo, hi, k_tiles)
+        tile_id = num_work + sk_idx
+        if RECORD_TILES:
+            step = whole_steps + seg
+            rec_t0 = tile_clock(step, 0, USE_ASM)
+        off_m, off_n = _tile_corner(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+                                    BLOCK_M, BLOCK_N, GROUP_M, TILE_ORDER)
+        acc = _kloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                     BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32)
+        if (k_lo == 0) & (k_hi == k_tiles):
+            _store_tile(acc, c, off_m, off_n, M, N, stride_cm, c, 0, chunk_m, num_chunks, c, scale_a, scale_b,
+                        c, 0, 0, 0, 0, 0, C_DTYPE, EPI_SUBTILE, C_TMA, False, 0, 0, SCALE_A, SCALE_B, False)
+            if RECORD_TILES:
+                _record(tile_records, off_m, off_n, num_pid_n, rec_t0, rec_t0, step, BLOCK_M, BLOCK_N, USE_ASM)
+        elif _sk_partial(acc, ws, start_pid, it, lo, tile_counters, tile_id, k_hi - k_lo, k_tiles, BLOCK_M, BLOCK_N):
+            q_first, q_last, first_slot = _sk_claim(tile_counters, tile_id, sk_idx, k_tiles, total_steps, num_progs)
+            _store_tile(acc, c, off_m, off_n, M, N, stride_cm, c, 0, chunk_m, num_chunks, c, scale_a, scale_b,
+                        ws, q_first, q_last, first_slot, total_steps, num_progs, C_DTYPE, EPI_SUBTILE, C_TMA,
+                        False, 0, 0, SCALE_A, SCALE_B, True)
+            if RECORD_TILES:   # the segment that completed the tile stands for it
+                _record(tile_records, off_m, off_n, num_pid_n, rec_t0, rec_t0, step, BLOCK_M, BLOCK_N, USE_ASM)
+
+
 @triton.jit(do_not_specialize=["chunk_m", "num_chunks", "start_chunk", "wait_gen", "wait_timeout",
                                "stride_dm", "epi_gen"],
-            do_not_specialize_on_alignment=["wait_signal", "err_ptr", "dest_offs", "signal_ptrs",
-                                            "counters", "tile_counters", "tile_records"])
-def gemm_kernel(
-    a, b, c,                                   # tensor descriptors (USE_TMA) or pointers
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    # communication chunks (tile order and hooks)
-    chunk_m, num_chunks, start_chunk,
-    # wait hook
-    wait_signal, wait_gen, wait_timeout, err_ptr,
-    # epilogue hook
-    dest_offs, stride_dm, signal_ptrs, counters, epi_gen,
+            do_not_specialize_on_alignment=["scale_a", "scale_b", "wait_signal", "err_ptr", "dest_offs",
+                                            "signal_ptrs", "counters", "tile_counters", "tile_records"])
+def gemm_hooked_kernel(
+    a, b, c, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    chunk_m, num_chunks, start_chunk, scale_a, scale_b,
+    wait_signal, wait_gen, wait_timeout, err_ptr,            # wait hook
+    dest_offs, stride_dm, signal_ptrs, counters, epi_gen,    # epilogue hook (c: the destinations' origin)
     # epilogue hook through TMA: descriptor q (q < EPI_TMA) covers chunk q's rows of its
     # destination, or (EPI_TMA_STACKED) epi_d0 covers all M rows; the unused ones are None
     # (separate arguments: Triton 3.6's launcher does not take a tuple of descriptors)
     epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7,
-    # stream-K: fp32 partials [programs, 2, BLOCK_M, BLOCK_N], int32 [num_tiles] zeros (tile
-    # counters), and the number of tiles (the last ones of the order) shared out by K-steps
-    ws, tile_counters, sk_tiles,
-    # per-tile timeline (RECORD_TILES): int64 [num_tiles, abi.TILE_RECORD_COLUMNS]
+    ws, tile_counters, sk_tiles,                             # stream-K (STREAM_K), as gemm_sk_kernel
     tile_records,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EPI_SUBTILE: tl.constexpr, TILE_ORDER: tl.constexpr, USE_TMA: tl.constexpr,
-    B_KMAJOR: tl.constexpr, C_DTYPE: tl.constexpr,
-    WAIT: tl.constexpr, EPILOGUE: tl.constexpr, USE_ASM: tl.constexpr,
-    FLATTEN: tl.constexpr, DOT_FP32: tl.constexpr,
-    DEST_ALIGNED: tl.constexpr, STREAM_K: tl.constexpr,
-    EPI_TMA: tl.constexpr, TMA_STORE: tl.constexpr, EPI_COUNT: tl.constexpr,
-    RECORD_TILES: tl.constexpr,
+    EPI_SUBTILE: tl.constexpr, TILE_ORDER: tl.constexpr, USE_TMA: tl.constexpr, TMA_STORE: tl.constexpr,
+    B_KMAJOR: tl.constexpr, C_DTYPE: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
+    FLATTEN: tl.constexpr, DOT_FP32: tl.constexpr, USE_ASM: tl.constexpr, RECORD_TILES: tl.constexpr,
+    STREAM_K: tl.constexpr, WAIT: tl.constexpr, EPILOGUE: tl.constexpr, DEST_ALIGNED: tl.constexpr,
+    EPI_TMA: tl.constexpr, EPI_COUNT: tl.constexpr,
 ):
+    """:func:`gemm_kernel` (with STREAM_K: :func:`gemm_sk_kernel`) with the wait hook (WAIT)
+    and/or the epilogue hook (EPILOGUE): the tile loop carries which chunks the previous
+    stored tile touched (``pend_*``) and counts them after this tile's main loop (EPI_COUNT 1
+    and 3) or inside it (4); the end of the program counts the last ones."""
     start_pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
-    # c is a TMA descriptor (TMA loads and stores) or, with TMA loads and pointer stores
-    # (TMA_STORE=False: no staging buffer, its shared memory goes to the pipeline), a pointer
     C_TMA: tl.constexpr = USE_TMA and TMA_STORE
     epi_descs = (epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7)
-    # No @triton.jit helpers of triton.language.standard here (tl.cdiv, tl.zeros): the
-    # interpreter cannot call them when triton was imported before TRITON_INTERPRET=1 was set
-    # (tests/conftest.py imports tpfuse, which imports torch._dynamo, which imports triton).
     num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
     num_tiles = num_pid_m * num_pid_n
     k_tiles = (K + BLOCK_K - 1) // BLOCK_K
-    SUB_N: tl.constexpr = BLOCK_N // EPI_SUBTILE
     status = tl.full((), 0, tl.int32)  # 0 until a wait of this program fails
     verified = tl.full((), 0, tl.int64)  # WAIT: bit c set once signal[c] >= wait_gen was seen
     pend_lo = tl.full((), 0, tl.int32)   # EPILOGUE: chunks of the previous tile, counted late
@@ -543,14 +828,11 @@ def gemm_kernel(
     else:
         num_work = num_tiles
     for work_id in tl.range(start_pid, num_work, num_progs, flatten=FLATTEN):
-        tile_id = work_id
-        k_lo = 0
-        k_hi = k_tiles
         if RECORD_TILES:
             step = (work_id - start_pid) // num_progs   # the logical clock's work item
             rec_t0 = tile_clock(step, 0, USE_ASM)
         off_m, off_n, c_lo, c_hi, status, verified = _tile_start(
-            tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
+            work_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
             wait_timeout, err_ptr, status, verified, BLOCK_M, BLOCK_N, GROUP_M, TILE_ORDER, WAIT,
             EPILOGUE, USE_ASM)
         if RECORD_TILES:
@@ -558,83 +840,30 @@ def gemm_kernel(
             if WAIT:
                 rec_tw = tile_clock(step, 1, USE_ASM)
         # EPI_COUNT=4 counts the pending tiles (cnt_n of them, 0: none) inside this main loop
-        acc, seen, sig = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk,
+        acc, seen, sig = _mainloop(a, b, off_m, off_n, 0, k_tiles, M, N, K, stride_am, stride_ak, stride_bk,
                                    stride_bn, pend_lo, cnt_n, poll_q, counters, signal_ptrs, BLOCK_M, BLOCK_N,
                                    BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32,
                                    EPILOGUE and EPI_COUNT == 4, EPI_TMA, USE_ASM)
-
         if EPILOGUE:
-            # Count the previous tile now: its stores have drained during this tile's main
-            # loop, so the release below costs no wait (publication is a tile later).
-            if EPI_COUNT == 4:
-                # ... or rather, it was counted a few K-steps into this main loop, under its
-                # MMAs; poll with what was read there
-                poll_q = _poll_chunk(poll_q, seen, sig, M, chunk_m, num_pid_n, counters, epi_gen, status,
-                                     BLOCK_M, USE_ASM)
-                poll_q = _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM)
-            elif EPI_COUNT == 3:
-                # ... with a release that returns nothing, so no warp waits for it. Pending
-                # tiles of this tile's chunk wait for it and are counted with it, a tile
-                # later (the chunk cannot be complete before this tile is counted anyway):
-                # one release, and one fence, per run of a program's tiles in one chunk.
-                merge = (pend_hi >= pend_lo) & (pend_lo == c_lo) & (pend_poll == 0)
-                poll_q = _count_and_poll(pend_lo, tl.where(merge, pend_lo - 1, pend_hi), pend_n, pend_poll,
-                                         poll_q, M, chunk_m, num_pid_n, counters, signal_ptrs, epi_gen,
-                                         status, BLOCK_M, EPI_TMA, USE_ASM)
-            else:
-                _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
-                                   epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
-        _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
-                   chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
-                   DEST_ALIGNED, EPI_TMA)
+            poll_q, merge = _count_previous(pend_lo, pend_hi, pend_n, pend_poll, poll_q, c_lo, seen, sig, M,
+                                            chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
+                                            BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
+        _store_tile(acc, c, off_m, off_n, M, N, stride_cm, dest_offs, stride_dm, chunk_m, num_chunks, epi_descs,
+                    scale_a, scale_b, c, 0, 0, 0, 0, 0, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE, DEST_ALIGNED,
+                    EPI_TMA, SCALE_A, SCALE_B, False)
         if RECORD_TILES:
-            record_tile(tile_records, (off_m // BLOCK_M) * num_pid_n + off_n // BLOCK_N, rec_t0, rec_tw,
-                        tile_clock(step, 2, USE_ASM), USE_ASM)
+            _record(tile_records, off_m, off_n, num_pid_n, rec_t0, rec_tw, step, BLOCK_M, BLOCK_N, USE_ASM)
         if EPILOGUE:   # after the stores (see _carry)
-            pend_lo = _carry(c_lo, USE_ASM)
-            pend_hi = _carry(c_hi, USE_ASM)
-            if EPI_COUNT >= 3:
-                pend_poll = _carry(_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N),
-                                   USE_ASM)
-            if EPI_COUNT == 4:
-                # The run of pending tiles grows by this tile if this main loop did not count
-                # it (cnt_n == 0: merged). It is counted in the next tile's main loop unless
-                # that tile lies in this chunk too and this is no poll tile -- decided here,
-                # a tile ahead: a count inside the K-steps can only take values the tile
-                # loop carries (see _count_in_loop).
-                run_n = tl.where((pend_n > 0) & (cnt_n == 0), pend_n + 1, 1)
-                merge_next = (_next_in_segment(work_id, num_progs, num_work, c_lo, M, chunk_m, num_chunks,
-                                               start_chunk, num_pid_n, BLOCK_M, TILE_ORDER)
-                              & (_is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N) == 0))
-                pend_n = _carry(run_n, USE_ASM)
-                cnt_n = _carry(tl.where(merge_next, 0, run_n), USE_ASM)
-            elif EPI_COUNT == 3:
-                pend_n = _carry(tl.where(merge, pend_n + 1, 1), USE_ASM)
+            pend_lo, pend_hi, pend_poll, pend_n, cnt_n = _pend_stored(
+                off_m, off_n, c_lo, c_hi, pend_poll, pend_n, cnt_n, merge, work_id, num_progs, num_work, M,
+                chunk_m, num_chunks, start_chunk, num_pid_n, BLOCK_M, BLOCK_N, TILE_ORDER, EPI_COUNT, USE_ASM)
     if STREAM_K:
-        # The last sk_tiles tiles of the order, shared out by K-steps: their total_steps steps
-        # are cut into num_progs equal runs [lo, hi), one per program, so every SM gets the
-        # same work. A run covers pieces of consecutive tiles ("segments"); a whole tile is
-        # stored at once, a partial one goes to this program's workspace slot (0: the segment
-        # that starts the run, 1: the one that ends it) and is counted in the tile's counter
-        # by its K-steps; the segment that brings the count to k_tiles sums the tile's
-        # partials in program order -- the same sum whoever comes last -- and stores the tile.
-        sk_first = num_tiles - sk_tiles
-        total_steps = sk_tiles * k_tiles
-        lo = (start_pid * total_steps) // num_progs
-        hi = ((start_pid + 1) * total_steps) // num_progs
-        offs_ws = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        # A for loop over the run's segments (tl.range, so `flatten` can fuse it with the K
-        # loop): segment s is the part of tile first_idx + s in [lo, hi).
-        first_idx = lo // k_tiles
-        num_segs = tl.where(hi > lo, (hi - 1) // k_tiles - first_idx + 1, 0)
+        lo, hi, first_idx, num_segs, total_steps = _sk_run(start_pid, num_progs, sk_tiles, k_tiles)
         if RECORD_TILES:   # work items of this program's whole-tile loop (the logical clock)
             whole_steps = (num_work - start_pid + num_progs - 1) // num_progs
         for seg in tl.range(0, num_segs, flatten=FLATTEN):
-            sk_idx = first_idx + seg
-            it = tl.maximum(lo, sk_idx * k_tiles)
-            k_lo = it - sk_idx * k_tiles
-            k_hi = tl.minimum(hi - sk_idx * k_tiles, k_tiles)
-            tile_id = sk_first + sk_idx
+            sk_idx, it, k_lo, k_hi = _sk_segment(seg, first_idx, lo, hi, k_tiles)
+            tile_id = num_work + sk_idx
             if RECORD_TILES:
                 step = whole_steps + seg
                 rec_t0 = tile_clock(step, 0, USE_ASM)
@@ -646,11 +875,8 @@ def gemm_kernel(
                 rec_tw = rec_t0
                 if WAIT:
                     rec_tw = tile_clock(step, 1, USE_ASM)
-                rec_row = (off_m // BLOCK_M) * num_pid_n + off_n // BLOCK_N
-            acc, seen, sig = _mainloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak,
-                                       stride_bk, stride_bn, pend_lo, pend_n, poll_q, counters,
-                                       signal_ptrs, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32,
-                                       False, EPI_TMA, USE_ASM)
+            acc = _kloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                         BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32)
             if EPILOGUE:   # the previous stored tile, counted late as in the loop above
                 if EPI_COUNT >= 3:
                     poll_q = _count_and_poll(pend_lo, pend_hi, pend_n, pend_poll, poll_q, M, chunk_m, num_pid_n,
@@ -660,11 +886,11 @@ def gemm_kernel(
                     _count_and_publish(pend_lo, pend_hi, M, chunk_m, num_pid_n, counters, signal_ptrs,
                                        epi_gen, status, BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
             if (k_lo == 0) & (k_hi == k_tiles):
-                _store_acc(acc, c, off_m, off_n, M, N, stride_cm, stride_cn, dest_offs, stride_dm,
-                           chunk_m, num_chunks, epi_descs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
-                       DEST_ALIGNED, EPI_TMA)
+                _store_tile(acc, c, off_m, off_n, M, N, stride_cm, dest_offs, stride_dm, chunk_m, num_chunks,
+                            epi_descs, scale_a, scale_b, c, 0, 0, 0, 0, 0, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE,
+                            DEST_ALIGNED, EPI_TMA, SCALE_A, SCALE_B, False)
                 if RECORD_TILES:
-                    record_tile(tile_records, rec_row, rec_t0, rec_tw, tile_clock(step, 2, USE_ASM), USE_ASM)
+                    _record(tile_records, off_m, off_n, num_pid_n, rec_t0, rec_tw, step, BLOCK_M, BLOCK_N, USE_ASM)
                 if EPILOGUE:
                     pend_lo = c_lo
                     pend_hi = c_hi
@@ -672,52 +898,30 @@ def gemm_kernel(
                         pend_poll = _is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n, BLOCK_M, BLOCK_N)
                         pend_n = tl.full((), 1, tl.int32)
             else:
-                slot = tl.where(it == lo, 0, 1)
-                ws_slot = ws + (start_pid.to(tl.int64) * 2 + slot) * (BLOCK_M * BLOCK_N)
-                tl.store(ws_slot + offs_ws, acc)
-                tl.debug_barrier()
-                steps = k_hi - k_lo
-                arrived = tl.atomic_add(tile_counters + tile_id, steps, sem="acq_rel", scope="gpu")
-                is_last = arrived + steps == k_tiles
-                if EPILOGUE:
+                is_last = _sk_partial(acc, ws, start_pid, it, lo, tile_counters, tile_id, k_hi - k_lo, k_tiles,
+                                      BLOCK_M, BLOCK_N)
+                if EPILOGUE:   # the tile's chunks are pending only where this segment stores it
                     pend_lo = c_lo
-                    pend_hi = tl.where(is_last, c_hi, c_lo - 1)   # empty unless this one stores
+                    pend_hi = tl.where(is_last, c_hi, c_lo - 1)
                     if EPI_COUNT >= 3:
                         pend_poll = tl.where(is_last, _is_poll_tile(off_m, off_n, c_lo, M, chunk_m, num_pid_n,
                                                                     BLOCK_M, BLOCK_N), 0)
                         pend_n = tl.full((), 1, tl.int32)
                 if is_last:
-                    # Every other segment's release is acquired, so their partials are visible.
-                    tl.atomic_xchg(tile_counters + tile_id, 0, sem="relaxed", scope="gpu")
+                    q_first, q_last, first_slot = _sk_claim(tile_counters, tile_id, sk_idx, k_tiles, total_steps,
+                                                            num_progs)
                     if WAIT:
                         # A segment whose wait failed (maybe on another program) fed garbage
                         # into this tile: never publish its chunks.
                         if tl.load(err_ptr, volatile=True) != 0:
                             status = tl.full((), 2, tl.int32)
-                    # Programs holding this tile's segments: the owners of its first and last
-                    # steps (owner(i) = the largest p with lo_p <= i). q_first's segment is
-                    # in its slot 0 only if its run starts exactly at the tile's first step.
-                    t_start = sk_idx * k_tiles
-                    q_first = ((t_start + 1) * num_progs - 1) // total_steps
-                    q_last = ((t_start + k_tiles) * num_progs - 1) // total_steps
-                    first_slot = tl.where((q_first * total_steps) // num_progs == t_start, 0, 1)
-                    if EPI_SUBTILE == 1:
-                        total = _sum_segments(ws, q_first, q_last, first_slot, total_steps, num_progs, 0, BLOCK_M, BLOCK_N, SUB_N)
-                        _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                        dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 0,
-                                        C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
-                    else:
-                        total = _sum_segments(ws, q_first, q_last, first_slot, total_steps, num_progs, 0, BLOCK_M, BLOCK_N, SUB_N)
-                        _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                        dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 0,
-                                        C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
-                        total = _sum_segments(ws, q_first, q_last, first_slot, total_steps, num_progs, 1, BLOCK_M, BLOCK_N, SUB_N)
-                        _epilogue_store(total, c, off_m, off_n, M, N, c, stride_cm, stride_cn,
-                                        dest_offs, stride_dm, chunk_m, num_chunks, epi_descs, C_DTYPE, SUB_N, 1,
-                                        C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA)
+                    _store_tile(acc, c, off_m, off_n, M, N, stride_cm, dest_offs, stride_dm, chunk_m, num_chunks,
+                                epi_descs, scale_a, scale_b, ws, q_first, q_last, first_slot, total_steps,
+                                num_progs, C_DTYPE, EPI_SUBTILE, C_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA,
+                                SCALE_A, SCALE_B, True)
                     if RECORD_TILES:   # the segment that completed the tile stands for it
-                        record_tile(tile_records, rec_row, rec_t0, rec_tw, tile_clock(step, 2, USE_ASM),
-                                    USE_ASM)
+                        _record(tile_records, off_m, off_n, num_pid_n, rec_t0, rec_tw, step, BLOCK_M, BLOCK_N,
+                                USE_ASM)
     if EPILOGUE:
         if EPI_COUNT >= 3:
             _count_red(pend_lo, pend_hi, pend_n, counters, EPI_TMA, USE_ASM)
