@@ -159,7 +159,8 @@ def test_decode_gains_less_than_training():
         (fc1,) = [c for c in workload_matrix(world_sizes=(8,), models=("70b",), phases=(phase,)) if c.gemm == "fc1"]
         return choose(fc1.op, m=fc1.m, n=fc1.n, k=fc1.k, world_size=8, dtype="bf16", hardware="h200",
                       candidates=ALL).speedup
-    assert 1.0 <= speedup("decode") < speedup("training")
+    # against the stock baseline (NCCL + one GEMM), decode's unfused pays tpfuse's dispatch: < 1x
+    assert speedup("decode") < 1.0 < speedup("training")
 
 
 def test_cpu_gloo_profile_plans():
