@@ -323,6 +323,7 @@ def _outcome_key(group_name: str, seq: int) -> str:
 # different group objects; such a deadlock is reported after the notes agree for _MISMATCH_S.
 _NOTE_AFTER_S = 0.5
 _MISMATCH_S = 2.0
+_POLL_S = 0.02
 
 
 class _Notes:
@@ -355,9 +356,10 @@ def _members(ctx: GroupContext) -> list[int]:
     return [ctx.global_rank(r) for r in range(ctx.world_size)]
 
 
-def _other_group_deadlock(store: dist.Store, ctx: GroupContext, missing: list[int]) -> str | None:
-    """A description of the first missing rank that waits in a round of *another* group that
-    this rank belongs to, has not posted to, and has no call waiting in; else None."""
+def _other_group_deadlock(store: dist.Store, ctx: GroupContext, missing: list[int]) -> tuple[str, str, str] | None:
+    """The first missing rank that waits in a round of *another* group that this rank belongs
+    to, has not posted to, and has no call waiting in: (description, this rank's posting key in
+    that round, that round's outcome key); else None."""
     me = dist.get_rank()
     with _NOTES.lock:
         mine = dict(_NOTES.waiting)
@@ -369,20 +371,27 @@ def _other_group_deadlock(store: dist.Store, ctx: GroupContext, missing: list[in
             if not store.check([my_key]):
                 return (f"rank {r} of group {ctx.group_name!r} is in a call of {note['label']} on group "
                         f"{name!r} (global ranks {note['members']}, thread {note['thread']!r}), which this "
-                        f"rank is in no call on")
+                        f"rank is in no call on", my_key, _outcome_key(name, note["seq"]))
     return None
 
 
-def _abandon(store: dist.Store, ctx: GroupContext, seq: int, message: str) -> bool:
+def _abandon(store: dist.Store, ctx: GroupContext, seq: int, message: str, mismatch: bool = False) -> bool:
     """Leave round ``seq`` without an answer: mark its outcome aborted, overwrite this rank's
     posting with the error (a late peer reads it instead of a stale signature) and mark the
     group's rounds broken.  Returns False if another rank had already completed the round (every
     rank posted: this one may go on)."""
-    outcome = store.compare_set(_outcome_key(ctx.group_name, seq), "", "abort").decode()
-    if outcome == "ok":
+    if not _poison(store, _outcome_key(ctx.group_name, seq), _key(ctx, seq, ctx.rank), message, mismatch):
         return False
-    store.set(_key(ctx, seq, ctx.rank), json.dumps({"error": f"RuntimeError: {message}", "abandoned": True}))
     _ROUNDS.broken[ctx.group] = message
+    return True
+
+
+def _poison(store: dist.Store, outcome_key: str, posting_key: str, message: str, mismatch: bool) -> bool:
+    """Mark a round's outcome aborted (unless it completed) and post ``message`` as this rank's
+    error in it; False if the round had completed."""
+    if store.compare_set(outcome_key, "", "abort").decode() == "ok":
+        return False
+    store.set(posting_key, json.dumps({"error": message, "abandoned": True, "mismatch": mismatch}))
     return True
 
 
@@ -420,10 +429,12 @@ def exchange(ctx: GroupContext, label: str, payload: dict, *, wait: bool = True)
     _wait(store, ctx, label, keys, seq, timeout)
     if store.compare_set(_outcome_key(ctx.group_name, seq), "", "ok").decode() != "ok":
         rows = [json.loads(v) for v in store.multi_get(keys)]
-        why = next((row["error"] for row in rows if row.get("abandoned")), "another rank gave up on this round")
-        message = (f"another rank left this agreement round before this rank arrived ({why}); the group's "
-                   "agreement rounds are out of step now: re-create the process group")
+        gone = [row for row in rows if row.get("abandoned")] or [{"error": "another rank gave up on this round"}]
+        message = (f"another rank left this agreement round before this rank arrived: {gone[0]['error']}; "
+                   "the group's agreement rounds are out of step now: re-create the process group")
         _ROUNDS.broken[ctx.group] = message
+        if gone[0].get("mismatch"):
+            raise _agreed(f"{label}: {message}")
         raise RuntimeError(f"{label}: {message}")
     return exchange_rows(store, keys, ctx, seq)
 
@@ -442,6 +453,8 @@ def _wait(store: dist.Store, ctx: GroupContext, label: str, keys: list[str], seq
     seen_since = None
     try:
         while True:
+            if store.check(keys):
+                return
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
             if not missing:
                 return
@@ -462,18 +475,16 @@ def _wait(store: dist.Store, ctx: GroupContext, label: str, keys: list[str], seq
             seen_since = (seen_since or now) if other else None
             if other and now - seen_since >= _MISMATCH_S:
                 message = (
-                    f"ranks called with different process groups: this rank (thread {thread!r}) is in a call "
-                    f"of {label} on group {ctx.group_name!r} (global ranks {_members(ctx)}), while {other}. "
-                    f"Every rank must call with the same group object (the same members are not enough: "
-                    f"WORLD and a new_group of the same ranks are different groups); both groups' agreement "
-                    f"rounds are out of step now: re-create them")
-                if _abandon(store, ctx, seq, message):
+                    f"ranks called with different process groups: rank {dist.get_rank()} (thread {thread!r}) is in "
+                    f"a call of {label} on group {ctx.group_name!r} (global ranks {_members(ctx)}), while "
+                    f"{other[0]}. Every rank must call with the same group object (the same members are not "
+                    f"enough: WORLD and a new_group of the same ranks are different groups); both groups' "
+                    f"agreement rounds are out of step now: re-create them")
+                if _abandon(store, ctx, seq, message, mismatch=True):
+                    _poison(store, other[2], other[1], message, mismatch=True)  # the peer's round ends too
                     raise _agreed(f"{label}: {message}")
                 return
-            try:
-                store.wait(keys, datetime.timedelta(seconds=max(0.01, min(0.25, timeout - (now - start)))))
-            except (dist.DistError, RuntimeError):
-                pass
+            time.sleep(_POLL_S)  # polls, not store.wait: c10d logs a warning for every wait that times out
     finally:
         _NOTES.post(store, ctx.group_name, None)
 
