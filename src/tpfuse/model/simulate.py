@@ -660,7 +660,7 @@ def _fused_partials(g: _Graph, c: _Ctx, bounds: list[tuple[int, int]]) -> dict[i
         stores = []
         for lo, hi, a, b in _bands(bounds, bounds[(me + 1) % w][0], knobs.FUSED_TILE_M):
             tiles = -(-(hi - lo) // knobs.FUSED_TILE_M)
-            for part in _split(tiles, min(_STORE_PARTS, tiles)):
+            for part in _split(tiles, max(1, min(_STORE_PARTS, tiles))):
                 phi = min(hi, lo + part * knobs.FUSED_TILE_M)
                 t = g.add(r, "gemm", "gemm", core * (phi - lo) / max(total, 1), label=f"tiles {lo}:{phi}",
                           chunk=a, launch=first, issue_us=c.hw.host_core_call_us)
