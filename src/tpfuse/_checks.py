@@ -421,9 +421,17 @@ def exchange(ctx: GroupContext, label: str, payload: dict, *, wait: bool = True)
         error, payload, wait = exc, payload_of(exc, None), False
     store = _store()
     seq = _ROUNDS.take(ctx.group)
-    store.set(_key(ctx, seq, ctx.rank), json.dumps(payload))
+    mine = json.dumps(payload)
+    # Post only into an empty slot: a peer that saw this rank in a call on another group has ended
+    # this round already and left its reason in this rank's slot (never overwrite it).
+    posted = store.compare_set(_key(ctx, seq, ctx.rank), "", mine).decode()
     if error is not None:
         raise error
+    if posted != mine:
+        message = (f"another rank ended this agreement round before this rank arrived: "
+                   f"{json.loads(posted)['error']}")
+        _ROUNDS.broken[ctx.group] = message
+        raise _agreed(f"{label}: {message}")
     if not wait:
         return None
     keys = [_key(ctx, seq, r) for r in range(ctx.world_size)]
