@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 __all__ = [
     "GroupContext", "group_context", "resolve_group_name", "poison_enabled", "new_output", "breadcrumb",
-    "clear_breadcrumb",
+    "clear_breadcrumb", "enter_call", "leave_call",
     "all_gather_rows", "reduce_scatter_rows",
 ]
 
@@ -106,6 +107,49 @@ def new_output(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.devi
     if poison_enabled() and out.is_floating_point():
         out.fill_(float("nan"))
     return out
+
+
+# group -> [thread, op, conflict message or None] of the call in flight on it in this process.
+_IN_FLIGHT: dict[object, list] = {}
+
+
+def enter_call(group: object, op: str) -> object | None:
+    """Register an eager call of ``op`` on ``group`` (None = WORLD) from this thread.
+
+    Returns the token :func:`leave_call` takes, or None where nothing was registered (a call nested
+    in one of this thread's own, or a ``group`` that is not a hashable object: validation
+    explains it).  A call from another thread while one is in flight on the same group raises
+    ``RuntimeError`` at once, naming both, and marks the one in flight so that it raises too
+    when it ends: the two calls' messages may have paired with different calls on the peers, so
+    neither result can be trusted.
+    """
+    key = dist.distributed_c10d._world.default_pg if group is None else group
+    me = threading.current_thread()
+    entry = [me, op, None]
+    try:
+        held = _IN_FLIGHT.setdefault(key, entry)
+    except TypeError:  # unhashable: not a ProcessGroup, the checks raise on it
+        return None
+    if held is entry:
+        return key
+    if held[0] is me:
+        return None
+    message = (
+        f"{op} was called from thread {me.name!r} while {held[1]} was in flight on the same process group "
+        f"({getattr(key, 'group_name', key)!r}) from thread {held[0].name!r}. tpfuse ops, like torch's "
+        f"collectives, do not run concurrently on one group (their messages would interleave and pair "
+        f"wrongly): serialize the calls (one lock per group), or give each thread its own group "
+        f"(dist.new_group); both calls raise")
+    held[2] = message
+    raise RuntimeError(message)
+
+
+def leave_call(key: object) -> None:
+    """End the call :func:`enter_call` registered (``key`` is its token); raise ``RuntimeError`` if
+    another thread called on the group meanwhile."""
+    entry = _IN_FLIGHT.pop(key, None)
+    if entry is not None and entry[2] is not None:
+        raise RuntimeError(f"{entry[1]}: its result is discarded: {entry[2]}")
 
 
 _CRUMB_BYTES = 200  # a breadcrumb is one line, padded to this size

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse import _checks, _fp8, strategies
-from tpfuse._dist import GroupContext, group_context, resolve_group_name
+from tpfuse._dist import GroupContext, enter_call, group_context, leave_call, resolve_group_name
 
 __all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "resolve_strategy", "traced_strategy", "group_decision", "why_unavailable",
            "clear_decisions"]
@@ -245,7 +245,12 @@ def group_decision(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, ctx
         return chosen
     if strategy != "auto" and not guard:
         return strategy
-    payload = _checks.payload_of(None, sig, **_decision_inputs(op, strategy, a, b, ctx, scale_a))
+    try:
+        inputs = _decision_inputs(op, strategy, a, b, ctx, scale_a)
+    except Exception as exc:  # noqa: BLE001 - e.g. an unreadable tuning cache: post it, do not strand the peers
+        _checks.agree(ctx, label or op, exc, None)
+        raise
+    payload = _checks.payload_of(None, sig, **inputs)
     rows = [payload] if ctx.world_size == 1 else _checks.exchange(ctx, label or op, payload)
     _checks.check_rows(label or op, rows, None)
     chosen = _decide(op, strategy, rows, ctx.world_size)
@@ -352,7 +357,7 @@ def _prepare(op: str, a, b, group, strategy, return_gathered=False, scale_a=None
         if scale_a is not None or scale_b is not None or out_dtype is not None:
             key += (_scale_key(scale_a), _scale_key(scale_b), out_dtype)
         hit = _CALLS.get(key) if return_gathered.__class__ is bool else None
-    except (AttributeError, TypeError):  # not tensors, unhashable group...: the slow path explains
+    except Exception:  # noqa: BLE001 - not tensors, unhashable group, nested tensors...: the slow path explains
         key = hit = None
     if hit is not None and hit.world is _world():
         if hit.per_call_round:
@@ -364,7 +369,7 @@ def _prepare(op: str, a, b, group, strategy, return_gathered=False, scale_a=None
 def _prepare_slow(op, a, b, group, strategy, return_gathered, key, scale_a=None, scale_b=None,
                   out_dtype=None) -> _Call:
     scaled = dict(scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
-    if _fake(a) or _fake(b):
+    if (_fake(a) or _fake(b)) and _fake_mode_active():
         # Shape propagation (FakeTensorMode): nothing runs and nothing is exchanged -- one rank may
         # do it alone.  Local checks only; the custom op's fake impl gives the same shapes for
         # every strategy.
@@ -382,6 +387,9 @@ def _prepare_slow(op, a, b, group, strategy, return_gathered, key, scale_a=None,
     sig = None
     if error is None:
         try:
+            if _fake(a) or _fake(b):
+                raise ValueError(f"{op}: got a FakeTensor outside FakeTensorMode (it has no data); pass real "
+                                 "tensors, or call inside the FakeTensorMode that made it (shape propagation)")
             _checks.check_call(op, a, b, ctx, strategy, return_gathered, **scaled)
             if strategy != "auto":
                 reason = why_unavailable(strategy, ctx, a.device, a.dtype, op=op, scale_a=scale_a)
@@ -389,7 +397,7 @@ def _prepare_slow(op, a, b, group, strategy, return_gathered, key, scale_a=None,
                     raise ValueError(f"{op}: strategy {strategy!r} cannot run here: {reason}")
             sig = _checks.call_signature(op, strategy, a, b, return_gathered, strategies.pinned_knobs(ctx),
                                          **scaled)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - every local failure is posted, or the peers would wait
             error = exc
     per_call = _checks.agreement_enabled(ctx, getattr(getattr(a, "device", None), "type", None))
     if error is not None:
@@ -409,6 +417,14 @@ def _fake(x: object) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(x, FakeTensor)
+
+
+def _fake_mode_active() -> bool:
+    """Whether a FakeTensorMode is on the dispatch stack (shape propagation, not a real call)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
 
 
 def _direct(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -469,11 +485,16 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | N
                               scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
         c, a_full = torch.ops.tpfuse.ag_gemm(a_shard, b, ctx.group_name, chosen)
         return (c, a_full) if return_gathered else c
-    call = _prepare("ag_gemm", a_shard, b, group, strategy, return_gathered, scale_a, scale_b, out_dtype)
-    if _direct(a_shard, b):
-        c, a_full = call.module.ag_gemm(a_shard, b, call.ctx, **strategies.knobs_for(call.strategy, call.ctx))
-    else:
-        c, a_full = torch.ops.tpfuse.ag_gemm(a_shard, b, call.ctx.group_name, call.strategy)
+    token = enter_call(group, "ag_gemm")
+    try:
+        call = _prepare("ag_gemm", a_shard, b, group, strategy, return_gathered, scale_a, scale_b, out_dtype)
+        if _direct(a_shard, b):
+            c, a_full = call.module.ag_gemm(a_shard, b, call.ctx, **strategies.knobs_for(call.strategy, call.ctx))
+        else:
+            c, a_full = torch.ops.tpfuse.ag_gemm(a_shard, b, call.ctx.group_name, call.strategy)
+    finally:
+        if token is not None:
+            leave_call(token)
     return (c, a_full) if return_gathered else c
 
 
@@ -485,12 +506,17 @@ def _ag_gemm_scaled(a_shard, b, group, strategy, return_gathered, scale_a, scale
         c, a_full, scale_full = torch.ops.tpfuse.ag_gemm_scaled(a_shard, b, ctx.group_name, chosen, scale_a,
                                                                 scale_b, out)
     else:
-        call = _prepare("ag_gemm", a_shard, b, group, strategy, return_gathered, scale_a, scale_b, out_dtype)
-        if _direct(a_shard, b):
-            c, a_full, scale_full = call.module.ag_gemm(a_shard, b, call.ctx, scale_a, scale_b, out)
-        else:
-            c, a_full, scale_full = torch.ops.tpfuse.ag_gemm_scaled(a_shard, b, call.ctx.group_name, call.strategy,
-                                                                    scale_a, scale_b, out)
+        token = enter_call(group, "ag_gemm")
+        try:
+            call = _prepare("ag_gemm", a_shard, b, group, strategy, return_gathered, scale_a, scale_b, out_dtype)
+            if _direct(a_shard, b):
+                c, a_full, scale_full = call.module.ag_gemm(a_shard, b, call.ctx, scale_a, scale_b, out)
+            else:
+                c, a_full, scale_full = torch.ops.tpfuse.ag_gemm_scaled(a_shard, b, call.ctx.group_name,
+                                                                        call.strategy, scale_a, scale_b, out)
+        finally:
+            if token is not None:
+                leave_call(token)
     return (c, a_full, scale_full) if return_gathered else c
 
 
@@ -540,12 +566,17 @@ def _reduce_op(op: str, a: torch.Tensor, b: torch.Tensor, group, strategy: str, 
         if fp8:
             return getattr(torch.ops.tpfuse, op + "_scaled")(a, b, ctx.group_name, chosen, scale_a, scale_b, out)
         return getattr(torch.ops.tpfuse, op)(a, b, ctx.group_name, chosen)
-    call = _prepare(op, a, b, group, strategy, False, scale_a, scale_b, out_dtype)
-    if fp8:
+    token = enter_call(group, op)
+    try:
+        call = _prepare(op, a, b, group, strategy, False, scale_a, scale_b, out_dtype)
+        if fp8:
+            if _direct(a, b):
+                return getattr(call.module, op)(a, b, call.ctx, scale_a, scale_b, out)
+            return getattr(torch.ops.tpfuse, op + "_scaled")(a, b, call.ctx.group_name, call.strategy, scale_a,
+                                                             scale_b, out)
         if _direct(a, b):
-            return getattr(call.module, op)(a, b, call.ctx, scale_a, scale_b, out)
-        return getattr(torch.ops.tpfuse, op + "_scaled")(a, b, call.ctx.group_name, call.strategy, scale_a, scale_b,
-                                                         out)
-    if _direct(a, b):
-        return getattr(call.module, op)(a, b, call.ctx, **strategies.knobs_for(call.strategy, call.ctx))
-    return getattr(torch.ops.tpfuse, op)(a, b, call.ctx.group_name, call.strategy)
+            return getattr(call.module, op)(a, b, call.ctx, **strategies.knobs_for(call.strategy, call.ctx))
+        return getattr(torch.ops.tpfuse, op)(a, b, call.ctx.group_name, call.strategy)
+    finally:
+        if token is not None:
+            leave_call(token)

@@ -20,14 +20,9 @@ attribute ``tpfuse.plan``; import names from it with ``from tpfuse.plan import .
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import json
 import math
 import os
-import statistics
-import tempfile
-import threading
-import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -36,6 +31,7 @@ from tpfuse import dtypes, strategies
 from tpfuse.model import cost
 from tpfuse.model.hardware import HardwareProfile, get_profile
 from tpfuse.model.simulate import OPS, SimResult
+from tpfuse.tuning import CACHE as _CACHE, cache_key as _cache_key, tuning_cache_path
 
 # A strategy other than unfused is chosen on model predictions alone only if it is predicted at
 # least this much faster.  Measured on 2x H200 (BENCHMARKS.md, 2026-11-30): ring predicted within
@@ -57,22 +53,54 @@ def canonical_dtype(dtype: Any) -> str:
     return dtypes.name(dtype)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
+def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None, why: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name}: {value} must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        shown = value if value < 10**30 else f"{str(value)[:6]}... ({len(str(value))} digits)"
+        raise ValueError(f"{name}: {shown} is larger than {maximum}{why}")
     return value
+
+
+# The largest group tpfuse plans for: the symmetric-memory workspace's flag region holds 4 words
+# per rank in 4 KiB (tpfuse.symm.MAX_WORLD_SIZE), and a plan replays every rank's chunks, so the
+# planner's time grows with W (~30 ms at W = 256 on one CPU core).
+MAX_WORLD_SIZE = 256
+# A tensor larger than this describes no real call (the largest profile's GPU has 192 GB); checked
+# so that absurd sizes fail at once instead of overflowing the model's arithmetic.
+MAX_TENSOR_BYTES = 2**40
+_INT64_MAX = 2**63 - 1
+
+
+def _check_sizes(op: str, m: int, n: int, k: int, world_size: int, dtype: str) -> None:
+    """Every tensor of the call (a or a_shard, b, c or c_shard) fits int64 and ``MAX_TENSOR_BYTES``."""
+    elt = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}.get(dtype, 8)
+    rows = m // world_size
+    tensors = {"ag_gemm": (("a_shard [M/W, K]", rows, k), ("b [K, N]", k, n), ("c [M, N]", m, n)),
+               "gemm_rs": (("a [M, K]", m, k), ("b [K, N]", k, n), ("c_shard [M/W, N]", rows, n)),
+               "gemm_ar": (("a [M, K]", m, k), ("b [K, N]", k, n), ("c [M, N]", m, n))}[op]
+    for name, r, c in tensors:
+        size = r * c * elt
+        if size > MAX_TENSOR_BYTES or r * c > _INT64_MAX:
+            raise ValueError(f"{op}: {name} = [{r}, {c}] would take {size / 2**30:.4g} GiB of {dtype}, more than "
+                             f"the {MAX_TENSOR_BYTES // 2**30} GiB a plan accepts (no GPU holds it); check m, n and k")
 
 
 def _validate(op, m, n, k, world_size, dtype, hardware) -> tuple[str, HardwareProfile]:
     if op not in OPS:
         raise ValueError(f"op: unknown op {op!r}; use one of {', '.join(OPS)}")
-    _check_int("m", m, 0)
-    _check_int("n", n, 0)
-    _check_int("k", k, 0)
-    _check_int("world_size", world_size, 1)
-    return canonical_dtype(dtype), get_profile(hardware)
+    for name, value in (("m", m), ("n", n), ("k", k)):
+        _check_int(name, value, 0, _INT64_MAX, " (int64)")
+    _check_int("world_size", world_size, 1, MAX_WORLD_SIZE,
+               " (the most ranks tpfuse plans for: its symmetric workspace holds 256)")
+    dtype_name, hw = canonical_dtype(dtype), get_profile(hardware)
+    from tpfuse._checks import check_m_divisible  # the ops' own rule and message
+
+    check_m_divisible(op, m, world_size)
+    _check_sizes(op, m, n, k, world_size, dtype_name)
+    return dtype_name, hw
 
 
 @dataclass(frozen=True)
@@ -88,7 +116,12 @@ class Plan:
     strategy-independent, ``comm_ms`` 0 at world_size 1; no strategy is predicted below
     ``max(gemm_ms, comm_ms)``), ``model_ms`` = ``fill_ms`` + ``steady_ms`` + ``drain_ms`` (the
     chosen strategy's simulated pipeline on its critical rank; equal to its ``predicted_ms`` unless
-    that was measured) and ``exposed_comm_ms`` (prediction minus GEMM alone).
+    that was measured), ``host_ms`` (the host time the call pays beyond its GPU work on that
+    rank: the host issues ahead of the GPU, so only the part of its dispatch and launches that
+    outlasts the device shows; 0 under CUDA graphs), ``exposed_comm_ms`` (prediction minus GEMM alone
+    minus ``host_ms``, never more than ``comm_ms``) and ``baseline_ms`` (the stock baseline: the
+    NCCL collective on the op's dtype plus one GEMM, what ``tpfuse bench`` calls ``unfused_ms``;
+    :attr:`speedup` compares with it).
     ``cuda_graph``: planned for graph replay (no host costs) instead of eager calls.
     ``num_sms``: the chosen strategy's persistent GEMM grid (its schedule's ``sm_budget``; fused:
     every SM but one; 0 for strategies without one).  ``chunks_per_rank``: pieces each rank's
@@ -122,9 +155,11 @@ class Plan:
 
     @property
     def speedup(self) -> float:
-        """Predicted unfused time over the chosen strategy's."""
+        """The stock baseline (``breakdown["baseline_ms"]``: NCCL collective on the op's dtype +
+        one GEMM, what users run without tpfuse) over the chosen strategy's predicted time."""
         chosen = self.predicted_ms[self.strategy]
-        return self.predicted_ms["unfused"] / chosen if chosen > 0 else 1.0
+        baseline = self.breakdown.get("baseline_ms", 0.0)
+        return baseline / chosen if chosen > 0 and baseline > 0 else 1.0
 
     @property
     def bound(self) -> str:
@@ -153,15 +188,17 @@ class Plan:
         lines = [
             f"{self.op} m={self.m} n={self.n} k={self.k} world_size={self.world_size} {self.dtype} "
             f"on {self.hardware}: chose {self.strategy!r} with {self.num_chunks} chunk(s) "
-            f"(chunk_m={self.chunk_m}{self._pieces()}), {self.predicted_ms[self.strategy]:.4f} ms vs unfused "
-            f"{self.predicted_ms['unfused']:.4f} ms ({self.speedup:.2f}x).",
+            f"(chunk_m={self.chunk_m}{self._pieces()}), {self.predicted_ms[self.strategy]:.4f} ms vs the stock "
+            f"baseline {b['baseline_ms']:.4f} ms ({self.speedup:.2f}x; the NCCL {coll} on {self.dtype} + one "
+            f"GEMM, what `tpfuse bench` calls unfused_ms).",
             f"  GEMM alone {b['gemm_ms']:.4f} ms, {coll} alone {b['comm_ms']:.4f} ms "
-            f"({'no communication' if self.bound == 'none' else self.bound + '-bound'}); "
+            f"({'no communication' if self.bound == 'none' else self.bound + '-bound'}), host "
+            f"{b['host_ms']:.4f} ms exposed, {coll} {b['exposed_comm_ms']:.4f} ms exposed; "
             f"chosen pipeline (model, {'CUDA graph' if self.cuda_graph else 'eager'}): fill {b['fill_ms']:.4f} "
             f"+ steady {b['steady_ms']:.4f} + drain {b['drain_ms']:.4f} = {b['model_ms']:.4f} ms.",
             f"  Why: {self.reason}",
             "  Candidates: " + ", ".join(
-                f"{s} {ms:.4f} ms" + (f" ({self.chunks[s]} chunks)" if s != "unfused" else "")
+                f"{s} {ms:.4f} ms" + (f" ({self.chunks[s]} chunks)" if s != "unfused" else " (tpfuse's)")
                 + (" [measured]" if s in self.measured else "")
                 for s, ms in sorted(self.predicted_ms.items(), key=lambda kv: kv[1])),
         ]
@@ -253,6 +290,17 @@ def _critical_rank(res: SimResult):
     return max(res.ranks, key=lambda r: (r.end, -r.rank))
 
 
+def _stock_baseline_ms(op, m, n, k, w, dtype, hw: HardwareProfile, gemm_ms: float, cuda_graph: bool) -> float:
+    """What users run without tpfuse, by the same model: the NCCL collective on the op's dtype plus
+    one GEMM, issued as two eager calls (the first call's host time is exposed, the second is
+    issued while the first runs; none under CUDA graphs) -- what ``tpfuse bench`` times as
+    ``unfused_ms``.  tpfuse's own ``unfused`` strategy differs (fp32 partials, casts, dispatch)."""
+    if m * n * k == 0 and gemm_ms == 0.0:
+        return 0.0
+    coll = cost.collective_ms(op, m, n, k, w, dtype, hw) if w > 1 and m > 0 else 0.0
+    return gemm_ms + coll + (0.0 if cuda_graph else hw.host_call_us * 1e-3)
+
+
 def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str, ...],
                measured: Mapping[str, float], *, cuda_graph: bool = False) -> Plan:
     """Predict ``candidates`` (those with a schedule, that take ``dtype`` and, above the
@@ -288,9 +336,14 @@ def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str
             chosen, margin_kept = "unfused", True
     res = results[chosen]
     crit = _critical_rank(res)
-    breakdown = {"gemm_ms": gemm_ms, "comm_ms": comm_ms if w > 1 else 0.0,
+    comm_ms = comm_ms if w > 1 else 0.0
+    # the host issues ahead of the GPU: only the part of its work that outlasts the device shows
+    host_ms = crit.host_tail
+    breakdown = {"gemm_ms": gemm_ms, "comm_ms": comm_ms, "host_ms": host_ms,
                  "model_ms": res.makespan_ms, "fill_ms": crit.fill, "steady_ms": crit.steady,
-                 "drain_ms": crit.drain, "exposed_comm_ms": max(0.0, predicted[chosen] - gemm_ms)}
+                 "drain_ms": crit.drain,
+                 "exposed_comm_ms": min(comm_ms, max(0.0, predicted[chosen] - gemm_ms - host_ms)),
+                 "baseline_ms": _stock_baseline_ms(op, m, n, k, w, dtype, hw, gemm_ms, cuda_graph)}
     sched = strategies.schedule(chosen)
     per_rank = chunks[chosen] // w if sched.kind == "pipeline" and op != "gemm_ar" and w > 1 else 1
     return Plan(op=op, strategy=chosen, num_chunks=chunks[chosen], m=m, n=n, k=k, world_size=w,
@@ -315,6 +368,12 @@ def _runnable_for_group(group: Any, world_size: int, dtype: str, built: tuple[st
     return tuple(s for s in built if s in runnable)
 
 
+def _is_process_group(group: Any) -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and isinstance(group, dist.ProcessGroup)
+
+
 def plan(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any = "bf16",
          hardware: str | HardwareProfile = "h200", cuda_graph: bool = False, group: Any = None) -> Plan:
     """Predict every registered strategy that declares a schedule for one op shape and choose
@@ -332,97 +391,16 @@ def plan(op: str, *, m: int, n: int, k: int, world_size: int, dtype: Any = "bf16
     dtype_name, hw = _validate(op, m, n, k, world_size, dtype, hardware)
     if not isinstance(cuda_graph, bool):
         raise TypeError(f"cuda_graph: expected a bool, got {type(cuda_graph).__name__} {cuda_graph!r}")
+    if group is not None and not _is_process_group(group):
+        raise TypeError(f"group: expected a torch.distributed.ProcessGroup (or None: plan without one), got "
+                        f"{type(group).__name__} {group!r}")
     built = strategies.names()
     if group is not None:
         built = _runnable_for_group(group, world_size, dtype_name, built)
     return _make_plan(op, m, n, k, world_size, dtype_name, hw, built, {}, cuda_graph=cuda_graph)
 
 
-# --- auto: choose() + tuning cache -----------------------------------------------------------------
-def tuning_cache_path() -> Path:
-    """``$TPFUSE_CACHE_DIR/tuning.json``, else ``~/.cache/tpfuse/tuning.json``."""
-    root = os.environ.get("TPFUSE_CACHE_DIR")
-    return Path(root if root else Path.home() / ".cache" / "tpfuse") / "tuning.json"
-
-
-@functools.lru_cache(maxsize=None)
-def _versions() -> str:
-    import torch
-
-    try:
-        triton = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        triton = "none"
-    try:
-        ours = importlib.metadata.version("tpfuse")
-    except importlib.metadata.PackageNotFoundError:
-        ours = "dev"
-    return f"torch={torch.__version__}|triton={triton}|tpfuse={ours}"
-
-
-def _cache_key(op, m, n, k, w, dtype, hw_name) -> str:
-    return f"{op}|m={m}|n={n}|k={k}|W={w}|{dtype}|{hw_name}|{_versions()}"
-
-
-class _TuningCache:
-    """The JSON tuning cache, loaded once per path; a missing or corrupt file is an empty cache."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._path: Path | None = None
-        self._entries: dict[str, dict] = {}
-        self.generation = 0
-        self._warned: set[str] = set()
-
-    def _load(self, path: Path) -> None:
-        self._path, self._entries = path, {}
-        self.generation += 1
-        if not path.exists():
-            return
-        try:
-            data = json.loads(path.read_text())
-            if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
-                raise ValueError("no 'entries' object")
-            self._entries = data["entries"]
-        except (OSError, ValueError) as exc:
-            if str(path) not in self._warned:
-                self._warned.add(str(path))
-                warnings.warn(f"tpfuse: tuning cache {str(path)!r} is unreadable ({exc}); ignoring it "
-                              "(it is rewritten on the next record_measurement; delete it to silence this)",
-                              RuntimeWarning, stacklevel=4)
-
-    def current(self) -> tuple[int, Path]:
-        path = tuning_cache_path()
-        with self._lock:
-            if path != self._path:
-                self._load(path)
-            return self.generation, path
-
-    def measured(self, key: str) -> dict[str, float]:
-        with self._lock:
-            entry = self._entries.get(key, {})
-            return {s: statistics.median(v) for s, v in entry.get("measured", {}).items() if v}
-
-    def record(self, key: str, fields: dict, strategy: str, ms: float) -> None:
-        self.current()
-        with self._lock:
-            entry = self._entries.setdefault(key, dict(fields, measured={}))
-            entry["measured"].setdefault(strategy, []).append(ms)
-            entry["measured"][strategy] = entry["measured"][strategy][-16:]
-            path = self._path
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tuning.", suffix=".json", dir=path.parent)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump({"version": 1, "entries": self._entries}, f, indent=1, sort_keys=True)
-                os.replace(tmp, path)  # atomic: readers see the old or the new file, never half
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-            self.generation += 1
-
-
-_CACHE = _TuningCache()
+# --- auto: choose() + tuning cache (tpfuse.tuning) -----------------------------------------------
 
 
 def record_measurement(op: str, m: int, n: int, k: int, world_size: int, dtype: Any,

@@ -77,15 +77,11 @@ _POISON_PROGRAMS = 64              # grid of the NaN fill (a grid-stride loop on
 
 @functools.lru_cache(maxsize=1)
 def timeout_s() -> float:
-    """Bound of every spin-wait, in seconds: ``TPFUSE_TIMEOUT_S`` (default 10)."""
-    raw = os.environ.get("TPFUSE_TIMEOUT_S", "10")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"TPFUSE_TIMEOUT_S={raw!r} is not a number of seconds; set e.g. TPFUSE_TIMEOUT_S=10") from None
-    if not value > 0:
-        raise ValueError(f"TPFUSE_TIMEOUT_S={raw!r} must be > 0 seconds")
-    return value
+    """Bound of every spin-wait, in seconds: ``TPFUSE_TIMEOUT_S`` (default 10; finite, at most a
+    day: :func:`tpfuse._settings.parse_timeout_s`)."""
+    from tpfuse._settings import timeout_setting
+
+    return timeout_setting()
 
 
 def _interpreting() -> bool:

@@ -297,7 +297,7 @@ def plan_with_a_real_group(rank, world_size):
     p = tpfuse.plan("ag_gemm", m=64, n=48, k=32, world_size=world_size, dtype="fp32", hardware="cpu-gloo",
                     group=dist.group.WORLD)
     try:
-        tpfuse.plan("ag_gemm", m=64, n=48, k=32, world_size=world_size + 1, group=dist.group.WORLD)
+        tpfuse.plan("ag_gemm", m=96, n=48, k=32, world_size=world_size + 1, group=dist.group.WORLD)
     except ValueError as exc:
         wrong = str(exc)
     return p.strategy, sorted(p.predicted_ms), wrong

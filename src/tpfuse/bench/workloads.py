@@ -54,7 +54,7 @@ class Workload:
 
 def _cells(model: str, phase: str, world_size: int, dtype: str) -> list[Workload]:
     h, ffn = MODELS[model]
-    m = PHASES[phase]
+    m = -(-PHASES[phase] // world_size) * world_size  # M divisible by W (SP shards rows)
     fc2_op = "gemm_ar" if phase == "decode" else "gemm_rs"
     return [
         Workload(model, phase, "fc1", "ag_gemm", m, 2 * ffn // world_size, h, world_size, dtype),

@@ -106,6 +106,7 @@ class RankStats:
     gemm_busy: float
     comm_busy: float
     exposed_comm: float
+    host_tail: float = 0.0   # how long the rank's host work outlasts its device work (eager calls)
 
 
 @dataclass
@@ -407,10 +408,11 @@ def _rank_stats(g: Graph, r: int, tasks: list[Task], pairs: list[tuple[int, int]
     for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
         backlog += delta
         peak = max(peak, backlog)
+    device_end = max((t.end for t in gemm_tasks + comm_tasks), default=start)
     return RankStats(rank=r, start=start, end=end, total=total, fill=fill,
                      steady=max(0.0, total - fill - drain), drain=drain, backlog=peak,
                      gemm_busy=gemm_busy, comm_busy=comm_busy,
-                     exposed_comm=max(0.0, total - gemm_busy))
+                     exposed_comm=max(0.0, total - gemm_busy), host_tail=max(0.0, end - device_end))
 
 
 def draw_timeline(result: SimResult, path, *, title: str | None = None) -> None:

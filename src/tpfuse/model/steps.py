@@ -40,14 +40,22 @@ def _bands(bounds: list[tuple[int, int]], start_row: int, tile_m: int) -> list[t
     num = -(-total // tile_m)
     t0 = (start_row // tile_m) % num
     out: list[tuple[int, int, int, int]] = []
-    for i in range(num):
-        b = (t0 + i) % num
-        lo, hi = b * tile_m, min((b + 1) * tile_m, total)
-        first, last = bisect.bisect_right(starts, lo) - 1, bisect.bisect_right(starts, hi - 1) - 1
-        if out and out[-1][1] == lo and out[-1][2:] == (first, last):
-            out[-1] = (out[-1][0], hi, first, last)
-        else:
-            out.append((lo, hi, first, last))
+    # Tiles t0..num-1, then 0..t0-1; a run of tiles inside one chunk is taken in one step, so the
+    # work is O(chunks), not O(M / tile_m) (a plan must stay fast at any M).
+    for b, end in ((t0, num), (0, t0)):
+        while b < end:
+            lo, hi = b * tile_m, min((b + 1) * tile_m, total)
+            first, last = bisect.bisect_right(starts, lo) - 1, bisect.bisect_right(starts, hi - 1) - 1
+            step = 1
+            if first == last:  # every later tile that ends inside this chunk joins the run
+                chunk_end = bounds[first][1]
+                step = max(1, min(end, num if chunk_end >= total else chunk_end // tile_m) - b)
+                hi = min((b + step) * tile_m, total)
+            if out and out[-1][1] == lo and out[-1][2:] == (first, last):
+                out[-1] = (out[-1][0], hi, first, last)
+            else:
+                out.append((lo, hi, first, last))
+            b += step
     return out
 
 
@@ -284,7 +292,7 @@ def epilogue_store_partials(g: Graph, c: Ctx, bounds: list[tuple[int, int]]) -> 
         stores = []
         for lo, hi, a, b in _bands(bounds, bounds[(me + 1) % w][0], c.tile_m):
             tiles = -(-(hi - lo) // c.tile_m)
-            for part in split_rows(tiles, min(_STORE_PARTS, tiles)):
+            for part in split_rows(tiles, max(1, min(_STORE_PARTS, tiles))):
                 phi = min(hi, lo + part * c.tile_m)
                 t = g.add(r, "gemm", "gemm", core * (phi - lo) / max(total, 1), label=f"tiles {lo}:{phi}",
                           chunk=a, launch=first, issue_us=c.hw.host_core_call_us)
