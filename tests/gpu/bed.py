@@ -334,8 +334,9 @@ def case_queue_wrap(rank, world_size, calls):
     pieces per owner (chunk_rows 16 of 64), one worker CTA with 1 KiB blocks (slower than the
     producer's GEMMs), a moving straggler (0-5 ms before each call), ``calls`` calls in a row
     alternating gemm_rs, gemm_ar (two-shot: > 1 MiB) and ag_gemm (chunks of 16 rows).  Every
-    call is checked; every 25th fills ``stats=``, and over all ranks the producers must have
-    waited on credits at least once (the ring's backpressure ran).  One call per op keeps its
+    call is checked; every 25th fills ``stats=``, and over all ranks the producers of gemm_rs and
+    gemm_ar (the ops with a ring; ag_gemm has none) must have waited on credits at least once
+    (the ring's backpressure ran).  One call per op keeps its
     stats in the rows."""
     from tpfuse._dist import group_context
     from tpfuse.strategies import sm_workers
@@ -372,7 +373,7 @@ def case_queue_wrap(rank, world_size, calls):
     total = torch.tensor([stalls], dtype=torch.int64)
     dist.all_reduce(total)   # gloo, CPU
     return [dict(case="queue_wrap", op=op, strategy="sm_workers", world_size=world_size, dtype="bf16",
-                 shape=[world_size * rows, n, k], passed=failed[op] == 0 and total.item() > 0, max_rel_err=worst[op],
+                 shape=[world_size * rows, n, k], passed=failed[op] == 0 and (op == "ag_gemm" or total.item() > 0), max_rel_err=worst[op],
                  calls=counts[op], failures=failed[op], producer_stalls_all_ranks=total.item(), stats=kept.get(op))
             for op in ops]
 
