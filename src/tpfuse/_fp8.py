@@ -1,10 +1,8 @@
 """fp8 (float8) facts and helpers of the scaled ops and layers.
 
-Section 1 is the fp8 part of the dtype policy: the one place that says which fp8 dtypes and
-mixes run, what the scales look like, which output dtypes are allowed and which strategies take
-fp8.  ``ops``, ``_checks``, the strategies and the layers ask it and nothing else.
-MERGE NOTE (for the lead): section 1 moves into ``tpfuse/dtypes.py`` (the per-strategy dtype
-policy) when both land; :func:`why_strategy_refuses` becomes the strategy's own declaration.
+Section 1 holds the fp8 checks the scaled ops share: which mixes of the policy's fp8 dtypes
+(``tpfuse.dtypes.FP8``) run, what the scales look like, which output dtypes are allowed, and the
+K/N size rule.  Which strategies take fp8 is each strategy's ``DTYPES`` entry (the registry).
 
 Section 2 is the dynamic scaling the fp8 layers use (amax -> scale -> cast), after torchao's
 float8 training recipes (``torchao/float8/float8_utils.py``, ``config.py``).
@@ -21,11 +19,11 @@ import torch
 from tpfuse import dtypes
 
 __all__ = ["FP8_DTYPES", "E4M3", "E5M2", "LEGAL_PAIRS", "OUT_DTYPES", "DEFAULT_OUT_DTYPE", "SCALE_DTYPE",
-           "ALIGN", "is_fp8", "why_strategy_refuses", "check_scaled", "scale_kind",
+           "ALIGN", "is_fp8", "check_scaled", "scale_kind",
            "RECIPES", "quantize"]
 
 # ============================================================================================
-# 1. Policy (MERGE NOTE: moves to tpfuse/dtypes.py)
+# 1. The scaled ops' checks (the fp8 dtypes themselves: tpfuse.dtypes.FP8)
 # ============================================================================================
 
 FP8_DTYPES = dtypes.FP8.inputs            # the policy's fp8 rule (tpfuse/dtypes.py)
@@ -51,20 +49,6 @@ ALIGN = 16
 
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
-
-
-def why_strategy_refuses(strategy: str, op: str | None = None, scale_a_rowwise: bool = False) -> str | None:
-    """None if ``strategy`` runs fp8 (its dtype-policy entry has a rule for fp8 inputs), else why
-    not (``op`` and ``scale_a_rowwise`` are for strategies whose fp8 rule depends on them)."""
-    from tpfuse import strategies
-
-    def takes_fp8(name: str) -> bool:
-        return any(set(rule.inputs) & set(FP8_DTYPES) for rule in strategies.info(name).dtypes)
-
-    if takes_fp8(strategy):
-        return None
-    runs = [s for s in strategies.names() if takes_fp8(s)]
-    return f"{strategy} does not run fp8 in this build; use one of {', '.join(map(repr, runs))}"
 
 
 def scale_kind(scale: torch.Tensor) -> str:

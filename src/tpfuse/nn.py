@@ -535,7 +535,7 @@ class RowParallelLinear(_ParallelLinear):
         if self.fp8 is not None and self.sequence_parallel:
             # resolved on the backward's ag_gemm (grad_y shard [T/W, out] x weight [out, in/W]): a
             # strategy that runs it with the recipe's scales runs the forward gemm_rs too, not
-            # always the other way round (_fp8.why_strategy_refuses)
+            # always the other way round (tpfuse.ops.why_unavailable)
             x2d, strategy = self._choose_strategy(
                 "ag_gemm", lambda x2d: x2d[:x2d.shape[0] // ctx.world_size, :1].expand(-1, self.out_features), weight,
                 weight.shape[1], x, fp8_gemm="grad_input")

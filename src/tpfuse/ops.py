@@ -127,19 +127,23 @@ def _(a, b, group_name, strategy, scale_a, scale_b, out_dtype):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
+def _takes_fp8(strategy: str) -> bool:
+    """Whether ``strategy``'s dtype-policy entry has a rule for fp8 inputs."""
+    return any(set(rule.inputs) & set(_fp8.FP8_DTYPES) for rule in strategies.info(strategy).dtypes)
+
+
 def why_unavailable(strategy: str, ctx: GroupContext, device: torch.device, dtype: torch.dtype, *,
                     op: str | None = None, scale_a: torch.Tensor | None = None) -> str | None:
-    """:func:`tpfuse.strategies.why_unavailable`, with the fp8 policy (:mod:`tpfuse._fp8`) first.
+    """:func:`tpfuse.strategies.why_unavailable`, with the fp8 question first: does the
+    strategy's dtype-policy entry (``DTYPES``) take fp8 at all.
 
-    An fp8 call runs the strategy's own schedule with scaled GEMMs, so past the fp8 policy its
-    device and backend facts are those of its bfloat16 path.  MERGE NOTE: with tpfuse/dtypes.py
-    this becomes the registry's dtype-policy lookup.
+    An fp8 call runs the strategy's own schedule with scaled GEMMs, so past that its device and
+    backend facts are those of its bfloat16 path.
     """
     if _fp8.is_fp8(dtype):
-        rowwise = scale_a is not None and scale_a.dim() == 2
-        reason = _fp8.why_strategy_refuses(strategy, op, rowwise)
-        if reason is not None:
-            return reason
+        if not _takes_fp8(strategy):
+            runs = [s for s in strategies.names() if _takes_fp8(s)]
+            return f"{strategy} does not run fp8 in this build; use one of {', '.join(map(repr, runs))}"
         dtype = torch.bfloat16
     return strategies.why_unavailable(strategy, ctx, device, dtype)
 
