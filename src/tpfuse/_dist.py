@@ -16,7 +16,7 @@ import torch.distributed as dist
 __all__ = [
     "GroupContext", "group_context", "resolve_group_name", "poison_enabled", "new_output", "breadcrumb",
     "clear_breadcrumb", "enter_call", "leave_call",
-    "all_gather_rows", "reduce_scatter_rows",
+    "all_gather_rows", "reduce_scatter_rows", "row_bounds",
 ]
 
 
@@ -199,3 +199,14 @@ def reduce_scatter_rows(out: torch.Tensor, inp: torch.Tensor, group: dist.Proces
     """``out`` = rows r*m:(r+1)*m of the sum of every rank's ``inp`` (sum reduction)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(out, inp, group=group)
+
+
+def row_bounds(m: int, world_size: int) -> list[tuple[int, int]]:
+    """Near-equal row ranges per owner rank, like ``torch.tensor_split`` (first ones larger)."""
+    base, extra = divmod(m, world_size)
+    bounds, start = [], 0
+    for r in range(world_size):
+        stop = start + base + (1 if r < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds

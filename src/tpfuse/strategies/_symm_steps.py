@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from tpfuse import symm, timeline
+from tpfuse._dist import row_bounds  # noqa: F401  (the strategies' shared row split)
 
 
 _MAX_PLANS = 64   # per workspace: shapes beyond this start the cache over (plans are cheap to rebuild)
@@ -35,17 +36,6 @@ def cached(ws: symm.Workspace, key: tuple, build):
 def peers(rank: int, world_size: int) -> list[int]:
     """The other ranks in issue order: rank + 1, rank + 2, ... (mod W)."""
     return [(rank + i) % world_size for i in range(1, world_size)]
-
-
-def row_bounds(m: int, world_size: int) -> list[tuple[int, int]]:
-    """Near-equal row ranges per owner rank, like ``torch.tensor_split`` (first ones larger)."""
-    base, extra = divmod(m, world_size)
-    bounds, start = [], 0
-    for r in range(world_size):
-        stop = start + base + (1 if r < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
 
 
 def publish_shard(ws: symm.Workspace, a_shard: torch.Tensor, credits, ready_out) -> None:

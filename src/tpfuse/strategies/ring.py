@@ -34,7 +34,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from tpfuse._dist import GroupContext, all_gather_rows, breadcrumb, new_output
+from tpfuse._dist import GroupContext, all_gather_rows, breadcrumb, new_output, row_bounds
 from tpfuse import dtypes, timeline
 from tpfuse.model import steps
 from tpfuse.model.simulate import Schedule
@@ -178,17 +178,6 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     return done()
 
 
-def _row_bounds(m: int, world_size: int) -> list[tuple[int, int]]:
-    """Near-equal row ranges per owner rank, like ``torch.tensor_split`` (first ones larger)."""
-    base, extra = divmod(m, world_size)
-    bounds, start = [], 0
-    for r in range(world_size):
-        stop = start + base + (1 if r < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
-
 def _reduce_scatter_gemm(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, bounds: list[tuple[int, int]],
                          op: str = "gemm_rs", scale_a: torch.Tensor | None = None,
                          scale_b: torch.Tensor | None = None) -> torch.Tensor:
@@ -250,7 +239,7 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     if ctx.world_size == 1 or m * n == 0:
         return mm(a, b, scale_a, scale_b, out_dtype)
     world_size, rank = ctx.world_size, ctx.rank
-    bounds = _row_bounds(m, world_size)
+    bounds = row_bounds(m, world_size)
     mine = _reduce_scatter_gemm(a, b, ctx, bounds, "gemm_ar", scale_a, scale_b)
     c = new_output((m, n), dtype=out_dtype or a.dtype, device=a.device)
     lo, hi = bounds[rank]
