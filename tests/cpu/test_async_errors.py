@@ -18,7 +18,7 @@ import tpfuse  # noqa: E402
 from tpfuse import symm, watchdog  # noqa: E402
 from tpfuse.kernels import abi  # noqa: E402
 
-from _symm_interp import fake_ranks, interpreted  # noqa: E402
+from _symm_interp import dead_peer_workspaces, fake_cuda_streams, fake_ranks, interpreted  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -232,47 +232,18 @@ def test_a_call_whose_peer_is_dead_returns_nan_then_the_next_call_raises(monkeyp
     "stream"), rank 1 dead: the call returns without raising and its outputs are NaN; a call
     queued after it (issued before the host looked) returns at once, NaN too; then the next
     call on the group raises TimeoutError naming rank 1; after release_workspaces calls work."""
-    import contextlib
     import types
 
     from tpfuse.strategies import copy_engine, fused
 
-    class Stream:
-        def wait_stream(self, s): pass
-
-        def wait_event(self, e): pass
-
-    class Event:
-        def record(self, s=None): pass
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
-    monkeypatch.setattr(symm.Workspace, "stream", property(lambda self: Stream()))
+    fake_cuda_streams(monkeypatch)
     monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 2)
     monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 1)
     monkeypatch.setattr(fused, "_set_word", lambda words, i: words.__setitem__(i, 1))   # the stream memory op
     op, _, mode = op.partition(" ")
     if mode:
         monkeypatch.setattr(copy_engine, "ar_mode", lambda *a: mode)
-    made = {}
-    checking = [False]
-
-    def get_workspace(ctx, op_name, dtype, device, need):
-        if checking[0]:
-            symm.check_group(ctx.group_name, op_name)
-        if op_name not in made:
-            made[op_name] = fake_ranks(2, max(need, 4096) * 2, dtype, op_name)[0]
-            symm._LIVE[(ctx.group_name, op_name, dtype, device)] = made[op_name]
-        return made[op_name]
-
-    monkeypatch.setattr(symm, "get_workspace", get_workspace)
-    # the interpreter runs each kernel before the host goes on: hide the record until the host
-    # would have learned of it (on a GPU the second call is queued before the first times out)
-    real_failed = watchdog.HostRecord.failed
-    monkeypatch.setattr(watchdog.HostRecord, "failed", lambda self: checking[0] and real_failed(self))
+    made, checking = dead_peer_workspaces(monkeypatch)
     ctx = types.SimpleNamespace(rank=0, world_size=2, group_name="deadpeer", group=None)
     module = {"copy_engine": copy_engine, "fused": fused}[strategy]
     g = torch.Generator().manual_seed(1)

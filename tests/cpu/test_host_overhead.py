@@ -61,36 +61,22 @@ def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
     call, never synchronizes and never reads a tensor back to the host: its launches are faked
     here (CPU), the workspace's device error word is made unreadable, and ``item``/``tolist``/
     ``cpu``/``synchronize`` raise.  A timeout reaches the host through the pinned record only."""
-    import contextlib
     import sys
     import types
 
     pytest.importorskip("triton")
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from _symm_interp import fake_ranks
+    from _symm_interp import fake_cuda_streams, fake_ranks
 
     from tpfuse import symm
     import tpfuse.gemm
     from tpfuse.strategies import copy_engine, fused, sm_workers
 
-    class Stream:
-        def wait_stream(self, s): pass
-
-        def wait_event(self, e): pass
-
-    class Event:
-        def record(self, s=None): pass
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
+    fake_cuda_streams(monkeypatch)
     launches = []
     monkeypatch.setattr(symm.Workspace, "_launch", lambda self, k, *a, **kw: launches.append(k.__name__))
     monkeypatch.setattr(symm.Workspace, "reduce", lambda self, *a, **kw: launches.append("reduce"))
     monkeypatch.setattr(symm.Workspace, "poison_on_error", lambda self, *a: launches.append("poison"))
-    monkeypatch.setattr(symm.Workspace, "stream", property(lambda self: Stream()))
     monkeypatch.setattr(tpfuse.gemm, "matmul", lambda *a, **kw: launches.append("gemm"))
     monkeypatch.setattr(fused, "_set_word", lambda words, i: None)
     monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 8)
@@ -158,13 +144,9 @@ def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
     # piece GEMM and the own rows' GEMM -- so that none is a first launch (a CUDA module load, which
     # may wait for the spinning workers) after the workers; a second call launches none of these extra.
     monkeypatch.undo()   # the reads and syncs refused above: the warm-up is allowed them
-    for name, value in (("current_stream", lambda *a: Stream()), ("stream", lambda s: contextlib.nullcontext()),
-                        ("Event", Event), ("is_current_stream_capturing", lambda: False)):
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
+    fake_cuda_streams(monkeypatch)
     monkeypatch.setattr(symm.Workspace, "_launch", lambda self, k, *a, **kw: launches.append(k.__name__))
     monkeypatch.setattr(symm.Workspace, "reduce", lambda self, *a, **kw: launches.append("reduce"))
-    monkeypatch.setattr(symm.Workspace, "stream", property(lambda self: Stream()))
     monkeypatch.setattr(sm_workers, "_launch", lambda k, grid, *a, **kw: launches.append(k.__name__))
     monkeypatch.setattr(symm, "get_workspace", get_workspace)
     matmul = torch.matmul

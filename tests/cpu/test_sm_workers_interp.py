@@ -22,7 +22,7 @@ from tpfuse import symm, watchdog  # noqa: E402
 from tpfuse.kernels import abi  # noqa: E402
 from tpfuse.strategies import sm_workers as S  # noqa: E402
 
-from _symm_interp import fake_ranks, interpreted  # noqa: E402
+from _symm_interp import dead_peer_workspaces, fake_cuda_streams, fake_ranks, interpreted  # noqa: E402
 
 _MODULE = "tpfuse.kernels.sm_workers"
 
@@ -299,40 +299,15 @@ def test_a_call_whose_peer_is_dead_returns_nan_then_the_next_call_raises(interp,
     host record: the workers' READY wait, or the owner's reduce); after release_workspaces
     calls work.  gemm_ar takes
     the two-shot path (the workers' pulls)."""
-    import contextlib
     import time
     import types
 
     import tpfuse
     from tpfuse.strategies import copy_engine
 
-    class Stream:
-        def wait_stream(self, s): pass
-
-        def wait_event(self, e): pass
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
-    monkeypatch.setattr(symm.Workspace, "stream", property(lambda self: Stream()))
+    fake_cuda_streams(monkeypatch)
     monkeypatch.setattr(copy_engine, "ar_mode", lambda *a: "two_shot")
-    made = {}
-    checking = [False]
-
-    def get_workspace(ctx, op_name, dtype, device, need):
-        if checking[0]:
-            symm.check_group(ctx.group_name, op_name)
-        if op_name not in made:
-            made[op_name] = fake_ranks(2, max(need, 4096) * 2, dtype, op_name)[0]
-            symm._LIVE[(ctx.group_name, op_name, dtype, device)] = made[op_name]
-        return made[op_name]
-
-    monkeypatch.setattr(symm, "get_workspace", get_workspace)
-    # the interpreter runs each kernel before the host goes on: hide the record until the host
-    # would have learned of it (on a GPU the second call is queued before the first times out)
-    real_failed = watchdog.HostRecord.failed
-    monkeypatch.setattr(watchdog.HostRecord, "failed", lambda self: checking[0] and real_failed(self))
+    made, checking = dead_peer_workspaces(monkeypatch)
     ctx = types.SimpleNamespace(rank=0, world_size=2, group_name="deadpeer_smw", group=None)
     kn = S.SmWorkersKnobs(comm_sms=2, slots=1, block_bytes=256, chunk_rows=4 if op != "ag_gemm" else None)
     g = torch.Generator().manual_seed(1)
