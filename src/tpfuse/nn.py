@@ -22,6 +22,8 @@ shape passes through unchanged.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Callable
 
@@ -342,6 +344,32 @@ class _ParallelLinear(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
+def _posts_init_errors(init):
+    """A layer's ``__init__`` that fails its argument checks on one rank posts the error to the
+    group's next agreement round before raising, so the peers raise at their first call instead
+    of waiting out the round's bound (issue 33.3).  A group that cannot be resolved has no peers
+    to tell: the error is raised as it is."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except (TypeError, ValueError) as exc:
+            try:
+                group = signature.bind(self, *args, **kwargs).arguments.get("group")
+                ctx = group_context(group)
+            except Exception:  # noqa: BLE001 - no group to post to
+                raise exc from None
+            if ctx.world_size > 1:
+                try:
+                    _checks.agree(ctx, type(self).__name__, exc, None)   # posts, then raises exc
+                except type(exc):
+                    pass
+            raise
+    return wrapped
+
+
 class ColumnParallelLinear(_ParallelLinear):
     """``y = x @ weight.T + bias`` with the output features split over the group.
 
@@ -391,6 +419,7 @@ class ColumnParallelLinear(_ParallelLinear):
     _weight_shard_dim = 0
     _bias_replicated = False
 
+    @_posts_init_errors
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group: dist.ProcessGroup | None = None,
                  sequence_parallel: bool = True, strategy: str = "auto", save_gathered_input: bool = True,
                  dtype: torch.dtype | None = None, device=None, fp8: str | None = None):
@@ -506,6 +535,7 @@ class RowParallelLinear(_ParallelLinear):
     _bias_replicated = True
     _flattened_rows_divisible = True
 
+    @_posts_init_errors
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group: dist.ProcessGroup | None = None,
                  sequence_parallel: bool = True, strategy: str = "auto", dtype: torch.dtype | None = None,
                  device=None, fp8: str | None = None):

@@ -430,3 +430,25 @@ def test_world_against_a_subgroup_of_the_same_members_raises_within_seconds(pool
     for rank, ((kind, msg, seconds), probe) in enumerate(pool.run(world_against_a_subgroup, timeout=JOB_TIMEOUT)):
         assert kind == "ValueError" and "different process groups" in msg and seconds < 8, (rank, kind, msg)
         assert probe == 2.0
+
+
+def layer_init_fails_on_one_rank(rank, world_size):
+    from tpfuse.nn import ColumnParallelLinear
+
+    g = _fresh()
+    if rank == 1:
+        out = _timed(lambda: ColumnParallelLinear(0, 4, bias=False, group=g, strategy="unfused"))
+    else:
+        layer = ColumnParallelLinear(6, 4, bias=False, group=g, strategy="unfused")
+        out = _timed(lambda: layer(torch.randn(3, 6)))
+    return {"init": out, "probe": _probe(g)}
+
+
+def test_a_layer_whose_init_fails_on_one_rank_makes_the_peers_first_call_raise(pool):
+    r0, r1 = pool.run(layer_init_fails_on_one_rank, timeout=JOB_TIMEOUT)
+    kind, msg, seconds = r1["init"]
+    assert kind == "ValueError" and "in_features" in msg, r1
+    kind, msg, seconds = r0["init"]
+    assert kind == "ValueError" and "rank(s) [1]" in msg and "in_features" in msg and seconds < 5, r0
+    assert r0["probe"] == r1["probe"] == 2.0
+
