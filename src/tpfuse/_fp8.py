@@ -37,7 +37,7 @@ LEGAL_PAIRS = frozenset({(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)})
 # Output dtypes of a scaled GEMM; fp8 outputs are refused (they need an output scale and amax
 # handling the ops do not have).
 OUT_DTYPES = dtypes.FP8.out_dtypes
-DEFAULT_OUT_DTYPE = torch.bfloat16
+DEFAULT_OUT_DTYPE = OUT_DTYPES[0]    # bfloat16, as torch's scaled async-TP ops
 SCALE_DTYPE = torch.float32
 
 # K and N of an fp8 GEMM must be multiples of ALIGN: cuBLASLt's fp8 GEMMs need 16-byte aligned
@@ -96,8 +96,8 @@ def check_scaled(op: str, a_name: str, a: torch.Tensor, b: torch.Tensor, scale_a
         raise TypeError(f"{op}: {a_name} and b are both float8_e5m2, which no fp8 GEMM multiplies; use "
                         "float8_e4m3fn for one of them (e5m2 is for gradients, times an e4m3 operand)")
     if out_dtype is not None and out_dtype not in OUT_DTYPES:
-        raise TypeError(f"{op}: out_dtype {out_dtype} is not supported for fp8 inputs; use torch.bfloat16 "
-                        "(the default), torch.float16 or torch.float32")
+        raise TypeError(f"{op}: out_dtype {out_dtype} is not supported for fp8 inputs; use one of "
+                        f"{', '.join(map(str, OUT_DTYPES))} (default {DEFAULT_OUT_DTYPE})")
     k, n = a.shape[1], b.shape[1]
     if k % ALIGN or n % ALIGN:
         raise ValueError(f"{op}: fp8 needs K and N multiples of {ALIGN} (the fp8 tensor cores' alignment, "

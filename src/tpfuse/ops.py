@@ -27,7 +27,7 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from tpfuse import _checks, _fp8, strategies
+from tpfuse import _checks, _fp8, dtypes, strategies
 from tpfuse._dist import GroupContext, enter_call, group_context, leave_call, resolve_group_name
 
 __all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "resolve_strategy", "traced_strategy", "group_decision", "why_unavailable",
@@ -144,7 +144,7 @@ def why_unavailable(strategy: str, ctx: GroupContext, device: torch.device, dtyp
         if not _takes_fp8(strategy):
             runs = [s for s in strategies.names() if _takes_fp8(s)]
             return f"{strategy} does not run fp8 in this build; use one of {', '.join(map(repr, runs))}"
-        dtype = torch.bfloat16
+        dtype = dtypes.HALF.inputs[0]   # its half-precision path's device and backend facts
     return strategies.why_unavailable(strategy, ctx, device, dtype)
 
 
