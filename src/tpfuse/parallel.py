@@ -45,10 +45,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor import parallel as _tp
 from torch.distributed.tensor.placement_types import Placement
 
-from tpfuse import _checks, strategies
-from tpfuse import autograd as _autograd  # noqa: F401  (registers the custom ops' autograd formulas)
+from tpfuse import _checks, _fp8, strategies
+from tpfuse import autograd as _autograd  # also registers the custom ops' autograd formulas
 from tpfuse._dist import GroupContext, group_context
-from tpfuse.nn import _AllReduceGrad
+from tpfuse.nn import _AllReduceGrad, _fp8_stand_in
 from tpfuse.ops import resolve_strategy, traced_strategy
 
 __all__ = ["ColwiseParallel", "RowwiseParallel", "PrepareModuleInput", "SequenceParallel", "parallelize_module"]
@@ -74,11 +74,9 @@ def _check_strategy(style: str, strategy: object) -> str:
 
 
 def _check_fp8(style: str, fp8: object) -> None:
-    if fp8 is not None:
-        raise NotImplementedError(
-            f"{style}: fp8={fp8!r} is not supported yet (the tpfuse nn layers do not take fp8 in this "
-            f"version); pass fp8=None, or use torch's float8 training on the stock styles for now"
-        )
+    if fp8 is not None and fp8 not in _fp8.RECIPES:
+        raise ValueError(f"{style}: fp8={fp8!r} is not a recipe; use None or one of "
+                         f"{', '.join(map(repr, _fp8.RECIPES))} (docs/nn.md, fp8)")
 
 
 def _check_placement(style: str, name: str, value: object, allowed: tuple[type, ...]) -> None:
@@ -108,19 +106,29 @@ def _dim(placement: Shard, ndim: int) -> int:
 
 
 def _concrete_strategy(label: str, op: str, strategy: str, a: torch.Tensor, b: torch.Tensor,
-                       ctx: GroupContext) -> str:
+                       ctx: GroupContext, fp8: str | None = None, gemm: str = "forward") -> str:
     """The strategy ``torch.ops.tpfuse.<op>(a, b)`` runs, as :mod:`tpfuse.nn` chooses it: fixed at
     trace time under ``torch.compile``; in eager, with the agreement round on (CPU tensors on
-    gloo, or ``TPFUSE_DEBUG=1``), a bad call on any rank raises on every rank."""
+    gloo, or ``TPFUSE_DEBUG=1``), a bad call on any rank raises on every rank.  ``fp8``: the
+    recipe; the strategy is then resolved for the scaled op, with fp8 stand-ins of the operands
+    and scales that the recipe's ``gemm`` casts (as the tpfuse.nn fp8 layers do)."""
+    scaled: dict = {}
+    if fp8 is not None:
+        (ga, da), (gb, db) = _fp8.RECIPES[fp8][gemm]
+        dev, out_dtype = a.device, a.dtype
+        scaled = dict(scale_a=_fp8_stand_in((a.shape[0], 1) if ga == "rows" else (), torch.float32, dev),
+                      scale_b=_fp8_stand_in((1, b.shape[1]) if gb == "rows" else (), torch.float32, dev),
+                      out_dtype=out_dtype)
+        a, b = _fp8_stand_in(tuple(a.shape), da, dev), _fp8_stand_in(tuple(b.shape), db, dev)
     if torch.compiler.is_compiling():
-        return traced_strategy(op, strategy, a, b, ctx)
+        return traced_strategy(op, strategy, a, b, ctx, **scaled)
     if not _checks.agreement_enabled(ctx, a.device.type):
-        return resolve_strategy(op, strategy, a, b, ctx)
+        return resolve_strategy(op, strategy, a, b, ctx, **scaled)
     error, chosen, signature = None, "unfused", None
     try:
-        _checks.check_call(op, a, b, ctx, strategy)
-        chosen = resolve_strategy(op, strategy, a, b, ctx)
-        signature = _checks.signature(op, chosen, a, b, 0)
+        _checks.check_call(op, a, b, ctx, strategy, **scaled)
+        chosen = resolve_strategy(op, strategy, a, b, ctx, **scaled)
+        signature = _checks.signature(op, chosen, a, b, 0, **scaled)
     except (TypeError, ValueError) as exc:
         error = exc
     _checks.agree(ctx, label, error, signature)
@@ -146,12 +154,16 @@ def _check_divisible(label: str, what: str, size: int, world_size: int) -> None:
 
 
 def _ag_linear(label: str, x_shard: torch.Tensor, weight: torch.Tensor, dim: int, strategy: str,
-               ctx: GroupContext) -> torch.Tensor:
-    """``all_gather(x_shard, dim) @ weight.T`` through ``ag_gemm``: [.., S/W, .., K] -> [.., S, .., N]."""
+               ctx: GroupContext, fp8: str | None = None) -> torch.Tensor:
+    """``all_gather(x_shard, dim) @ weight.T`` through ``ag_gemm``: [.., S/W, .., K] -> [.., S, .., N]
+    (``fp8``: the recipe's casts, through the fp8 column layer's autograd Function)."""
     world_size, k, n = ctx.world_size, x_shard.shape[-1], weight.shape[0]
     a, b = x_shard.reshape(-1, k), weight.t()
-    chosen = _concrete_strategy(label, "ag_gemm", strategy, a, b, ctx)
-    c, _ = torch.ops.tpfuse.ag_gemm(a, b, ctx.group_name, chosen)  # rows (rank, *pre, s, *post)
+    chosen = _concrete_strategy(label, "ag_gemm", strategy, a, b, ctx, fp8)
+    if fp8 is not None:
+        c = _autograd.Fp8ColumnParallel.apply(a, weight, ctx.group_name, chosen, world_size, fp8, True, True)
+    else:
+        c, _ = torch.ops.tpfuse.ag_gemm(a, b, ctx.group_name, chosen)  # rows (rank, *pre, s, *post)
     shape = list(x_shard.shape[:-1]) + [n]
     shape[dim] *= world_size
     pre = x_shard.shape[:dim].numel()
@@ -161,7 +173,7 @@ def _ag_linear(label: str, x_shard: torch.Tensor, weight: torch.Tensor, dim: int
 
 
 def _linear_rs(label: str, x: torch.Tensor, weight: torch.Tensor, dim: int, strategy: str,
-               ctx: GroupContext) -> torch.Tensor:
+               ctx: GroupContext, fp8: str | None = None) -> torch.Tensor:
     """``reduce_scatter(x @ weight.T, dim)`` through ``gemm_rs``: [.., S, .., K] -> [.., S/W, .., N]."""
     world_size, k = ctx.world_size, x.shape[-1]
     pre = x.shape[:dim].numel()
@@ -170,18 +182,26 @@ def _linear_rs(label: str, x: torch.Tensor, weight: torch.Tensor, dim: int, stra
     else:
         a = x.reshape(-1, k)
     b = weight.t()
-    chosen = _concrete_strategy(label, "gemm_rs", strategy, a, b, ctx)
-    c_shard = torch.ops.tpfuse.gemm_rs(a, b, ctx.group_name, chosen)
+    chosen = _concrete_strategy(label, "gemm_rs", strategy, a, b, ctx, fp8)
+    if fp8 is not None:
+        c_shard = _autograd.Fp8RowParallel.apply(a, weight, ctx.group_name, chosen, world_size, fp8, True)
+    else:
+        c_shard = torch.ops.tpfuse.gemm_rs(a, b, ctx.group_name, chosen)
     shape = list(x.shape[:-1]) + [weight.shape[0]]
     shape[dim] //= world_size
     return c_shard.reshape(shape)
 
 
-def _linear_ar(label: str, x: torch.Tensor, weight: torch.Tensor, strategy: str, ctx: GroupContext) -> torch.Tensor:
+def _linear_ar(label: str, x: torch.Tensor, weight: torch.Tensor, strategy: str, ctx: GroupContext,
+               fp8: str | None = None) -> torch.Tensor:
     """``all_reduce(x @ weight.T)`` through ``gemm_ar``: [.., K] -> [.., N]."""
     a, b = x.reshape(-1, x.shape[-1]), weight.t()
-    chosen = _concrete_strategy(label, "gemm_ar", strategy, a, b, ctx)
-    return torch.ops.tpfuse.gemm_ar(a, b, ctx.group_name, chosen).reshape(*x.shape[:-1], weight.shape[0])
+    chosen = _concrete_strategy(label, "gemm_ar", strategy, a, b, ctx, fp8)
+    if fp8 is not None:
+        c = _autograd.Fp8RowParallel.apply(a, weight, ctx.group_name, chosen, ctx.world_size, fp8, False)
+    else:
+        c = torch.ops.tpfuse.gemm_ar(a, b, ctx.group_name, chosen)
+    return c.reshape(*x.shape[:-1], weight.shape[0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,7 +293,9 @@ class ColwiseParallel(_LinearStyle, _tp.ColwiseParallel):
     Keyword Args:
         input_layouts, output_layouts, use_local_output: as torch's ``ColwiseParallel``.
         strategy: the tpfuse strategy ("auto", "unfused", "ring", "copy_engine", "fused", ...).
-        fp8: not supported yet; anything but None raises ``NotImplementedError``.
+        fp8: None, or an fp8 recipe of the tpfuse.nn layers ("tensorwise", "rowwise"): the fused
+            GEMMs (and the input-gradient GEMM) run in fp8 with dynamic scaling, the weight
+            gradient in the parameters' dtype (docs/nn.md, fp8).
     """
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
@@ -320,7 +342,11 @@ class ColwiseParallel(_LinearStyle, _tp.ColwiseParallel):
         weight = module.weight.to_local()
         _check_local_input(label, x_local, weight, weight.shape[1], "in_features")
         if isinstance(placement, Shard):
-            y = _ag_linear(label, x_local, weight, placement.dim, self.strategy, ctx)
+            y = _ag_linear(label, x_local, weight, placement.dim, self.strategy, ctx, self.fp8)
+        elif self.fp8 is not None:
+            raise NotImplementedError(
+                f"{label}: fp8={self.fp8!r} runs on the fused paths (a sequence-sharded input: Shard(d) "
+                f"with d not the last dim); this input is Replicate, a local GEMM; pass fp8=None here")
         else:
             y = torch.matmul(x_local, weight.t())
         if module.bias is not None:
@@ -346,7 +372,9 @@ class RowwiseParallel(_LinearStyle, _tp.RowwiseParallel):
     Keyword Args:
         input_layouts, output_layouts, use_local_output: as torch's ``RowwiseParallel``.
         strategy: the tpfuse strategy ("auto", "unfused", "ring", "copy_engine", "fused", ...).
-        fp8: not supported yet; anything but None raises ``NotImplementedError``.
+        fp8: None, or an fp8 recipe of the tpfuse.nn layers ("tensorwise", "rowwise"): the fused
+            GEMMs (and the input-gradient GEMM) run in fp8 with dynamic scaling, the weight
+            gradient in the parameters' dtype (docs/nn.md, fp8).
     """
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
@@ -387,13 +415,13 @@ class RowwiseParallel(_LinearStyle, _tp.RowwiseParallel):
             dim = _dim(wanted, x_local.dim())
             _check_divisible(label, f"the output's dim {dim} (input shape {tuple(x_local.shape)})",
                              x_local.shape[dim], ctx.world_size)
-            y = _linear_rs(label, x_local, weight, dim, self.strategy, ctx)
+            y = _linear_rs(label, x_local, weight, dim, self.strategy, ctx, self.fp8)
             placement = Shard(dim)
             if bias is not None and ctx.world_size > 1:
                 # replicated, but added to this rank's tokens only: sum its gradient over the group
                 bias = _AllReduceGrad.apply(bias, ctx.group_name, ctx.world_size)
         else:
-            y = _linear_ar(label, x_local, weight, self.strategy, ctx)
+            y = _linear_ar(label, x_local, weight, self.strategy, ctx, self.fp8)
             placement = Replicate()
         if bias is not None:
             y = y + bias

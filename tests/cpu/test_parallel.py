@@ -127,6 +127,47 @@ def _mlp_layouts_job(rank: int, world_size: int) -> dict:
     return out
 
 
+def _fp8_job(rank: int, world_size: int) -> dict:
+    """Colwise(fp8) -> gelu -> Rowwise(fp8) on a sequence-sharded [S, B, H] input against the
+    tpfuse.nn fp8 layers built from the same weights (the same fused ops and casts): outputs and
+    every gradient; and a Replicate input on an fp8 colwise layer refuses with the reason."""
+    from tpfuse.nn import ColumnParallelLinear, RowParallelLinear
+
+    mesh, w, h, f = _mesh(), world_size, 32, 16 * world_size
+    out = {}
+    for recipe in ("tensorwise", "rowwise"):
+        torch.manual_seed(3)
+        full = nn.Sequential(nn.Linear(h, f, bias=False), nn.GELU(), nn.Linear(f, h, bias=False))
+        mlp = nn.Sequential(nn.Linear(h, f, bias=False), nn.GELU(), nn.Linear(f, h, bias=False))
+        mlp.load_state_dict(full.state_dict())
+        tpfuse.parallel.parallelize_module(mlp, mesh, {
+            "0": tpfuse.parallel.ColwiseParallel(input_layouts=Shard(0), strategy="ring", fp8=recipe),
+            "2": tpfuse.parallel.RowwiseParallel(output_layouts=Shard(0), strategy="ring", fp8=recipe)})
+        col = ColumnParallelLinear(h, f, bias=False, strategy="ring", fp8=recipe)
+        row = RowParallelLinear(f, h, bias=False, strategy="ring", fp8=recipe)
+        col.load_full_weight(full[0].weight.detach())
+        row.load_full_weight(full[2].weight.detach())
+        x = torch.randn(4 * w, 3, h, generator=torch.Generator().manual_seed(4))
+        x_a = x.chunk(w, 0)[rank].clone().requires_grad_()
+        x_b = x_a.detach().clone().requires_grad_()
+        y_a = mlp(x_a)
+        y_b = row(torch.nn.functional.gelu(col(x_b)))
+        y_a.pow(2).sum().backward()
+        y_b.pow(2).sum().backward()
+        out[recipe] = {"y": lb.max_rel_diff(y_a, y_b), "grad_x": lb.max_rel_diff(x_a.grad, x_b.grad),
+                       "w1": lb.max_rel_diff(mlp[0].weight.grad.to_local(), col.weight.grad),
+                       "w2": lb.max_rel_diff(mlp[2].weight.grad.to_local(), row.weight.grad)}
+    rep = nn.Sequential(nn.Linear(h, f, bias=False))
+    tpfuse.parallel.parallelize_module(rep, mesh, {"0": tpfuse.parallel.ColwiseParallel(strategy="ring",
+                                                                                        fp8="rowwise")})
+    try:
+        rep(torch.randn(3, h))
+        out["replicate"] = None
+    except NotImplementedError as exc:
+        out["replicate"] = str(exc)
+    return out
+
+
 def _dcp_job(rank: int, world_size: int, folder: str) -> dict:
     """tpfuse-style checkpoint -> stock-style model -> checkpoint -> tpfuse-style model."""
     import torch.distributed.checkpoint as dcp
@@ -273,6 +314,15 @@ def test_layouts_checkpoints_and_errors(rank_pool, world_size, tmp_path):
             assert c2[0] == "ValueError" and "3 features" in c2[1], c2
 
 
+def test_fp8_styles_match_the_fp8_layers(rank_pool):
+    """fp8= on the styles runs the tpfuse.nn fp8 recipes on the fused paths: the same outputs and
+    gradients as ColumnParallelLinear/RowParallelLinear(fp8=...) from the same weights (W = 2)."""
+    for rank_res in rank_pool(2).run(_fp8_job, timeout=120):
+        for recipe in ("tensorwise", "rowwise"):
+            assert all(e < 1e-6 for e in rank_res[recipe].values()), (recipe, rank_res[recipe])
+        assert rank_res["replicate"] is not None and "fused paths" in rank_res["replicate"]
+
+
 def test_fsdp2_over_dp_with_tpfuse_tp(rank_pool):
     """dp 2 x tp 2 on 4 ranks: fully_shard over dp on top of the tpfuse styles trains like the
     unsharded block (losses and parameters after 3 SGD steps, fp64)."""
@@ -288,7 +338,7 @@ def test_style_arguments_are_checked():
         tpfuse.parallel.ColwiseParallel(strategy="nope")
     with pytest.raises(TypeError, match="strategy must be a string"):
         tpfuse.parallel.RowwiseParallel(strategy=3)
-    with pytest.raises(NotImplementedError, match="fp8"):
+    with pytest.raises(ValueError, match="fp8='e4m3' is not a recipe"):
         tpfuse.parallel.RowwiseParallel(fp8="e4m3")
     with pytest.raises(TypeError, match="output_layouts must be a Placement"):
         tpfuse.parallel.ColwiseParallel(output_layouts="shard")
