@@ -562,11 +562,10 @@ def _reduce_op(op: str, a: torch.Tensor, b: torch.Tensor, group, strategy: str, 
                out_dtype=None) -> torch.Tensor:
     """gemm_rs / gemm_ar: traced -> the custom op with the strategy fixed at trace time; eager ->
     validate and decide, then the strategy directly (or through the custom op, see _direct)."""
-    scaled = dict(scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     fp8 = _scaled_call(a)
     out = out_dtype or _fp8.DEFAULT_OUT_DTYPE
     if torch.compiler.is_compiling():
-        ctx, chosen = _traced(op, a, b, group, strategy, **scaled)
+        ctx, chosen = _traced(op, a, b, group, strategy, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
         if fp8:
             return getattr(torch.ops.tpfuse, op + "_scaled")(a, b, ctx.group_name, chosen, scale_a, scale_b, out)
         return getattr(torch.ops.tpfuse, op)(a, b, ctx.group_name, chosen)

@@ -216,11 +216,19 @@ class Workspace:
 
     def incoming(self, region: str | tuple[str, ...], peers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``region[p]`` for each peer ``p``: what peers write and this rank waits on."""
-        return self.flag_table(region, [(self.rank, p) for p in peers])
+        key = ("in", region, tuple(peers))
+        hit = self._tables.get(key)
+        if hit is None:
+            hit = self._tables[key] = self.flag_table(region, [(self.rank, p) for p in peers])
+        return hit
 
     def outgoing(self, region: str | tuple[str, ...], peers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Peer ``p``'s ``region[rank]`` for each ``p``: what this rank writes to tell them."""
-        return self.flag_table(region, [(p, self.rank) for p in peers])
+        key = ("out", region, tuple(peers))
+        hit = self._tables.get(key)
+        if hit is None:
+            hit = self._tables[key] = self.flag_table(region, [(p, self.rank) for p in peers])
+        return hit
 
     # -- streams ------------------------------------------------------------------------------
     @property

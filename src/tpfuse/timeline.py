@@ -80,12 +80,15 @@ def current() -> Recorder | None:
     return _SWITCH.recorder
 
 
+_NO_SPAN = contextlib.nullcontext()   # stateless: one for every span that records nothing
+
+
 def span(lane: str, name: str, *, device: torch.device, chunk: int | None = None):
     """The active recorder's :meth:`Recorder.span`, or a no-op context when nothing records or
     a CUDA graph is being captured (a captured call records nothing; its replays neither)."""
     rec = _SWITCH.recorder
     if rec is None or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return contextlib.nullcontext()
+        return _NO_SPAN
     return rec.span(lane, name, device=device, chunk=chunk)
 
 
