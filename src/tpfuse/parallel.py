@@ -242,6 +242,17 @@ class _LinearStyle:
     output_layouts: tuple[Placement, ...]
     use_local_output: bool
 
+    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
+                 use_local_output: bool = True, strategy: str = "auto", fp8=None):
+        style = type(self).__name__
+        _check_placement(style, "input_layouts", input_layouts, (Shard, Replicate, Partial))
+        _check_placement(style, "output_layouts", output_layouts, (Shard, Replicate))
+        self.strategy = _check_strategy(style, strategy)
+        _check_fp8(style, fp8)
+        self.fp8 = fp8
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
+                         use_local_output=use_local_output)
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         style = type(self).__name__
         if isinstance(module, nn.Embedding):  # no GEMM to fuse: torch's style as is
@@ -297,16 +308,6 @@ class ColwiseParallel(_LinearStyle, _tp.ColwiseParallel):
             GEMMs (and the input-gradient GEMM) run in fp8 with dynamic scaling, the weight
             gradient in the parameters' dtype (docs/nn.md, fp8).
     """
-
-    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
-                 use_local_output: bool = True, strategy: str = "auto", fp8=None):
-        _check_placement("ColwiseParallel", "input_layouts", input_layouts, (Shard, Replicate, Partial))
-        _check_placement("ColwiseParallel", "output_layouts", output_layouts, (Shard, Replicate))
-        self.strategy = _check_strategy("ColwiseParallel", strategy)
-        _check_fp8("ColwiseParallel", fp8)
-        self.fp8 = fp8
-        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
-                         use_local_output=use_local_output)
 
     def _local_input(self, module, x) -> tuple[torch.Tensor, Placement]:
         """This rank's input and its layout: a ``Shard(d)`` shard (d not last) or a ``Replicate`` copy."""
@@ -376,16 +377,6 @@ class RowwiseParallel(_LinearStyle, _tp.RowwiseParallel):
             GEMMs (and the input-gradient GEMM) run in fp8 with dynamic scaling, the weight
             gradient in the parameters' dtype (docs/nn.md, fp8).
     """
-
-    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
-                 use_local_output: bool = True, strategy: str = "auto", fp8=None):
-        _check_placement("RowwiseParallel", "input_layouts", input_layouts, (Shard, Replicate, Partial))
-        _check_placement("RowwiseParallel", "output_layouts", output_layouts, (Shard, Replicate))
-        self.strategy = _check_strategy("RowwiseParallel", strategy)
-        _check_fp8("RowwiseParallel", fp8)
-        self.fp8 = fp8
-        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
-                         use_local_output=use_local_output)
 
     def _local_input(self, module, x) -> torch.Tensor:
         mesh, label = module._tpfuse_mesh, f"RowwiseParallel({type(module).__name__})"
