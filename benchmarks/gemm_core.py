@@ -343,7 +343,7 @@ def main(argv=None):
     fp8 = args.dtype == "fp8"
     dtype = FP8 if fp8 else getattr(torch, args.dtype)
     scalings = [x for x in args.scaling.split(",") if x] if fp8 else [None]
-    if any(x not in ("tensor", "row") for x in scalings) or not scalings:
+    if fp8 and (not scalings or any(x not in ("tensor", "row") for x in scalings)):
         raise SystemExit(f"--scaling {args.scaling!r}: choose tensor and/or row")
     args.name = args.name or ("gemm_core_fp8_h200.json" if fp8 else "gemm_core_h200.json")
     out_dir = Path(args.out)
