@@ -399,6 +399,13 @@ def test_knobs_are_checked_and_defaults_are_a_pure_function_of_the_gpu_and_w():
     assert S.gemm_programs(132, 4, 16) == 131 - 16
     assert S.gemm_programs(132, 4, 6, shared_gpu=True) == 132 // 5 - 6
     assert S.gemm_programs(8, 2, 16) == 1
+    # the one-GPU bed (W processes on one 132-SM H200): workers + AG GEMM per process stay within
+    # fused's per-process budget (W = 4: 24-32 programs each worked, the full grid timed out), so
+    # the W processes' spinning grids leave SMs // (W + 1) SMs free for what they wait on
+    for w, per_process in ((2, 44), (4, 26)):
+        for comm in (S.default_knobs(w, 132, shared_gpu=True).comm_sms, 1):
+            spinning = w * (comm + S.gemm_programs(132, w, comm, shared_gpu=True))
+            assert spinning == w * per_process and 132 - spinning >= 132 // (w + 1), (w, comm, spinning)
     with pytest.raises(TypeError, match="knobs: expected"):
         S._knobs({"comm_sms": 2}, 2, torch.device("cpu"))
 
