@@ -280,6 +280,15 @@ def _reason(op, strategy, w, predicted, gemm_ms, comm_ms, measured, margin_kept=
             f"{bound}-bound, the best possible is max(GEMM, comm) = {max(gemm_ms, comm_ms):.4f} ms.")
 
 
+def _held_back(strategy: str | None, predicted: Mapping[str, float]) -> str:
+    """The sentence on a strategy predicted fastest but not chosen on its model ("" if none)."""
+    if strategy is None:
+        return ""
+    return (f" {strategy} is predicted faster ({predicted[strategy]:.4f} ms), but its model is not yet checked "
+            f"on GPUs (it declares AUTO = False): it is chosen only on a measured time in the tuning cache "
+            f"(tpfuse.plan.record_measurement) or when asked for by name.")
+
+
 def _runnable_dtype(candidates: tuple[str, ...], dtype: str) -> tuple[str, ...]:
     """``candidates`` whose dtype-policy entry takes ``dtype`` (``tpfuse.dtypes``)."""
     return tuple(s for s in candidates if dtypes.accepts(strategies.info(s).dtypes, dtype))
@@ -324,11 +333,19 @@ def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str
         predicted[s] = float(measured[s])
     margin_kept = False
     empty = m * n * k == 0
+    held_back = None
     if w == 1 or empty:
         chosen = "unfused"
     else:
-        # deterministic: fastest; ties go to the earlier (simpler) strategy in ORDER
-        chosen = min(candidates, key=lambda s: (round(predicted[s], 9), names.index(s)))
+        # deterministic: fastest; ties go to the earlier (simpler) strategy in ORDER.  A strategy
+        # declaring AUTO = False is chosen only on a measured time, never on its model alone.
+        def key(s):
+            return round(predicted[s], 9), names.index(s)
+
+        eligible = [s for s in candidates if strategies.info(s).auto or s in used]
+        chosen = min(eligible, key=key)
+        fastest = min(candidates, key=key)
+        held_back = fastest if fastest != chosen else None
         # A model-only win must be clear: within MIN_MODEL_GAIN of unfused, keep unfused
         # (measured times from the tuning cache are taken as they are).
         if (chosen != "unfused" and not (chosen in used and "unfused" in used)
@@ -350,7 +367,7 @@ def _make_plan(op, m, n, k, w, dtype, hw: HardwareProfile, candidates: tuple[str
                 dtype=dtype, hardware=hw.name, num_sms=_num_sms(chosen, w, hw), chunks_per_rank=per_rank,
                 predicted_ms=predicted, chunks=chunks, breakdown=breakdown, measured=used,
                 reason=_reason(op, chosen, w, predicted, gemm_ms, comm_ms, used, margin_kept,
-                               empty=empty, multi_node=multi_node, cuda_graph=cuda_graph),
+                               empty=empty, multi_node=multi_node, cuda_graph=cuda_graph) + _held_back(held_back, predicted),
                 cuda_graph=cuda_graph)
 
 

@@ -153,6 +153,37 @@ def test_comm_bench_schema_on_cpu(tmp_path, capsys):
                for r in kinds["copy_engine"] + kinds["sm_copy"] + kinds["sm_workers"])
 
 
+def test_comm_bench_sm_workers_grid_rows_copy_and_label_the_same_gpu_peer(monkeypatch):
+    """The sm_workers grid of ``tpfuse bench comm`` end to end but for the timing (CUDA events):
+    every (size, chunk, CTAs, in flight) cell runs the worker kernel under TRITON_INTERPRET=1
+    on CPU tensors, checks the copy and labels a same-device "peer" as the bed's."""
+    from _symm_interp import interpreted
+
+    from tpfuse.bench import comm
+
+    timed = []
+
+    def fake_time(copy, device, iters, warmup):
+        copy()
+        timed.append(device)
+        return 0.5
+
+    monkeypatch.setattr(comm, "_time_cuda", fake_time)
+    monkeypatch.setattr(comm, "_triton_missing", lambda: None)
+    cfg = comm.CommConfig(worker_sizes=(4096, 1000), worker_chunks=(256, 4096), worker_ctas=(1, 3, 64),
+                          worker_inflight=(256, 1024))
+    cpu = torch.device("cpu")
+    with interpreted():   # drops the kernel modules before and after: decorated for the interpreter inside
+        rows = comm._worker_rows(cfg, cpu, cpu, num_sms=8)
+    assert len(rows) == len(timed) == 2 * 2 * 3 * 2   # CTAs capped at the SM count: 1, 3, 8
+    for r in rows:
+        assert tuple(r) == comm.COMM_ROW_FIELDS and r["kind"] == "sm_workers" and not r["reasons"]
+        assert "same-GPU peer" in r["label"] and r["num_sms"] in (1, 3, 8)
+        assert r["gb_per_s"] == pytest.approx(r["bytes"] / 0.5e-3 / 1e9)
+    assert {(r["bytes"], r["chunk_bytes"], r["inflight_bytes"]) for r in rows} == {
+        (b, c, i) for b in (4096, 1000) for c in (256, 4096) for i in (256, 1024)}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--iters", "0"], "--iters: 0 must be >= 1"),
     pytest.param(["bench", "--bed", "2"], "--bed needs a CUDA GPU",
@@ -162,6 +193,8 @@ def test_comm_bench_schema_on_cpu(tmp_path, capsys):
     (["bench", "layer", "--tokens", "0"], "--tokens: 0 must be >= 1"),
     (["bench", "--strategies", "rign"], "--strategies: unknown strategy 'rign'"),
     (["bench", "comm", "--sizes", "6"], "--sizes: 6 must be >= 1 and a multiple of 4 bytes"),
+    (["bench", "comm", "--worker-inflight", "1000"], "--worker-inflight: 1000 must be a power of two"),
+    (["bench", "comm", "--worker-chunks", "6"], "--worker-chunks: 6 must be >= 1 and a multiple of 4 bytes"),
 ])
 def test_cli_errors_are_one_line_exit_2(argv, message, capsys):
     assert main(argv) == 2

@@ -15,7 +15,7 @@ from tpfuse import dtypes, strategies
 from tpfuse.model.simulate import draw_timeline
 from tpfuse.strategies import fused
 
-# the strategies with a model (sm_workers has none yet: the planner lists it without a prediction)
+# the strategies with a model (every one of ours: sm_workers is predicted, chosen only on a measurement)
 STRATEGIES = tuple(s for s in strategies.names() if strategies.info(s).schedule is not None)
 simulate = strategies.simulate   # the engine replays the schedule each strategy declares
 
@@ -507,3 +507,50 @@ def test_chunk_knob():
     for w in (2, 4, 8):
         knob(16384 // w, 1536 * 8 // w, 8192, w, "bf16", H200)
     assert (time.perf_counter() - t0) / 3 < 0.005 * 4   # < 5 ms a call alone; 4x slack on a shared box
+
+
+# --- sm_workers: workers as a resource -------------------------------------------------------------
+def test_worker_bandwidth_grows_with_workers_and_bytes_in_flight_up_to_the_sm_ceiling():
+    bw = cost.worker_gbps
+    assert bw(H200, 1, 256) < bw(H200, 1, 4096) < bw(H200, 4, 4096) <= bw(H200, 16, 16384)
+    assert bw(H200, 128, 65536) == H200.link_sm_max_gbps                 # the SM-driven ceiling
+    assert bw(H200, 1, 1 << 20) == H200.link_sm_gbps_per_sm              # one SM's peer rate
+    # small chunks pay the per-chunk alpha: bandwidth(chunk) = bytes / time grows with the chunk
+    rate = [n / cost.worker_transfer_time_ms(n, H200, workers=16, in_flight_bytes=16384) for n in (4096, 1 << 16, 1 << 22)]
+    assert rate == sorted(rate) and cost.worker_transfer_time_ms(0, H200, workers=1, in_flight_bytes=256) == 0.0
+    with pytest.raises(ValueError, match="workers=0"):
+        bw(H200, 0, 256)
+
+
+def test_staged_partials_producer_waits_for_the_credit_of_the_slot_it_reuses():
+    """sm_workers' ring in the simulator: with 1 slot the GEMM of piece j starts only after the
+    workers pushed piece j - 1 (its credit), with 2 slots after piece j - 2; slow workers
+    (1 CTA, 256 bytes in flight) make the producer wait, and more slots never make it slower."""
+    from tpfuse.model import steps
+    from tpfuse.model.simulate import Schedule, simulate as run
+
+    def schedule(slots, workers, in_flight):
+        def move(nbytes):
+            return cost.worker_transfer_time_ms(nbytes, H200, workers=workers, in_flight_bytes=in_flight)
+
+        def build(g, c):
+            steps.reduce_scatter(g, c, lambda g, c, b: steps.staged_partials(g, c, b, move=move, slots=slots,
+                                                                             chunk_rows=256))
+        return Schedule(build, kind="pipeline", num_chunks=lambda op, world_size, **_: world_size)
+
+    shape = dict(m=4 * 1024, n=4096, k=1024, world_size=4, dtype="bf16", hw=H200)
+    ms = {}
+    for slots in (1, 2, 4):
+        res = run("gemm_rs", schedule(slots, 1, 256), **shape)
+        ms[slots] = res.makespan_ms
+        mine = [t for t in res.tasks if t.rank == 0]
+        gemms = [t for t in mine if t.label.startswith("GEMM ") and "." in t.label]
+        pushes = [t for t in mine if t.label.startswith("push ")]
+        assert len(gemms) == len(pushes) == 3 * 4                         # 3 peer owners x 4 pieces of 256 rows
+        for j in range(slots, len(gemms)):
+            assert gemms[j].start >= pushes[j - slots].end - 1e-12
+        # the credit is binding: the producer idles waiting for the slow workers
+        assert any(gemms[j].start > gemms[j - 1].end + 1e-6 for j in range(slots, len(gemms)))
+    assert ms[4] <= ms[2] <= ms[1]
+    fast = run("gemm_rs", schedule(1, 16, 16384), **shape).makespan_ms
+    assert fast < ms[1]

@@ -18,7 +18,7 @@ from tpfuse.model.hardware import get_profile
 from tpfuse.plan import Plan, canonical_dtype, choose, plan, record_measurement, tuning_cache_path
 from tpfuse.report import add_plan_arguments, run_plan_cli
 
-# the strategies with a schedule (sm_workers has none yet: plan() lists it without a prediction)
+# the strategies with a schedule (every one of ours; sm_workers declares AUTO = False)
 STRATEGIES = tuple(s for s in strategies.names() if strategies.info(s).schedule is not None)
 
 SHAPE = dict(m=16384, n=7168, k=8192)  # Llama-3 70B fc1, training, TP 8
@@ -186,6 +186,41 @@ def test_measurement_overrides_model():
     assert "torch=" in key and "triton=" in key and "tpfuse=" in key and "h200" in key
     with pytest.raises(ValueError, match="ms: -1 must be a positive"):
         record_measurement("ag_gemm", strategy="fused", ms=-1, **args)
+
+
+def test_a_strategy_declaring_auto_false_is_predicted_but_chosen_only_on_a_measurement():
+    """AUTO = False (sm_workers: its worker bandwidth is a lead until the GPU runs): plan() and
+    choose() list its prediction, never choose it on the model alone -- even predicted far the
+    fastest, and the reason says so -- and choose it once a measured time makes it fastest."""
+    import types
+
+    from tpfuse.model.simulate import Schedule
+
+    def instant(g, c):
+        for r in g.ranks:
+            g.add(r, "gemm", "gemm", 1e-6, label="GEMM")
+
+    toy = types.SimpleNamespace(NAME="toy_unchecked", DESCRIPTION="a model nobody measured", DTYPES=dtypes.EVERY,
+                                why_unavailable=lambda *a: None, ag_gemm=print, gemm_rs=print, gemm_ar=print,
+                                SCHEDULE=Schedule(instant, kind="pipeline"), AUTO=False)
+    strategies.register(toy)
+    try:
+        args = dict(m=16384, n=7168, k=8192, world_size=8, dtype="bf16", hardware="h200")
+        p = plan("ag_gemm", **args)
+        assert p.predicted_ms["toy_unchecked"] < min(v for s, v in p.predicted_ms.items() if s != "toy_unchecked")
+        assert p.strategy != "toy_unchecked" and "toy_unchecked is predicted faster" in p.reason
+        assert "AUTO = False" in p.reason and "record_measurement" in p.reason
+        cands = ("unfused", "fused", "toy_unchecked")
+        assert choose("ag_gemm", **args, candidates=cands).strategy == "fused"
+        record_measurement("ag_gemm", strategy="toy_unchecked", ms=0.01, **args)
+        after = choose("ag_gemm", **args, candidates=cands)
+        assert after.strategy == "toy_unchecked" and "is predicted faster" not in after.reason
+    finally:
+        strategies.unregister("toy_unchecked")
+    assert not strategies.info("sm_workers").auto
+    for op, m in (("ag_gemm", 16384), ("gemm_rs", 16384), ("gemm_ar", 128), ("gemm_ar", 4096)):
+        p = plan(op, m=m, n=4096, k=1024, world_size=4, dtype="bf16", hardware="h200")
+        assert "sm_workers" in p.predicted_ms and p.strategy != "sm_workers"
 
 
 def test_corrupt_cache_is_empty_with_one_warning(tmp_path, monkeypatch):

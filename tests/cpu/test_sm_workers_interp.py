@@ -257,6 +257,39 @@ def test_a_producer_without_a_credit_times_out_with_a_clear_error(interp):
         ws.check("gemm_rs")
 
 
+def test_a_producer_stall_that_a_late_credit_ends_is_counted_once_and_a_free_slot_is_not(interp):
+    """The credit wait's stall count on the path the bed's queue_wrap case sees (tests/gpu/bed.py):
+    the slot is not FREE when the producer looks, a worker returns the credit while it spins (a
+    thread here, as the side stream's worker CTA on the GPU), the wait ends without an error
+    and counts one stall; a wait that finds its slot FREE counts none; the count accumulates
+    over a call's waits."""
+    import threading
+    import time
+
+    ws = fake_ranks(1, 4096, torch.float16)[0]
+    K = _kernels()
+    free, stalls = torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+
+    def acquire(slot, use):
+        K.slot_acquire_kernel[(1,)](free, slot, use, ws.error, stalls, 100_000, 0, 1, 3, S.WAIT_SLOT_FREE,
+                                    USE_ASM=False, num_warps=1)
+
+    free[1] = 1
+    acquire(1, 1)                                  # FREE already: no stall
+    assert stalls.tolist() == [0, 0]
+    worker = threading.Timer(0.2, lambda: free.__setitem__(0, 1))   # the credit, 200 ms late
+    worker.start()
+    t0 = time.monotonic()
+    acquire(0, 1)
+    worker.join()
+    assert time.monotonic() - t0 >= 0.15           # it did wait for the credit
+    assert stalls[0].item() == 1 and ws.error[abi.ERR_STATUS].item() == 0
+    free[1] = 0
+    threading.Timer(0.1, lambda: free.__setitem__(1, 2)).start()
+    acquire(1, 2)
+    assert stalls[0].item() == 2 and ws.error[abi.ERR_STATUS].item() == 0
+
+
 def test_ag_gemm_workers_fill_the_gathered_input_and_the_gemm_waits_per_chunk(interp):
     """ag_gemm's two phases on 3 fake ranks, two calls in a row, shards of 6 rows in chunks of 3
     (each with an arrival word): the gathered input is bitwise the shards, c is the product, the
@@ -366,6 +399,13 @@ def test_knobs_are_checked_and_defaults_are_a_pure_function_of_the_gpu_and_w():
     assert S.gemm_programs(132, 4, 16) == 131 - 16
     assert S.gemm_programs(132, 4, 6, shared_gpu=True) == 132 // 5 - 6
     assert S.gemm_programs(8, 2, 16) == 1
+    # the one-GPU bed (W processes on one 132-SM H200): workers + AG GEMM per process stay within
+    # fused's per-process budget (W = 4: 24-32 programs each worked, the full grid timed out), so
+    # the W processes' spinning grids leave SMs // (W + 1) SMs free for what they wait on
+    for w, per_process in ((2, 44), (4, 26)):
+        for comm in (S.default_knobs(w, 132, shared_gpu=True).comm_sms, 1):
+            spinning = w * (comm + S.gemm_programs(132, w, comm, shared_gpu=True))
+            assert spinning == w * per_process and 132 - spinning >= 132 // (w + 1), (w, comm, spinning)
     with pytest.raises(TypeError, match="knobs: expected"):
         S._knobs({"comm_sms": 2}, 2, torch.device("cpu"))
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 STRATEGIES = ("copy_engine", "fused", "sm_workers")
 TIMEOUT_S = 4.0                      # TPFUSE_TIMEOUT_S of the bed's ranks (the dead-peer case times it)
+QUEUE_WRAP_BUSY_MS = 50.0            # GPU sleep ahead of a queue_wrap stats call (its docstring says why)
 ENV = {"TPFUSE_POISON": "1", "TPFUSE_DEBUG": "1", "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1",
        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "TPFUSE_TIMEOUT_S": str(TIMEOUT_S)}
 # k x the error of the unfused computation in the same dtype, + atol relative to max |ref|
@@ -330,30 +331,64 @@ def case_mixed_workers(rank, world_size, calls):
 
 
 def case_queue_wrap(rank, world_size, calls):
-    """sm_workers' staging ring wrapping around: 1 or 2 slots (alternating every 3 calls) for 4
-    pieces per owner (chunk_rows 16 of 64), one worker CTA with 1 KiB blocks (slower than the
-    producer's GEMMs), a moving straggler (0-5 ms before each call), ``calls`` calls in a row
-    alternating gemm_rs, gemm_ar (two-shot: > 1 MiB) and ag_gemm (chunks of 16 rows).  Every
-    call is checked; every 25th fills ``stats=``, and over all ranks the producers of gemm_rs and
-    gemm_ar (the ops with a ring; ag_gemm has none) must have waited on credits at least once
-    (the ring's backpressure ran).  One call per op keeps its
-    stats in the rows."""
+    """sm_workers' staging ring wrapping around, with backpressure the bed can see.
+
+    ``calls`` calls in a row alternating gemm_rs, gemm_ar (two-shot: > 1 MiB output) and
+    ag_gemm (chunks of 16 rows), new data every call, a moving host straggler (0-5 ms before
+    each call), every output checked.  Knobs: 1 or 2 slots (alternating every 3 calls), each
+    owner's 64 rows cut into 4 pieces of 16 rows x 4608 columns (147 KiB of bf16 each: W - 1
+    owners x 4 pieces = 4 or 12 pieces per call through 1-2 slots), ONE worker CTA copying
+    256-byte blocks (the slowest consumer the knobs allow).
+
+    Why a credit stall must happen.  In push_partials the producer (compute stream) issues, per
+    piece j: the credit wait ``free[j % slots] >= j // slots`` (j >= slots only), the piece's
+    GEMM into the slot, ``ready[slot] = use + 1``; the single worker launch (side stream) takes
+    the pieces in order: wait ``ready``, copy the piece, then ``free[slot] = use + 1``.  So
+    piece ``slots`` (the first one that reuses a slot) can only start once the worker has
+    copied piece 0 entirely, and piece 0's copy starts only after piece 0's READY.  With one
+    CTA and 256-byte blocks that copy is 576 dependent load -> store round trips (each at least
+    an L2 hit, ~0.2-1 us on an H200): >= ~100 us.  Between piece 0's READY and piece
+    ``slots``'s credit wait the producer only runs, back to back, what is already queued on its
+    stream: nothing (slots = 1) or piece 1's READY, GEMM (16 x 96 x 4608: a few us) and READY
+    (slots = 2) -- *provided the host has issued them before the GPU gets there*.  That is what
+    the GPU sleep does: a call that fills ``stats=`` is issued behind ``BUSY_MS`` of
+    ``torch.cuda._sleep`` on the compute stream (the side stream waits for it too), far longer
+    than the host needs to issue the whole call (~1-3 ms, straggler and agreement round
+    included), so its kernels run back to back and the credit wait of piece ``slots`` finds
+    its slot not yet FREE: ``producer_stalls >= 1`` (and, in steady state, one per piece from
+    ``slots`` on: the worker, not the GEMMs, sets the pace).  Without the sleep the host issues
+    each piece ~20-50 us after the last one and the copy may win the race: the first H200 run
+    (stats on 4 calls of 30, no sleep) saw no stall at all.
+
+    Pass: every call correct; on every rank every stats call of gemm_rs/gemm_ar after the first
+    six (the first of each op x slots, which also builds workspaces and rings and synchronizes)
+    counted at least one producer stall with a positive stall time.  Stats are filled on every
+    other pair of calls (i % 4 < 2, both slot settings of both ring ops); the other calls are
+    issued without a sync, so the host runs calls ahead of the GPU (generations across calls).
+    An owner that is late does not make producers wait on ring credits here: the ring and its
+    FREE words are the producer's own (the workers push into the owner's inbox, whose credit is
+    the previous call's DONE, waited at ``ws.begin``), so a late owner shows as a late begin,
+    not as a credit stall.  One call per op keeps its stats in the rows."""
     from tpfuse._dist import group_context
+    from tpfuse.bench.host import _sleep_cycles_per_ms
     from tpfuse.strategies import sm_workers
 
     ctx = group_context(None)
     rnd = random.Random(rank * 104729 + 3)
     rows, k, n = 64, 96, 4608
     ops = ("gemm_rs", "gemm_ar", "ag_gemm")
+    busy_cycles = int(QUEUE_WRAP_BUSY_MS * _sleep_cycles_per_ms())
     worst, failed, counts = {op: 0.0 for op in ops}, {op: 0 for op in ops}, {op: 0 for op in ops}
-    kept, stalls = {}, 0
+    kept, seen = {}, {op: [] for op in ops[:2]}   # seen: (stalls, stall ns) of each warm stats call
     for i in range(calls):
         op = ops[i % 3]
-        knobs = sm_workers.SmWorkersKnobs(comm_sms=1, slots=1 if (i // 3) % 2 == 0 else 2, block_bytes=1024,
-                                          chunk_rows=16)
+        slots = 1 if (i // 3) % 2 == 0 else 2
+        knobs = sm_workers.SmWorkersKnobs(comm_sms=1, slots=slots, block_bytes=256, chunk_rows=16)
         prob = Problem(9100 + i, world_size, world_size * rows, k, n, torch.bfloat16)
-        stats = {} if i % 25 < 3 else None
+        stats = {} if i % 4 < 2 else None
         time.sleep(rnd.uniform(0, 0.005))
+        if stats is not None and i >= 6:
+            torch.cuda._sleep(busy_cycles)   # the host issues the whole call before the GPU runs it
         if op == "ag_gemm":
             out = sm_workers.ag_gemm(prob.a_shard(rank), prob.w[rank].t(), ctx, knobs=knobs, stats=stats)
         else:
@@ -363,19 +398,28 @@ def case_queue_wrap(rank, world_size, calls):
         worst[op] = max(worst[op], err)
         failed[op] += not ok
         counts[op] += 1
-        if stats:
-            stalls += stats.get("producer_stalls", 0)
-            if op not in kept:
+        if stats is not None:
+            if op in seen and i >= 6:
+                seen[op].append((stats["producer_stalls"], stats["producer_stall_ns"], slots))
+            if op not in kept and i >= 6:
                 chunks = stats.pop("chunks")
                 stats["max_chunk_latency_us"] = max(c["latency_ns"] for c in chunks) / 1e3
                 stats["chunks"] = len(chunks)
                 kept[op] = stats
-    total = torch.tensor([stalls], dtype=torch.int64)
-    dist.all_reduce(total)   # gloo, CPU
-    return [dict(case="queue_wrap", op=op, strategy="sm_workers", world_size=world_size, dtype="bf16",
-                 shape=[world_size * rows, n, k], passed=failed[op] == 0 and (op == "ag_gemm" or total.item() > 0), max_rel_err=worst[op],
-                 calls=counts[op], failures=failed[op], producer_stalls_all_ranks=total.item(), stats=kept.get(op))
-            for op in ops]
+    rows_out = []
+    for op in ops:
+        row = dict(case="queue_wrap", op=op, strategy="sm_workers", world_size=world_size, dtype="bf16",
+                   shape=[world_size * rows, n, k], max_rel_err=worst[op], calls=counts[op], failures=failed[op],
+                   stats=kept.get(op))
+        ok = failed[op] == 0
+        if op in seen:
+            row["stats_calls"] = len(seen[op])
+            row["producer_stalls_per_stats_call"] = [s for s, _, _ in seen[op]]
+            row["min_producer_stall_us"] = min((ns / 1e3 for _, ns, _ in seen[op]), default=None)
+            ok = ok and bool(seen[op]) and all(s >= 1 and ns > 0 for s, ns, _ in seen[op])
+        row["passed"] = ok
+        rows_out.append(row)
+    return rows_out
 
 
 def case_straggler(rank, world_size, strategy, calls):

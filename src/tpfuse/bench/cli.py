@@ -256,9 +256,19 @@ def _comm(args: argparse.Namespace) -> int:
         for v in getattr(args, name) or ():
             if v < 1 or (name == "sizes" and v % 4):
                 raise _UsageError(f"--{name}: {v} must be >= 1" + (" and a multiple of 4 bytes" if name == "sizes" else ""))
+    for name in ("worker_sizes", "worker_chunks", "worker_ctas", "worker_inflight"):
+        for v in getattr(args, name) or ():
+            flag = "--" + name.replace("_", "-")
+            if name == "worker_inflight" and (v & (v - 1) or not 256 <= v <= 65536):
+                raise _UsageError(f"{flag}: {v} must be a power of two from 256 to 65536 bytes")
+            if v < 1 or (name in ("worker_sizes", "worker_chunks") and v % 4):
+                raise _UsageError(f"{flag}: {v} must be >= 1" + (" and a multiple of 4 bytes" if name != "worker_ctas" else ""))
     given = {k: v for k, v in {"sizes": tuple(args.sizes) if args.sizes else None,
                                 "sms": tuple(args.sms) if args.sms else None, "iters": args.iters,
-                                "warmup": args.warmup}.items() if v is not None}
+                                "warmup": args.warmup,
+                                **{name: tuple(getattr(args, name)) if getattr(args, name) else None
+                                   for name in ("worker_sizes", "worker_chunks", "worker_ctas", "worker_inflight")},
+                                }.items() if v is not None}
     cfg = replace(quick_comm_config() if args.quick else CommConfig(), **given, device=args.device)
     if args.device == "cuda" and not _on_gpu(args):
         raise _UsageError("--device cuda: no CUDA GPU is visible on this machine")
@@ -357,6 +367,14 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     comm.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     comm.add_argument("--sizes", nargs="+", type=int, default=None, metavar="BYTES")
     comm.add_argument("--sms", nargs="+", type=int, default=None, metavar="N", help="SM counts of the SM copy kernel")
+    comm.add_argument("--worker-sizes", nargs="+", type=int, default=None, metavar="BYTES",
+                      help="sm_workers grid: total bytes copied")
+    comm.add_argument("--worker-chunks", nargs="+", type=int, default=None, metavar="BYTES",
+                      help="sm_workers grid: chunk bytes (one task each)")
+    comm.add_argument("--worker-ctas", nargs="+", type=int, default=None, metavar="N",
+                      help="sm_workers grid: worker CTAs (default 1 4 16 32)")
+    comm.add_argument("--worker-inflight", nargs="+", type=int, default=None, metavar="BYTES",
+                      help="sm_workers grid: bytes in flight per worker CTA (power of two, 256-65536)")
     comm.add_argument("--iters", type=int, default=None)
     comm.add_argument("--warmup", type=int, default=None)
     comm.add_argument("--json", default=None, metavar="PATH")

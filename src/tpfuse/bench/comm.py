@@ -12,8 +12,10 @@ One process, every visible GPU (no process group): from GPU 0 to each peer GPU `
   ``inflight_bytes``) for the ``worker_sizes`` totals.
 
 With one GPU the copies are local (GPU 0 to GPU 0), labelled ``local_copy`` ("same device: SM
-copy, not copy engine"), ``sm_copy`` and ``sm_workers`` to ``cuda:0`` (the bed's "peer" is the
-same GPU): they tell the one-GPU bed's cost, not NVLink's.
+copy, not copy engine"), ``sm_copy`` and ``sm_workers`` to ``cuda:0`` with "same-GPU peer" in
+the label (the bed's "peer" is the same GPU): they tell the one-GPU bed's cost, not NVLink's.
+The sm_workers grid's axes are ``--worker-sizes``, ``--worker-chunks``, ``--worker-ctas`` and
+``--worker-inflight``.
 On CPU only ``host_copy`` rows are measured (``torch.Tensor.copy_`` in host memory);
 the GPU kinds are rows with null numbers and a reason.
 
@@ -165,7 +167,7 @@ def _worker_rows(cfg: CommConfig, src_dev: torch.device, dst_dev: torch.device, 
     from tpfuse.strategies.sm_workers import SmWorkersKnobs, make_copy
 
     local = src_dev == dst_dev
-    where = " (local: the bed's 'peer' is the same GPU)" if local else " (pull over the GPU link)"
+    where = " (same-GPU peer: the one-GPU bed, not a link)" if local else " (pull over the GPU link)"
     rows = []
     for nbytes in cfg.worker_sizes:
         words = max(1, nbytes // 4)
@@ -223,7 +225,7 @@ def _gpu_rows(cfg: CommConfig, progress=None) -> list[dict]:
             ms = _time_cuda(lambda: dst.copy_(src), dst_dev, cfg.iters, cfg.warmup)
             rows.append(_row(kind, label, str(src_dev), str(dst_dev), None, words * 4, ms))
             for n in sm_counts:
-                label = f"SM copy, {n} SM(s)" + (" (local)" if local else " (push over the GPU link)")
+                label = f"SM copy, {n} SM(s)" + (" (same-GPU peer: local)" if local else " (push over the GPU link)")
                 if _triton_missing():
                     rows.append(_row("sm_copy", label, str(src_dev), str(dst_dev), n, words * 4, None,
                                      _triton_missing()))

@@ -44,6 +44,8 @@ __all__ = [
     "gemm_tflops",
     "gemm_memory_time_ms",
     "transfer_time_ms",
+    "worker_gbps",
+    "worker_transfer_time_ms",
     "link_gbps",
     "alpha_ms",
     "all_gather_ms",
@@ -192,6 +194,35 @@ def transfer_time_ms(num_bytes: float, path: Path, hw: HardwareProfile, *,
     if bw <= 0:
         raise ValueError(f"num_sms: {num_sms} SMs cannot move bytes; give communication at least one SM")
     return alpha_ms(path, hw, world_size) + num_bytes / (bw * 1e9) * 1e3
+
+
+# One worker CTA keeps ``in_flight_bytes`` of loads outstanding and waits for them before it stores
+# (tpfuse/kernels/sm_workers.py: load a block, store it, next block), so by Little's law it moves
+# at most in_flight / round trip.  Lead, not measured: ~1 us for a load over NVLink4 from an SM
+# (published pointer-chasing microbenchmarks put a remote HBM load at 0.7-1.5 us); `tpfuse bench
+# comm`'s sm_workers grid (bandwidth vs chunk bytes x workers x in flight) is what calibrates it.
+WORKER_ROUND_TRIP_US = 1.0
+
+
+def worker_gbps(hw: HardwareProfile, workers: int, in_flight_bytes: int) -> float:
+    """Achieved bandwidth of ``workers`` worker CTAs (one SM each) with ``in_flight_bytes`` of
+    loads in flight per CTA: each CTA the smaller of an SM's peer rate
+    (``link_sm_gbps_per_sm``) and ``in_flight_bytes`` per :data:`WORKER_ROUND_TRIP_US`, all of
+    them at most the SM-driven ceiling (``link_sm_max_gbps``)."""
+    if workers < 1 or in_flight_bytes < 1:
+        raise ValueError(f"workers={workers}, in_flight_bytes={in_flight_bytes}: both must be >= 1")
+    per_cta = min(hw.link_sm_gbps_per_sm, in_flight_bytes / (WORKER_ROUND_TRIP_US * 1e-6) / 1e9)
+    return min(hw.link_sm_max_gbps, workers * per_cta)
+
+
+def worker_transfer_time_ms(num_bytes: float, hw: HardwareProfile, *, workers: int, in_flight_bytes: int) -> float:
+    """One chunk moved by worker CTAs (sm_workers): ``alpha_sm + bytes / worker_gbps`` (the
+    chunk's flag wait and publish are the SM-driven alpha), 0 for an empty chunk.  Small chunks
+    pay the alpha, few workers or little in flight the bandwidth: bandwidth(chunk, workers,
+    in flight) = bytes / this."""
+    if num_bytes <= 0:
+        return 0.0
+    return hw.alpha_sm_us * 1e-3 + num_bytes / (worker_gbps(hw, workers, in_flight_bytes) * 1e9) * 1e3
 
 
 def reduce_time_ms(num_bytes_moved: float, hw: HardwareProfile, *, launch: bool = True) -> float:

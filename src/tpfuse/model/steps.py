@@ -21,10 +21,12 @@ from tpfuse.model.simulate import Ctx, Graph, row_bounds, split_rows
 __all__ = ["collective_then_gemm", "ring_all_gather", "ring_reduce_scatter", "ring_all_reduce", "publish",
            "pull_then_gemm_per_chunk", "pull_pieces_into_one_gemm", "scatter_partials",
            "epilogue_store_partials", "reduce_owned", "reduce_scatter", "one_shot_all_reduce",
-           "two_shot_all_reduce"]
+           "two_shot_all_reduce", "staged_partials"]
 
 # (graph, ctx, row bounds of the owners) -> rank -> the tasks its reduce waits for
 Partials = Callable[[Graph, Ctx, list], dict]
+# bytes of one chunk -> ms to move it (a strategy's own transport, e.g. sm_workers' worker CTAs)
+Move = Callable[[float], float]
 
 
 def _bands(bounds: list[tuple[int, int]], start_row: int, tile_m: int) -> list[tuple[int, int, int, int]]:
@@ -206,12 +208,15 @@ def pull_then_gemm_per_chunk(g: Graph, c: Ctx, path: str = "ce") -> None:
             g.pairs.append((r, arrived[p], t))
 
 
-def pull_pieces_into_one_gemm(g: Graph, c: Ctx, path: str = "ce") -> None:
+def pull_pieces_into_one_gemm(g: Graph, c: Ctx, path: str = "ce", move: Move | None = None,
+                              workers: bool = False) -> None:
     """fused ag_gemm: the side stream pulls every peer's shard as copy_engine does, in
     ``num_chunks / W`` pieces, each followed by its arrival word; ONE persistent GEMM launch
     visits its M-tiles in round order from the local chunk, each band waiting for the pieces
-    its rows touch."""
+    its rows touch.  ``move``: a piece's transfer time (None: ``path``'s); ``workers``: one
+    worker launch does every READY wait, pull and arrival word (sm_workers: one host call)."""
     w = c.w
+    move = move or (lambda nbytes: c.xfer(nbytes, path))
     shard_rows = c.shard_rows()
     pieces = c.num_chunks // w
     sizes = [p for q in range(w) for p in split_rows(shard_rows[q], pieces)]
@@ -225,16 +230,18 @@ def pull_pieces_into_one_gemm(g: Graph, c: Ctx, path: str = "ce") -> None:
               chunk=me, launch=True)
         after = g.flag(r, "gemm", f"arrived {me}")  # side.wait_stream(main) follows it
         arrived: dict[int, int] = {}
+        first = True   # with workers: the one launch
         for d in range(1, w):
             q = (me + d) % w
-            g.flag(r, "comm", f"wait READY {q}", deps=(after, ready[g.peer(q)]))
-            after = None
+            g.add(r, "comm", "flag", 0.0, deps=(after, ready[g.peer(q)]), label=f"wait READY {q}",
+                  launch=first or not workers)
+            after, first = None, False
             for p in range(pieces):
                 i = q * pieces + p
                 lo, hi = bounds[i]
-                g.add(r, "comm", "comm", c.xfer((hi - lo) * c.k * c.elt, path), label=f"pull {q}.{p}", chunk=i,
-                      launch=True)
-                arrived[i] = g.flag(r, "comm", f"arrived {q}.{p}")
+                g.add(r, "comm", "comm", move((hi - lo) * c.k * c.elt), label=f"pull {q}.{p}", chunk=i,
+                      launch=not workers)
+                arrived[i] = g.add(r, "comm", "flag", 0.0, label=f"arrived {q}.{p}", launch=not workers)
         g.flag(r, "comm", "DONE")
         first, consumed = True, set()
         for lo, hi, a, b in _bands(bounds, bounds[me * pieces][0], c.tile_m):
@@ -350,10 +357,13 @@ def one_shot_all_reduce(g: Graph, c: Ctx) -> None:
         g.flag(r, "gemm", "DONE")
 
 
-def two_shot_all_reduce(g: Graph, c: Ctx, partials: Partials, path: str = "ce") -> None:
+def two_shot_all_reduce(g: Graph, c: Ctx, partials: Partials, path: str = "ce", move: Move | None = None,
+                        workers: bool = False) -> None:
     """gemm_ar two-shot over symmetric memory: ``partials`` (as :func:`reduce_scatter`), then
-    every rank gathers the reduced chunks (``path``: who moves them)."""
+    every rank gathers the reduced chunks (``path``: who moves them, or ``move``: a chunk's
+    transfer time; ``workers``: one worker launch waits for and pulls every chunk)."""
     w = c.w
+    move = move or (lambda nbytes: c.xfer(nbytes, path))
     # two-shot: reduce-scatter over near-equal row chunks (copy_engine's or fused's phase 1),
     # the owner's sum into its gather slot, READY2; every rank pulls every chunk (side stream)
     sizes = [c.shard_rows()[0]] * w if c.even else split_rows(c.m, w)
@@ -376,8 +386,55 @@ def two_shot_all_reduce(g: Graph, c: Ctx, partials: Partials, path: str = "ce") 
         after = local[r]  # side.wait_stream(main)
         for d in range(1, w):
             p = (me + d) % w
-            g.flag(r, "comm", f"wait READY2 {p}", deps=(after, ready2[g.peer(p)]))
+            g.add(r, "comm", "flag", 0.0, deps=(after, ready2[g.peer(p)]), label=f"wait READY2 {p}",
+                  launch=d == 1 or not workers)
             after = None
-            g.add(r, "comm", "comm", c.xfer(sizes[p] * c.n * c.elt, path), label=f"gather {p}",
-                  chunk=p, launch=True)
+            g.add(r, "comm", "comm", move(sizes[p] * c.n * c.elt), label=f"gather {p}",
+                  chunk=p, launch=not workers)
         g.flag(r, "comm", "DONE2")
+
+
+def staged_partials(g: Graph, c: Ctx, bounds: list[tuple[int, int]], *, move: Move, slots: int,
+                    chunk_rows: int | None = None, producer_sms: int | None = None) -> dict[int, list[int]]:
+    """sm_workers' phase 1 of gemm_rs/gemm_ar: each peer owner's rows from rank + 1 on, in
+    pieces of at most ``chunk_rows`` rows (None: one piece per owner), piece j through ring
+    slot j % ``slots``.  The compute stream, per piece: the credit wait (piece j - slots pushed:
+    its slot is FREE), a cuBLAS GEMM of the piece into the slot on the ``producer_sms`` SMs the
+    workers leave, READY of the slot; ONE worker launch (comm engine, issued first) pushes the
+    pieces in order (``move``), READY to an owner after its last piece, no host call of its
+    own beyond the launch; the own rows' GEMM last, then the compute stream waits for the
+    workers (the ring's words are reset).  Returns rank -> the tasks the rank's reduce waits
+    for (READY from every peer; its own GEMM), as :func:`scatter_partials`."""
+    if slots < 1:
+        raise ValueError(f"slots: {slots} must be >= 1")
+    w = c.w
+    incoming: dict[int, list[int]] = {r: [] for r in range(w)}
+    sent: list[int] = []
+    own = {}
+    for r in g.ranks:
+        g.flag(r, "gemm", "begin")
+        pushes: list[int] = []
+        for d in range(1, w):
+            p = (r + d) % w
+            lo, hi = bounds[p]
+            step = max(1, hi - lo if chunk_rows is None else chunk_rows)
+            cuts = list(range(lo, hi, step)) or [lo]
+            for x, start in enumerate(cuts):
+                j = len(pushes)
+                rows = min(hi, start + step) - start
+                if j >= slots:
+                    g.flag(r, "gemm", f"credit {j}", deps=(pushes[j - slots],))
+                gt = g.add(r, "gemm", "gemm", c.gemm(rows, num_sms=producer_sms), label=f"GEMM {p}.{x}", chunk=p,
+                           launch=True)
+                ready = g.flag(r, "gemm", f"ready {j}")
+                pushes.append(g.add(r, "comm", "comm", move(rows * c.n * c.elt), deps=(ready,),
+                                    label=f"push {p}.{x}", chunk=p, launch=j == 0))
+                g.pairs.append((r, gt, pushes[-1]))
+            sig = g.add(r, "comm", "flag", 0.0, label=f"READY {p}")
+            incoming[p].append(sig)
+            sent.append(sig)
+        own[r] = g.add(r, "gemm", "gemm", c.gemm(bounds[r][1] - bounds[r][0], num_sms=producer_sms),
+                       label=f"GEMM {r}", chunk=r, launch=True)
+        g.flag(r, "gemm", "reset words", deps=tuple(pushes[-1:]))   # the compute stream waits for the workers
+    # symmetric: the partials every peer sends rank 0 are rank 0's own sends, rotated
+    return {r: (sent if g.symmetric else incoming[r]) + [own[r]] for r in g.ranks}

@@ -20,6 +20,9 @@ and, optionally (the default after the ``=``)::
                                 # (None: their defaults); pin_knobs() sets them per process group
     SCHEDULE = None             # its model: a tpfuse.model.simulate.Schedule; without one the planner
                                 # cannot predict it, so strategy="auto" never picks it
+    AUTO = True                 # False: the planner predicts it (with a SCHEDULE) but chooses it
+                                # (plan(), strategy="auto") only on a measured time from the tuning
+                                # cache, never on the model alone (a model not yet checked on GPUs)
 
 ``ctx`` is a :class:`tpfuse._dist.GroupContext` (``rank``, ``world_size``, ``group``, ...).
 Inputs are validated by :mod:`tpfuse.ops` before a strategy sees them (2-D, same dtype, a dtype
@@ -55,7 +58,7 @@ __all__ = ["StrategyInfo", "register", "unregister", "names", "info", "get", "sc
 
 FUNCTIONS = ("ag_gemm", "gemm_rs", "gemm_ar")
 _REQUIRED = ("NAME", "DESCRIPTION", "DTYPES", "why_unavailable") + FUNCTIONS
-_OPTIONAL = {"ORDER": 1000, "SYMMETRIC_MEMORY": False, "KNOBS": None, "SCHEDULE": None}
+_OPTIONAL = {"ORDER": 1000, "SYMMETRIC_MEMORY": False, "KNOBS": None, "SCHEDULE": None, "AUTO": True}
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class StrategyInfo:
     symmetric_memory: bool
     knobs: Optional[type]
     schedule: Optional[Schedule]
+    auto: bool    # chosen on the model alone (False: only on a measured time)
     why_unavailable: Callable[[GroupContext, torch.device, torch.dtype], Optional[str]]
     impl: Any   # the module (or object) with the three functions
 
@@ -100,8 +104,9 @@ def _validated(obj: Any) -> StrategyInfo:
     opt = {a: getattr(obj, a, default) for a, default in _OPTIONAL.items()}
     if isinstance(opt["ORDER"], bool) or not isinstance(opt["ORDER"], int):
         raise TypeError(f"{where}: ORDER must be an int, got {opt['ORDER']!r}")
-    if not isinstance(opt["SYMMETRIC_MEMORY"], bool):
-        raise TypeError(f"{where}: SYMMETRIC_MEMORY must be a bool, got {opt['SYMMETRIC_MEMORY']!r}")
+    for flag in ("SYMMETRIC_MEMORY", "AUTO"):
+        if not isinstance(opt[flag], bool):
+            raise TypeError(f"{where}: {flag} must be a bool, got {opt[flag]!r}")
     knobs = opt["KNOBS"]
     if knobs is not None and not (isinstance(knobs, type) and dataclasses.is_dataclass(knobs)
                                   and knobs.__dataclass_params__.frozen):
@@ -110,7 +115,7 @@ def _validated(obj: Any) -> StrategyInfo:
     if sched is not None and not isinstance(sched, Schedule):
         raise TypeError(f"{where}: SCHEDULE must be a tpfuse.model.simulate.Schedule or None, "
                         f"got {type(sched).__name__}")
-    return StrategyInfo(name, desc, opt["ORDER"], rules, opt["SYMMETRIC_MEMORY"], knobs, sched,
+    return StrategyInfo(name, desc, opt["ORDER"], rules, opt["SYMMETRIC_MEMORY"], knobs, sched, opt["AUTO"],
                         obj.why_unavailable, obj)
 
 

@@ -90,19 +90,23 @@ import torch
 from tpfuse import dtypes, symm, timeline
 from tpfuse._dist import GroupContext, breadcrumb, new_output
 from tpfuse.kernels import abi
+from tpfuse.model import cost as model_cost
+from tpfuse.model import steps as model_steps
+from tpfuse.model.simulate import Schedule
 from tpfuse.strategies import _symm_steps as steps
 from tpfuse.strategies import copy_engine
-from tpfuse.strategies.fused import GEMM_WAIT_SLACK_S
+from tpfuse.strategies.fused import GEMM_WAIT_SLACK_S, TILE_M
 
-__all__ = ["NAME", "DESCRIPTION", "ORDER", "DTYPES", "SYMMETRIC_MEMORY", "KNOBS", "SCHEDULE", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar",
+__all__ = ["NAME", "DESCRIPTION", "ORDER", "DTYPES", "SYMMETRIC_MEMORY", "KNOBS", "SCHEDULE", "AUTO", "why_unavailable", "ag_gemm", "gemm_rs", "gemm_ar",
            "SmWorkersKnobs", "default_knobs", "gemm_programs", "summarize", "make_copy", "WAIT_SLOT_READY",
            "WAIT_SLOT_FREE"]
 
 NAME = "sm_workers"
-# The simulator cannot express worker CTAs yet (a resource with a bandwidth(chunk, workers,
-# in-flight) curve, fitted from `tpfuse bench comm`): no schedule, so the planner lists it without
-# a prediction and `auto` never picks it.
-SCHEDULE = None
+# Its SCHEDULE (end of this file) rests on a worker bandwidth curve that no GPU run has
+# calibrated yet (tpfuse.model.cost.worker_gbps: leads; `tpfuse bench comm`'s sm_workers grid
+# is to fit it) and on no multi-GPU measurement of this strategy: the planner predicts it, but
+# `auto` picks it only where the tuning cache holds a measured time for it (strategies/__init__.py).
+AUTO = False
 DESCRIPTION = ("worker CTAs move the chunks over peer pointers (16-byte loads/stores) from a ready queue of "
                "local staging slots with credits, beside one GEMM (AG) or per-chunk GEMMs (RS, AR)")
 ORDER = 40
@@ -867,3 +871,44 @@ def summarize(tasks, task_stats: torch.Tensor, kn: SmWorkersKnobs, *, elem: int,
             deepest = max(deepest, depth)
         out["max_ready_queue_depth"] = deepest
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# the simulator's model of this file (tpfuse.model.simulate runs it)
+# --------------------------------------------------------------------------------------------
+def _model_knobs(hw, world_size: int) -> SmWorkersKnobs:
+    """The knobs a call runs with on ``hw`` (:func:`default_knobs`; one process per GPU)."""
+    return default_knobs(world_size, hw.sm_count)
+
+
+def model_gemm_programs(hw, world_size: int) -> int:
+    """The AG GEMM's grid the simulator replays: :func:`gemm_programs` with the default knobs."""
+    return gemm_programs(hw.sm_count, world_size, _model_knobs(hw, world_size).comm_sms)
+
+
+def _schedule(g, c) -> None:
+    """Workers as a resource: every chunk they move costs ``cost.worker_transfer_time_ms`` of
+    (chunk bytes, ``comm_sms`` workers, ``block_bytes`` in flight each) on the rank's comm
+    engine, in task order; the GEMMs beside them get the SMs the workers leave."""
+    kn = _model_knobs(c.hw, c.w)
+
+    def move(nbytes: float) -> float:
+        return model_cost.worker_transfer_time_ms(nbytes, c.hw, workers=kn.comm_sms, in_flight_bytes=kn.block_bytes)
+
+    def staged(g, c, bounds):
+        return model_steps.staged_partials(g, c, bounds, move=move, slots=kn.slots, chunk_rows=kn.chunk_rows,
+                                           producer_sms=max(1, c.hw.sm_count - kn.comm_sms))
+
+    if c.op == "ag_gemm":
+        model_steps.pull_pieces_into_one_gemm(g, c, move=move, workers=True)
+    elif c.op == "gemm_rs":
+        model_steps.reduce_scatter(g, c, staged)
+    elif copy_engine.ar_one_shot(c.m, c.n, c.elt):
+        model_steps.one_shot_all_reduce(g, c)      # copy_engine's one-shot, as gemm_ar runs it
+    else:
+        model_steps.two_shot_all_reduce(g, c, staged, move=move, workers=True)
+
+
+# chunks as copy_engine: one per rank (the default chunk_rows=None); gemm_ar one-shot: the whole partial
+SCHEDULE = Schedule(_schedule, kind="pipeline", num_chunks=copy_engine.SCHEDULE.num_chunks, sm_budget=model_gemm_programs,
+                    tile_m=TILE_M)
