@@ -10,7 +10,7 @@ gloo (the one-GPU bed).  Schedules, for rank r of W (``peers`` = r+1, r+2, ... m
                      copy a_shard -> r's slot;  signal READY[r] on every peer
                      c[r] = a_shard @ b;  then c[p] = a_full[p] @ b as each chunk p lands
             side:    for p in peers: wait READY[p];  a_full[p] <- p's slot;  event p
-                     signal DONE[r] on every peer (credits back)
+                     (before the last event) signal DONE[r] on every peer (credits back)
   gemm_rs   compute: begin (credits: every owner p reduced the last call's partials)
                      for p in peers: part_p = a[p rows] @ b  -> side copies it into p's inbox[r]
                      a[r rows] @ b -> r's own inbox[r];  wait READY from every peer
@@ -21,7 +21,7 @@ gloo (the one-GPU bed).  Schedules, for rank r of W (``peers`` = r+1, r+2, ... m
                      c = sum over src of every rank's slot, read in place, in rank order
             two-shot: the gemm_rs schedule over near-equal row chunks (M need not divide by W),
                      then each owner's reduced chunk goes to its gather slot (READY2/DONE2)
-                     and every rank pulls every chunk (side stream)
+                     and every rank pulls every chunk (compute stream)
 
 The one-shot and two-shot paths keep separate workspaces, and the two-shot workspace holds its
 inboxes and its gather slot in fixed halves: every region then has one credit that covers every
@@ -93,10 +93,6 @@ def why_unavailable(ctx: GroupContext, device: torch.device, dtype: torch.dtype)
     return None
 
 
-def _peers(ctx: GroupContext) -> list[int]:
-    return steps.peers(ctx.rank, ctx.world_size)
-
-
 class _AgPlan:
     """What an ag_gemm call of one shard shape needs, built once per workspace and shape: the
     flag tables, this rank's and every peer's slot, one event per peer (re-recorded every call:
@@ -130,14 +126,18 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
     steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out)
     side.wait_stream(main)
     dev = a_shard.device
+    last = plan.peers[-1]
     with torch.cuda.stream(side):
         for p, ready, slot, rows, event in zip(plan.peers, plan.ready_in, plan.slots, plan.rows, plan.events):
             with timeline.span("wait", f"READY {p}", device=dev, chunk=p):
                 ws.wait(ready, symm.WAIT_READY)
             with timeline.span("copy", f"pull {p}", device=dev, chunk=p):
                 a_full[rows].copy_(slot)
+            if p == last:
+                # DONE before the last event: the compute stream's wait for that event then
+                # joins the whole side stream (no wait_stream at the end: two stream operations)
+                ws.signal(plan.done_out)
             event.record(side)
-        ws.signal(plan.done_out)
     mine = slice(rank * m_shard, (rank + 1) * m_shard)
     a_full[mine].copy_(a_shard)
     with timeline.span("gemm", f"GEMM {rank}", device=dev, chunk=rank):
@@ -146,7 +146,6 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
         main.wait_event(event)
         with timeline.span("gemm", f"GEMM {p}", device=dev, chunk=p):
             torch.matmul(a_full[rows], b, out=c[rows])
-    main.wait_stream(side)
     a_full.record_stream(side)
     steps.finish(ws, c, a_full)
     return c, a_full
@@ -181,7 +180,8 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan
     rank's inbox slots in rank order (views of the rows it owns)."""
     main, side = torch.cuda.current_stream(), ws.stream
     dev = a.device
-    side.wait_stream(main)
+    # no side.wait_stream(main): the side stream's first work waits for an event recorded on the
+    # compute stream after begin and the first GEMM, which orders it after both
     for p, rows, dest, ready, done in zip(plan.peers, plan.rows, plan.dests, plan.ready_out, plan.events):
         with timeline.span("gemm", f"GEMM {p}", device=dev, chunk=p):
             part = torch.matmul(a[rows], b)
@@ -229,12 +229,12 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
     if world_size == 1 or m * n == 0:
         return torch.matmul(a, b)
     c = new_output((m, n), dtype=a.dtype, device=a.device)
-    peers = _peers(ctx)
     if ar_mode(m, n, a.element_size()) == "one_shot":
         # its own workspace: its slot is read in place by every peer (credit: DONE from all), a
         # layout the two-shot workspace's credits do not protect
         ws = symm.get_workspace(ctx, "gemm_ar_one_shot", a.dtype, a.device, m * n * a.element_size())
         sources = steps.cached(ws, ("copy_engine ar1", m, n), lambda: [ws.data(src, (m, n)) for src in range(world_size)])
+        peers = steps.cached(ws, "peers", lambda: steps.peers(rank, world_size))
         breadcrumb("copy_engine gemm_ar (one-shot): computing the partial")
         ws.begin(ws.incoming("DONE", peers))
         with timeline.span("gemm", "GEMM", device=a.device):
@@ -254,7 +254,8 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
     breadcrumb("copy_engine gemm_ar (two-shot): computing partials")
     ws.begin(plan.credits)
     sources = _scatter_partials(a, b, ws, plan)
-    steps.gather_reduced(ws, peers, sources, bounds, views.__getitem__, c)   # NaN when broken
+    steps.gather_reduced(ws, plan.peers, sources, bounds, views.__getitem__, c)   # NaN when broken
+    torch.cuda.current_stream().wait_stream(ws.stream)   # the side stream's pushes joined back
     return c
 
 
