@@ -226,7 +226,8 @@ def test_eager_symmetric_memory_calls_fork_streams_only_where_they_overlap(monke
     for m in (copy_engine, fused):
         streams, seq = stream_ops(lambda: m.gemm_ar(a, b, ctx))
         # after the reduce into the gather slot: DONE/READY2, the peer's READY2 wait, DONE2, the NaN fill
-        assert [o for o in seq if o not in ("wait_stream", "wait_event", "record")][-4:] == ["signal_kernel", "wait_kernel", "signal_kernel", "poison"], seq
+        launches = [o for o in seq if o not in ("wait_stream", "wait_event", "record")]
+        assert launches[-4:] == ["signal_kernel", "wait_kernel", "signal_kernel", "poison"], seq
         # copy_engine: phase 1's side stream forked through its first event, joined once at the end
         assert streams == ([] if m is fused else ["record", "wait_event", "wait_stream"]), (m.NAME, seq)
     assert stream_ops(lambda: copy_engine.gemm_rs(a, b, ctx))[0] == ["record", "wait_event", "wait_stream"]
