@@ -127,12 +127,13 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
     side.wait_stream(main)
     dev = a_shard.device
     last = plan.peers[-1]
+    pulled = [a_full[rows] for rows in plan.rows]   # each peer's rows, sliced once per call
     with torch.cuda.stream(side):
-        for p, ready, slot, rows, event in zip(plan.peers, plan.ready_in, plan.slots, plan.rows, plan.events):
+        for p, ready, slot, dest, event in zip(plan.peers, plan.ready_in, plan.slots, pulled, plan.events):
             with timeline.span("wait", f"READY {p}", device=dev, chunk=p):
                 ws.wait(ready, symm.WAIT_READY)
             with timeline.span("copy", f"pull {p}", device=dev, chunk=p):
-                a_full[rows].copy_(slot)
+                dest.copy_(slot)
             if p == last:
                 # DONE before the last event: the compute stream's wait for that event then
                 # joins the whole side stream (no wait_stream at the end: two stream operations)
@@ -142,10 +143,10 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[
     a_full[mine].copy_(a_shard)
     with timeline.span("gemm", f"GEMM {rank}", device=dev, chunk=rank):
         torch.matmul(a_shard, b, out=c[mine])
-    for p, rows, event in zip(plan.peers, plan.rows, plan.events):
+    for p, rows, chunk, event in zip(plan.peers, plan.rows, pulled, plan.events):
         main.wait_event(event)
         with timeline.span("gemm", f"GEMM {p}", device=dev, chunk=p):
-            torch.matmul(a_full[rows], b, out=c[rows])
+            torch.matmul(chunk, b, out=c[rows])
     a_full.record_stream(side)
     steps.finish(ws, c, a_full)
     return c, a_full
