@@ -92,7 +92,9 @@ def _ag_gemm_scaled_op(a_shard: torch.Tensor, b: torch.Tensor, group_name: str, 
                        scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp8 ``ag_gemm``: returns (c [M, N] in out_dtype, a_full [M, K] fp8, scale_a_full)."""
-    return strategies.get(strategy).ag_gemm(a_shard, b, _context_by_name(group_name), scale_a, scale_b, out_dtype)
+    ctx = _context_by_name(group_name)
+    return strategies.get(strategy).ag_gemm(a_shard, b, ctx, scale_a, scale_b, out_dtype,
+                                            **strategies.knobs_for(strategy, ctx))
 
 
 @_ag_gemm_scaled_op.register_fake
@@ -106,7 +108,9 @@ def _(a_shard, b, group_name, strategy, scale_a, scale_b, out_dtype):
 def _gemm_rs_scaled_op(a: torch.Tensor, b: torch.Tensor, group_name: str, strategy: str,
                        scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """fp8 ``gemm_rs``: float32 partials reduce-scattered, rounded once to out_dtype: c_shard [M/W, N]."""
-    return strategies.get(strategy).gemm_rs(a, b, _context_by_name(group_name), scale_a, scale_b, out_dtype)
+    ctx = _context_by_name(group_name)
+    return strategies.get(strategy).gemm_rs(a, b, ctx, scale_a, scale_b, out_dtype,
+                                            **strategies.knobs_for(strategy, ctx))
 
 
 @_gemm_rs_scaled_op.register_fake
@@ -119,7 +123,9 @@ def _(a, b, group_name, strategy, scale_a, scale_b, out_dtype):
 def _gemm_ar_scaled_op(a: torch.Tensor, b: torch.Tensor, group_name: str, strategy: str,
                        scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """fp8 ``gemm_ar``: float32 partials all-reduced, rounded once to out_dtype: c [M, N]."""
-    return strategies.get(strategy).gemm_ar(a, b, _context_by_name(group_name), scale_a, scale_b, out_dtype)
+    ctx = _context_by_name(group_name)
+    return strategies.get(strategy).gemm_ar(a, b, ctx, scale_a, scale_b, out_dtype,
+                                            **strategies.knobs_for(strategy, ctx))
 
 
 @_gemm_ar_scaled_op.register_fake
@@ -514,7 +520,8 @@ def _ag_gemm_scaled(a_shard, b, group, strategy, return_gathered, scale_a, scale
         try:
             call = _prepare("ag_gemm", a_shard, b, group, strategy, return_gathered, scale_a, scale_b, out_dtype)
             if _direct(a_shard, b):
-                c, a_full, scale_full = call.module.ag_gemm(a_shard, b, call.ctx, scale_a, scale_b, out)
+                c, a_full, scale_full = call.module.ag_gemm(a_shard, b, call.ctx, scale_a, scale_b, out,
+                                                            **strategies.knobs_for(call.strategy, call.ctx))
             else:
                 c, a_full, scale_full = torch.ops.tpfuse.ag_gemm_scaled(a_shard, b, call.ctx.group_name,
                                                                         call.strategy, scale_a, scale_b, out)
@@ -574,7 +581,8 @@ def _reduce_op(op: str, a: torch.Tensor, b: torch.Tensor, group, strategy: str, 
         call = _prepare(op, a, b, group, strategy, False, scale_a, scale_b, out_dtype)
         if fp8:
             if _direct(a, b):
-                return getattr(call.module, op)(a, b, call.ctx, scale_a, scale_b, out)
+                return getattr(call.module, op)(a, b, call.ctx, scale_a, scale_b, out,
+                                                **strategies.knobs_for(call.strategy, call.ctx))
             return getattr(torch.ops.tpfuse, op + "_scaled")(a, b, call.ctx.group_name, call.strategy, scale_a,
                                                              scale_b, out)
         if _direct(a, b):

@@ -179,8 +179,8 @@ def _bad_call(case: str, rank: int, world_size: int):
         return lambda: tpfuse.gemm_ar(a8[:, :24], b8[:24], scale_a=one, scale_b=one)
     if case == "n_not_16":
         return lambda: tpfuse.ag_gemm(a8, b8[:, :8], scale_a=one, scale_b=one)
-    if case == "fused_fp8":
-        return lambda: tpfuse.gemm_rs(a_rs, b8, scale_a=one, scale_b=cols, strategy="fused")
+    if case == "sm_workers_fp8":   # its policy entry refuses fp8 (copy_engine and fused take it)
+        return lambda: tpfuse.gemm_rs(a_rs, b8, scale_a=one, scale_b=cols, strategy="sm_workers")
     if case == "one_rank_bad_scale":  # only the last rank's row-wise scale_a has a wrong shape
         return lambda: tpfuse.gemm_rs(a_rs, b8, scale_a=torch.ones(4 * world_size + (1 if last else 0), 1),
                                       scale_b=cols, strategy="ring")
@@ -201,7 +201,7 @@ BAD_CASES = {
     "scale_float64": (TypeError, "float32"), "scale_on_bf16": (ValueError, "scale_a is for fp8"),
     "out_dtype_on_bf16": (ValueError, "out_dtype is for fp8"), "fp8_out_dtype": (TypeError, "out_dtype"),
     "e5m2_both": (TypeError, "float8_e5m2"), "k_not_16": (ValueError, "multiples of 16"),
-    "n_not_16": (ValueError, "multiples of 16"), "fused_fp8": (ValueError, "fused"),
+    "n_not_16": (ValueError, "multiples of 16"), "sm_workers_fp8": (ValueError, "sm_workers does not run fp8"),
     "one_rank_bad_scale": (ValueError, "invalid input on rank(s)"),
     "one_rank_bad_scale_dtype": (ValueError, "invalid input on rank(s)"),
     "ranks_disagree_on_granularity": (ValueError, "scale_a"),

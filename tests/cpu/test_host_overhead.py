@@ -162,3 +162,75 @@ def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
     assert launches.count("matmul") == 5 and launches.count("stamp_kernel") == 0, launches
     assert launches.count("slot_acquire_kernel") == 2 and launches.count("slot_ready_kernel") == 4, launches
     assert launches[1:3] == ["matmul", "slot_ready_kernel"], launches   # piece 0 straight after begin
+
+
+def test_eager_symmetric_memory_calls_fork_streams_only_where_they_overlap(monkeypatch):
+    """The stream operations of one eager copy_engine/fused call (W = 2, launches faked): the
+    two-shot gemm_ar's gather runs on the compute stream (a side stream there overlapped nothing
+    and cost a fork and a join), copy_engine's gemm_rs and two-shot gemm_ar fork through their
+    first chunk's event (no wait_stream) and join once, and copy_engine's ag_gemm joins through
+    its last chunk's event (recorded after DONE)."""
+    import sys
+    import types
+
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from _symm_interp import fake_cuda_streams, fake_ranks
+
+    from tpfuse import symm
+    import tpfuse.gemm
+    from tpfuse.strategies import copy_engine, fused
+
+    fake_cuda_streams(monkeypatch)
+    ops = []
+
+    class Stream:
+        def wait_stream(self, s):
+            ops.append("wait_stream")
+
+        def wait_event(self, e):
+            ops.append("wait_event")
+
+    class Event:
+        def record(self, s=None):
+            ops.append("record")
+
+    stream = Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(symm.Workspace, "stream", property(lambda self: stream))
+    monkeypatch.setattr(symm.Workspace, "_launch", lambda self, k, *a, **kw: ops.append(k.__name__))
+    monkeypatch.setattr(symm.Workspace, "reduce", lambda self, *a, **kw: ops.append("reduce"))
+    monkeypatch.setattr(symm.Workspace, "poison_on_error", lambda self, *a: ops.append("poison"))
+    monkeypatch.setattr(tpfuse.gemm, "matmul", lambda *a, **kw: ops.append("gemm"))
+    monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 8)
+    monkeypatch.setattr(copy_engine, "ONE_SHOT_MAX_BYTES", 1024)   # [64, 16] fp16 outputs: two-shot
+    made = {}
+
+    def get_workspace(ctx, op, dtype, device, need):
+        if op not in made:
+            made[op] = fake_ranks(2, max(need, 1 << 16) * 2, dtype, op)[0]
+        return made[op]
+
+    monkeypatch.setattr(symm, "get_workspace", get_workspace)
+    ctx = types.SimpleNamespace(rank=0, world_size=2, group_name="streams", group=None)
+    g = torch.Generator().manual_seed(0)
+    a_shard, a, b = (torch.randn(*s, generator=g).half() for s in ((16, 8), (64, 8), (8, 16)))
+
+    def stream_ops(call):
+        call()   # plans built
+        ops.clear()
+        call()
+        return [o for o in ops if o in ("wait_stream", "wait_event", "record")], list(ops)
+
+    for m in (copy_engine, fused):
+        streams, seq = stream_ops(lambda: m.gemm_ar(a, b, ctx))
+        # after the reduce into the gather slot: DONE/READY2, the peer's READY2 wait, DONE2, the NaN fill
+        launches = [o for o in seq if o not in ("wait_stream", "wait_event", "record")]
+        assert launches[-4:] == ["signal_kernel", "wait_kernel", "signal_kernel", "poison"], seq
+        # copy_engine: phase 1's side stream forked through its first event, joined once at the end
+        assert streams == ([] if m is fused else ["record", "wait_event", "wait_stream"]), (m.NAME, seq)
+    assert stream_ops(lambda: copy_engine.gemm_rs(a, b, ctx))[0] == ["record", "wait_event", "wait_stream"]
+    streams, seq = stream_ops(lambda: copy_engine.ag_gemm(a_shard, b, ctx))
+    assert streams == ["wait_stream", "record", "wait_event"], seq
+    assert seq.index("signal_kernel", seq.index("wait_stream")) < seq.index("record"), seq   # DONE, then the event

@@ -319,8 +319,9 @@ def _ranks_arguments(p: argparse.ArgumentParser) -> None:
                    help="the one-GPU bed: W processes share cuda:0 over a gloo group (start MPS first); "
                         "timings are not multi-GPU timings")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
-                   help="auto: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32", "fp8"], default="auto",
+                   help="auto: bf16 on GPU, fp32 on CPU; fp8 (op bench only): e4m3 inputs, tensor-wise scales, "
+                        "bf16 out, on the strategies whose dtype policy takes fp8")
     p.add_argument("--iters", type=int, default=None, help="timed calls per variant (median reported)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first")
     p.add_argument("--scale", type=int, default=None, help="divide the Llama sizes by this (CPU runs)")

@@ -67,17 +67,21 @@ class RankSetup:
 
 # what the benches time: the dtypes of the policy's fast entries (float64 is for reference checks)
 DTYPES = {dtypes.name(d): d for d in dtypes.inputs(dtypes.FAST)}
+# the op bench also times fp8 cells (e4m3 inputs, tensor-wise scales, bf16 out) on the strategies
+# whose policy entry takes fp8; the layer bench does not (its fp8 is a layer recipe)
+OP_DTYPES = {**DTYPES, "fp8": dtypes.FP8.inputs[0]}
 
 
-def setup_and_dtype(world_size: int, device: str, bed: int, dtype: str, ranks=None) -> tuple[RankSetup, str]:
+def setup_and_dtype(world_size: int, device: str, bed: int, dtype: str, ranks=None,
+                    allowed: dict = DTYPES) -> tuple[RankSetup, str]:
     """:func:`plan_ranks` (the world size of ``ranks`` when an open set is reused) and the dtype
-    name to time: ``"auto"`` is bf16 on GPU, fp32 on CPU."""
+    name to time (one of ``allowed``): ``"auto"`` is bf16 on GPU, fp32 on CPU."""
     setup = plan_ranks(world_size, device, bed)
     if ranks is not None:
         setup = replace(setup, world_size=ranks.world_size)
     dtype = dtype if dtype != "auto" else dtypes.name(dtypes.default(setup.device_type))
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: {dtype!r} is not benchmarked; use {', '.join(DTYPES)}")
+    if dtype not in allowed:
+        raise ValueError(f"dtype: {dtype!r} is not benchmarked here; use {', '.join(allowed)}")
     return setup, dtype
 
 
@@ -309,14 +313,15 @@ def spread_pct(per_rank: list[list[float]]) -> float | None:
     return 100.0 * (q3 - q1) / median if median > 0 else None
 
 
-def agreement_round(op: str, a: torch.Tensor, b: torch.Tensor) -> Callable[[int], None]:
+def agreement_round(op: str, a: torch.Tensor, b: torch.Tensor, **scaled) -> Callable[[int], None]:
     """One per-call agreement round of ``op`` on ``(a, b)`` (every rank, default group): what
-    ``TPFUSE_DEBUG=1`` -- the default for CPU tensors on gloo -- adds to every call."""
+    ``TPFUSE_DEBUG=1`` -- the default for CPU tensors on gloo -- adds to every call.  ``scaled``:
+    ``scale_a``, ``scale_b``, ``out_dtype`` of an fp8 call."""
     from tpfuse import _checks
     from tpfuse._dist import group_context
 
     ctx = group_context(None)
-    sig = _checks.call_signature(op, "auto", a, b)
+    sig = _checks.call_signature(op, "auto", a, b, **scaled)
     return lambda i: _checks.agree(ctx, op, None, sig)
 
 

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
+from tpfuse import _fp8
 from tpfuse.bench import common
 from tpfuse.bench.workloads import Workload, scaled_down, workload_matrix
 from tpfuse.spawn import RankError
@@ -107,21 +108,36 @@ class _CellJob:
     strategy_modules: tuple[str, ...] = ()   # registered on the rank before the cell (BenchConfig)
 
 
-_DTYPES = common.DTYPES
+_DTYPES = common.OP_DTYPES
 
 
 def _copies(w: Workload, rank: int, device: torch.device, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Input sets (random, never zeros): enough copies to exceed 3 x L2 on GPU, one on CPU."""
+    """Input sets (random, never zeros): enough copies to exceed 3 x L2 on GPU, one on CPU.
+    fp8: e4m3 quantized with tensor-wise scales (:func:`_scales` gives each set's)."""
     rows = w.m // w.world_size if w.op == "ag_gemm" else w.m
     per_copy = (rows * w.k + w.k * w.n + w.m * w.n) * torch.empty((), dtype=dtype).element_size()
     n = max(2, min(8, math.ceil(3 * L2_BYTES / per_copy))) if device.type == "cuda" else 1
     g = torch.Generator(device=device).manual_seed(1000 * rank + 7)
     out = []
+    fp8 = _fp8.is_fp8(dtype)
+    make = torch.float32 if fp8 else dtype
+    _SCALES.clear()   # the previous cell's sets are gone
     for _ in range(n):
-        a = torch.randn(rows, w.k, generator=g, device=device, dtype=dtype)
-        weight = torch.randn(w.n, w.k, generator=g, device=device, dtype=dtype) / math.sqrt(w.k)
+        a = torch.randn(rows, w.k, generator=g, device=device, dtype=make)
+        weight = torch.randn(w.n, w.k, generator=g, device=device, dtype=make) / math.sqrt(w.k)
+        if fp8:
+            (a, scale_a), (weight, scale_b) = (_fp8.quantize(x, dtype, "tensor") for x in (a, weight))
+            _SCALES[a.data_ptr()] = dict(scale_a=scale_a, scale_b=scale_b, out_dtype=_fp8.DEFAULT_OUT_DTYPE)
         out.append((a, weight.t()))
     return out
+
+
+_SCALES: dict[int, dict] = {}   # fp8 input sets: the scales of each set, by its a's address
+
+
+def _scales(a: torch.Tensor) -> dict:
+    """The op's scale arguments for input set ``(a, b)`` ({} unless fp8)."""
+    return _SCALES[a.data_ptr()] if _fp8.is_fp8(a.dtype) else {}
 
 
 def _asynctp_fn(w: Workload, sets, group_name: str, device: torch.device) -> tuple[Callable | None, str | None]:
@@ -130,6 +146,8 @@ def _asynctp_fn(w: Workload, sets, group_name: str, device: torch.device) -> tup
         return None, "no CUDA (PyTorch async-TP needs CUDA symmetric memory)"
     if w.op == "gemm_ar":
         return None, "PyTorch async-TP has no fused matmul + all-reduce (only all-gather and reduce-scatter)"
+    if _fp8.is_fp8(sets[0][0].dtype):
+        return None, "fp8: PyTorch's scaled async-TP ops are checked against ours in tests/gpu/bed.py (case fp8)"
     why = common.attempt(lambda: common.enable_symmetric_memory(group_name))  # agreed: every rank or none
     if why is not None:
         return None, f"symmetric memory unavailable: {why}"
@@ -145,6 +163,8 @@ def _parts(w: Workload, sets, device, dtype) -> tuple[Callable, Callable, Callab
     from tpfuse._dist import all_gather_rows, reduce_scatter_rows
 
     n, world_size = len(sets), w.world_size
+    if _fp8.is_fp8(dtype):
+        return _parts_fp8(w, sets, device)
     if w.op == "ag_gemm":
         full = [torch.randn(w.m, w.k, device=device, dtype=dtype) for _ in sets]
         gemm = lambda i: torch.matmul(full[i % n], sets[i % n][1])  # noqa: E731
@@ -170,6 +190,48 @@ def _parts(w: Workload, sets, device, dtype) -> tuple[Callable, Callable, Callab
             partial = torch.matmul(*sets[i % n])
             dist.all_reduce(partial)
             return partial
+    return gemm, comm, torch_way
+
+
+def _parts_fp8(w: Workload, sets, device) -> tuple[Callable, Callable, Callable]:
+    """fp8 :func:`_parts`: the all-gather moves the fp8 bytes, the GEMM is ``torch._scaled_mm``
+    (bf16 out), RS/AR reduce its float32 partials (what ``unfused`` runs)."""
+    from tpfuse._dist import all_gather_rows, reduce_scatter_rows
+    from tpfuse.strategies._scaled import mm, wire
+
+    n, world_size = len(sets), w.world_size
+    scales = [_scales(a) for a, _ in sets]
+
+    def gemm_of(a, i, out_dtype):
+        return mm(a, sets[i % n][1], scales[i % n]["scale_a"], scales[i % n]["scale_b"], out_dtype)
+
+    if w.op == "ag_gemm":
+        full = [torch.empty(w.m, w.k, device=device, dtype=sets[0][0].dtype) for _ in sets]
+        for f in full:
+            f.view(torch.uint8).random_(0, 0x7f)   # finite e4m3 bytes (0x7f is NaN)
+        gemm = lambda i: gemm_of(full[i % n], i, torch.bfloat16)  # noqa: E731
+        comm = lambda i: all_gather_rows(wire(full[i % n]), wire(sets[i % n][0]), None)  # noqa: E731
+
+        def torch_way(i):
+            comm(i)
+            return gemm(i)
+        return gemm, comm, torch_way
+    outs = [torch.randn(w.m, w.n, device=device) for _ in sets]   # float32 partials
+    shards = [torch.empty(w.m // world_size, w.n, device=device) for _ in sets]
+    gemm = lambda i: gemm_of(sets[i % n][0], i, torch.bfloat16)  # noqa: E731
+    if w.op == "gemm_rs":
+        comm = lambda i: reduce_scatter_rows(shards[i % n], outs[i % n], None)  # noqa: E731
+
+        def torch_way(i):
+            reduce_scatter_rows(shards[i % n], gemm_of(sets[i % n][0], i, torch.float32), None)
+            return shards[i % n].to(torch.bfloat16)
+    else:
+        comm = lambda i: dist.all_reduce(outs[i % n])  # noqa: E731
+
+        def torch_way(i):
+            partial = gemm_of(sets[i % n][0], i, torch.float32)
+            dist.all_reduce(partial)
+            return partial.to(torch.bfloat16)
     return gemm, comm, torch_way
 
 
@@ -207,11 +269,12 @@ def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
     n = len(sets)
     runnable = strategies.runnable(ctx, device, dtype)
     names = tuple(job.strategies) if job.strategies is not None else (*runnable, "auto")
-    resolved = resolve_strategy(w.op, "auto", sets[0][0], sets[0][1], ctx)
+    resolved = resolve_strategy(w.op, "auto", sets[0][0], sets[0][1], ctx, **_scales(sets[0][0]))
     op = getattr(tpfuse, w.op)
     to_run, skipped = strategy_plan(names, runnable, resolved, job.mode,
                                     lambda s: strategies.why_unavailable(s, ctx, device, dtype))
-    variants: dict[str, Callable] = {s: (lambda i, s=s: op(*sets[i % n], strategy=s)) for s in to_run}
+    kw = [_scales(a) for a, _ in sets]   # fp8: each set's scales and out_dtype
+    variants: dict[str, Callable] = {s: (lambda i, s=s: op(*sets[i % n], strategy=s, **kw[i % n])) for s in to_run}
     gemm, comm, torch_way = _parts(w, sets, device, dtype)
     variants["@gemm"] = gemm
     if job.mode == "one-gpu-bed":
@@ -225,7 +288,7 @@ def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
     else:
         variants["@asynctp"] = asynctp
     if world_size > 1:
-        variants["@agree"] = common.agreement_round(w.op, *sets[0])
+        variants["@agree"] = common.agreement_round(w.op, *sets[0], **kw[0])
     else:
         skipped["@agree"] = "world size 1: calls run no agreement round"
 
@@ -278,7 +341,7 @@ def timeline_job(rank: int, world_size: int, job: _CellJob) -> list[dict]:
             common._barrier(device)
             with timeline.recording(rank) as rec:
                 with rec.span("call", s, device=device):
-                    op(*sets[0], strategy=s)
+                    op(*sets[0], strategy=s, **_scales(sets[0][0]))
         events += [ev.to_dict() for ev in rec.events()]
     return events
 
@@ -408,7 +471,8 @@ def run_bench(config: BenchConfig, progress=None, ranks=None, on_cell=None) -> d
 
     for module in config.strategy_modules:   # here for the planner's predictions; the ranks do it per cell
         strategies.register_module(module)
-    setup, dtype = common.setup_and_dtype(config.world_size, config.device, config.bed, config.dtype, ranks)
+    setup, dtype = common.setup_and_dtype(config.world_size, config.device, config.bed, config.dtype, ranks,
+                                          allowed=common.OP_DTYPES)
     cells = _cells(config, setup.world_size)
     hw = _hardware(config, setup)
     meta = common.bench_meta(setup, hardware_profile=hw.name, dtype=dtype,

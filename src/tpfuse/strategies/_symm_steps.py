@@ -38,12 +38,45 @@ def peers(rank: int, world_size: int) -> list[int]:
     return [(rank + i) % world_size for i in range(1, world_size)]
 
 
-def publish_shard(ws: symm.Workspace, a_shard: torch.Tensor, credits, ready_out) -> None:
+def publish_shard(ws: symm.Workspace, a_shard: torch.Tensor, credits, ready_out,
+                  scale_rows: torch.Tensor | None = None) -> None:
     """Begin a call (refuse a broken workspace, advance the generation, wait for the credits of
-    the previous call), copy ``a_shard`` into this rank's slot and raise READY on every peer."""
+    the previous call), copy ``a_shard`` (and an fp8 shard's row-wise ``scale_rows``, into the
+    region :func:`ag_scale_slot` names) into this rank's slot and raise READY on every peer."""
     ws.begin(credits)
     ws.data(ws.rank, tuple(a_shard.shape)).copy_(a_shard)
+    if scale_rows is not None:
+        ag_scale_slot(ws, ws.rank, a_shard.shape[0], a_shard.shape[1]).copy_(scale_rows)
     ws.signal(ready_out)
+
+
+# --- fp8 ag_gemm: a row-wise scale_a travels in the shard's slot, after its rows -------------------
+#
+#   [ a_shard: m_shard * k elements of the fp8 workspace dtype (1 byte each) | pad to 16 B |
+#     scale rows: m_shard float32 ]
+#
+# One READY flag covers both (written after both copies), one DONE credit frees both.
+
+def _scale_offset(m_shard: int, k: int, element_size: int) -> int:
+    """Byte (= element, for 1-byte fp8) offset of the scale rows: after the shard, 16-byte aligned."""
+    return -(-m_shard * k * element_size // 16) * 16
+
+
+def ag_slot_bytes(m_shard: int, k: int, element_size: int, rowwise: bool) -> int:
+    """Bytes of one rank's ag_gemm slot: the shard, and for row-wise fp8 its float32 scale rows."""
+    if not rowwise:
+        return m_shard * k * element_size
+    return _scale_offset(m_shard, k, element_size) + 4 * m_shard
+
+
+def ag_scale_slot(ws: symm.Workspace, owner: int, m_shard: int, k: int) -> torch.Tensor:
+    """Rank ``owner``'s float32 ``[m_shard, 1]`` scale rows in its ag_gemm slot (fp8 workspaces:
+    the data region is addressed in 1-byte elements, so the element offset is the byte offset)."""
+    element = torch.empty((), dtype=ws.spec.dtype).element_size()
+    if element != 1:
+        raise AssertionError(f"scale rows live in 1-byte (fp8) ag_gemm workspaces, not {ws.spec.dtype}")
+    offset = _scale_offset(m_shard, k, element)
+    return ws.data(owner, (4 * m_shard,), offset=offset).view(torch.float32).view(m_shard, 1)
 
 
 def two_shot_workspace(ctx, dtype: torch.dtype, device: torch.device, slot: int) -> symm.Workspace:
@@ -81,7 +114,7 @@ def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torc
     """Phase 2 of the two-shot gemm_ar: once every peer has pulled the last call's reduced
     chunk (DONE2, lag 1) and this rank's inbox is full (READY), reduce the inbox into this
     rank's gather slot ``gathered(rank)``, free the inbox (DONE) and announce the chunk (READY2)
-    in one launch, and pull every peer's reduced chunk into ``c`` on the side stream.  Ends with
+    in one launch, and pull every peer's reduced chunk into ``c`` (compute stream).  Ends with
     the NaN fill of ``c`` (the pulls copy whatever a broken peer left)."""
     rank = ws.rank
     if signal_first is not None:
@@ -93,18 +126,16 @@ def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torc
     ws.signal(ws.outgoing(("DONE", "READY2"), peer_ranks))
     lo, hi = bounds[rank]
     c[lo:hi].copy_(mine)
-    side = ws.stream
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for p in peer_ranks:
-            with timeline.span("wait", f"READY2 {p}", device=c.device, chunk=p):
-                ws.wait(ws.incoming("READY2", [p]), symm.WAIT_READY2)
-            plo, phi = bounds[p]
-            with timeline.span("copy", f"pull {p}", device=c.device, chunk=p):
-                c[plo:phi].copy_(gathered(p))
-        ws.signal(ws.outgoing("DONE2", peer_ranks))
-    torch.cuda.current_stream().wait_stream(side)
-    c.record_stream(side)
+    # The pulls run on the compute stream: it would wait for a side stream right after them and
+    # nothing else runs meanwhile, so forking and joining one cost two stream operations (and a
+    # record_stream) per call for no overlap.
+    for p in peer_ranks:
+        with timeline.span("wait", f"READY2 {p}", device=c.device, chunk=p):
+            ws.wait(ws.incoming("READY2", [p]), symm.WAIT_READY2)
+        plo, phi = bounds[p]
+        with timeline.span("copy", f"pull {p}", device=c.device, chunk=p):
+            c[plo:phi].copy_(gathered(p))
+    ws.signal(ws.outgoing("DONE2", peer_ranks))
     ws.poison_on_error(c)
 
 

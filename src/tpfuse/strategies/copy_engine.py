@@ -10,7 +10,7 @@ gloo (the one-GPU bed).  Schedules, for rank r of W (``peers`` = r+1, r+2, ... m
                      copy a_shard -> r's slot;  signal READY[r] on every peer
                      c[r] = a_shard @ b;  then c[p] = a_full[p] @ b as each chunk p lands
             side:    for p in peers: wait READY[p];  a_full[p] <- p's slot;  event p
-                     signal DONE[r] on every peer (credits back)
+                     (before the last event) signal DONE[r] on every peer (credits back)
   gemm_rs   compute: begin (credits: every owner p reduced the last call's partials)
                      for p in peers: part_p = a[p rows] @ b  -> side copies it into p's inbox[r]
                      a[r rows] @ b -> r's own inbox[r];  wait READY from every peer
@@ -21,7 +21,7 @@ gloo (the one-GPU bed).  Schedules, for rank r of W (``peers`` = r+1, r+2, ... m
                      c = sum over src of every rank's slot, read in place, in rank order
             two-shot: the gemm_rs schedule over near-equal row chunks (M need not divide by W),
                      then each owner's reduced chunk goes to its gather slot (READY2/DONE2)
-                     and every rank pulls every chunk (side stream)
+                     and every rank pulls every chunk (compute stream)
 
 The one-shot and two-shot paths keep separate workspaces, and the two-shot workspace holds its
 inboxes and its gather slot in fixed halves: every region then has one credit that covers every
@@ -31,6 +31,15 @@ call wait for a DONE2 credit that the one-shot call before it never raised; foun
 Either way every rank's ``gemm_ar`` output is bitwise the same (one sum order, or one owner's
 sum copied).  Partials are rounded to the input dtype once and summed in float32, as in
 ``unfused``.  Per-chunk GEMMs are ``torch.matmul`` (cuBLAS).
+
+fp8 (``scale_a``, ``scale_b``, ``out_dtype`` given; e4m3, or e5m2 with e4m3): the same schedules
+with scaled per-chunk GEMMs (:func:`tpfuse.strategies._scaled.mm`, ``torch._scaled_mm``).
+``ag_gemm`` moves the fp8 bytes through an fp8 workspace, and a row-wise ``scale_a`` in the same
+slot after the shard's rows (``_symm_steps.ag_scale_slot``; one READY and one credit for both),
+so ``return_gathered`` also returns the gathered scales.  ``gemm_rs``/``gemm_ar`` partials come
+out of the scaled GEMM in float32 (the policy's reduce dtype, :func:`partial_dtype`), travel
+through a float32 workspace (the one float32 calls use), are summed in float32 and rounded once
+to ``out_dtype``.
 
 An eager call never waits for the GPU (except the first call of a workspace capacity: allocation
 and rendezvous).  A timed-out wait breaks the workspace:
@@ -49,14 +58,15 @@ from tpfuse._dist import GroupContext, breadcrumb, new_output
 from tpfuse.model import steps as model_steps
 from tpfuse.model.simulate import Schedule
 from tpfuse.strategies import _symm_steps as steps
+from tpfuse.strategies._scaled import mm
 
 __all__ = ["NAME", "DESCRIPTION", "ORDER", "DTYPES", "SYMMETRIC_MEMORY", "KNOBS", "SCHEDULE", "why_unavailable",
-           "ag_gemm", "gemm_rs", "gemm_ar", "ar_mode", "ar_one_shot", "gather_reduced"]
+           "ag_gemm", "gemm_rs", "gemm_ar", "ar_mode", "ar_one_shot", "gather_reduced", "partial_dtype"]
 
 NAME = "copy_engine"
 DESCRIPTION = "copy-engine peer copies (no SMs taken) overlapped with per-chunk GEMMs"
 ORDER = 20
-DTYPES = dtypes.FAST
+DTYPES = dtypes.FAST + (dtypes.FP8,)   # fp8: torch._scaled_mm per chunk
 SYMMETRIC_MEMORY = True
 KNOBS = None
 
@@ -70,6 +80,24 @@ ONE_SHOT_MAX_BYTES = 1 << 20
 def ar_one_shot(m: int, n: int, element_size: int) -> bool:
     """Whether a symmetric-memory gemm_ar of output [m, n] takes the one-shot path."""
     return m * n * element_size <= ONE_SHOT_MAX_BYTES
+
+
+def partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the partial products RS/AR move between ranks: the input's own (rounded once, then
+    summed in float32), or for fp8 inputs the policy's reduce dtype (float32: the scaled GEMM's
+    output is reduced before it is rounded to ``out_dtype``)."""
+    return dtypes.reduce_dtype(dtype, DTYPES) if dtypes.rule(DTYPES, dtype) is dtypes.FP8 else dtype
+
+
+def _chunk_mm(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, out: torch.Tensor,
+              scale_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = a @ b``, or scaled (``scaled`` = (scale_a of ``a``'s rows or tensor-wise, scale_b),
+    ``scale_rows`` in place of the first) rounded to ``out``'s dtype."""
+    if scaled is None:
+        return torch.matmul(a, b, out=out)
+    if a.shape[1] == 0:   # K = 0 (fp8 allows it: 0 is a multiple of 16): nothing to multiply
+        return out.zero_()
+    return mm(a, b, scaled[0] if scale_rows is None else scale_rows, scaled[1], out.dtype, out=out)
 
 
 def why_unavailable(ctx: GroupContext, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -93,63 +121,91 @@ def why_unavailable(ctx: GroupContext, device: torch.device, dtype: torch.dtype)
     return None
 
 
-def _peers(ctx: GroupContext) -> list[int]:
-    return steps.peers(ctx.rank, ctx.world_size)
-
-
 class _AgPlan:
     """What an ag_gemm call of one shard shape needs, built once per workspace and shape: the
-    flag tables, this rank's and every peer's slot, one event per peer (re-recorded every call:
-    a stream waits for an event's latest record at the time of the wait)."""
+    flag tables, this rank's and every peer's slot (fp8 row-wise: and scale rows), one event per
+    peer (re-recorded every call: a stream waits for an event's latest record at the time of the
+    wait)."""
 
-    def __init__(self, ws: symm.Workspace, m_shard: int, k: int):
+    def __init__(self, ws: symm.Workspace, m_shard: int, k: int, rowwise: bool = False):
         self.peers = steps.peers(ws.rank, ws.world_size)
         self.credits = ws.incoming("DONE", self.peers)
         self.ready_out = ws.outgoing("READY", self.peers)
         self.done_out = ws.outgoing("DONE", self.peers)
         self.ready_in = [ws.incoming("READY", [p]) for p in self.peers]
         self.slots = [ws.data(p, (m_shard, k)) for p in self.peers]
+        self.scale_slots = [steps.ag_scale_slot(ws, p, m_shard, k) if rowwise else None for p in self.peers]
         self.rows = [slice(p * m_shard, (p + 1) * m_shard) for p in self.peers]
         self.events = [torch.cuda.Event() for _ in self.peers]
 
 
-def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> tuple[torch.Tensor, torch.Tensor]:
+def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
+            scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
+    """(c, a_full), or (c, a_full, scale_a_full) when scaled (fp8)."""
     world_size, rank = ctx.world_size, ctx.rank
     m_shard, k = a_shard.shape
-    a_full = new_output((world_size * m_shard, k), dtype=a_shard.dtype, device=a_shard.device)
-    c = new_output((world_size * m_shard, b.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
-    if world_size == 1 or a_full.numel() == 0:
-        a_full.copy_(a_shard)
-        torch.matmul(a_full, b, out=c)
-        return c, a_full
+    dev = a_shard.device
+    scaled = None if scale_a is None else (scale_a, scale_b)
+    rowwise = scaled is not None and scale_a.dim() == 2
+    a_full = new_output((world_size * m_shard, k), dtype=a_shard.dtype, device=dev)
+    c = new_output((world_size * m_shard, b.shape[1]), dtype=out_dtype or a_shard.dtype, device=dev)
+    scale_full = None
+    if scaled is not None:
+        scale_full = new_output((world_size * m_shard, 1), dtype=scale_a.dtype, device=dev) if rowwise \
+            else scale_a.clone()
 
-    ws = symm.get_workspace(ctx, "ag_gemm", a_shard.dtype, a_shard.device, m_shard * k * a_shard.element_size())
-    plan = steps.cached(ws, ("copy_engine ag", m_shard, k), lambda: _AgPlan(ws, m_shard, k))
+    def done() -> tuple:
+        return (c, a_full) if scaled is None else (c, a_full, scale_full)
+
+    # K = 0 with row-wise scales still gathers them (the workspace path), as ring does
+    if world_size == 1 or m_shard == 0 or (k == 0 and not rowwise):
+        a_full.copy_(a_shard)
+        if rowwise:
+            scale_full.copy_(scale_a)
+        _chunk_mm(a_full, b, scaled, c, scale_full)
+        return done()
+
+    need = steps.ag_slot_bytes(m_shard, k, a_shard.element_size(), rowwise)
+    ws = symm.get_workspace(ctx, "ag_gemm", a_shard.dtype, dev, need)
+    plan = steps.cached(ws, ("copy_engine ag", m_shard, k, rowwise), lambda: _AgPlan(ws, m_shard, k, rowwise))
     main, side = torch.cuda.current_stream(), ws.stream
     breadcrumb("copy_engine ag_gemm: publishing the local shard")
-    steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out)
+    steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out, scale_a if rowwise else None)
     side.wait_stream(main)
-    dev = a_shard.device
+    last = plan.peers[-1]
+    pulled = [a_full[rows] for rows in plan.rows]   # each peer's rows, sliced once per call
+    scales = [scale_full[rows] if rowwise else None for rows in plan.rows]
     with torch.cuda.stream(side):
-        for p, ready, slot, rows, event in zip(plan.peers, plan.ready_in, plan.slots, plan.rows, plan.events):
+        for p, ready, slot, dest, scale_slot, scale_dest, event in zip(
+                plan.peers, plan.ready_in, plan.slots, pulled, plan.scale_slots, scales, plan.events):
             with timeline.span("wait", f"READY {p}", device=dev, chunk=p):
                 ws.wait(ready, symm.WAIT_READY)
             with timeline.span("copy", f"pull {p}", device=dev, chunk=p):
-                a_full[rows].copy_(slot)
+                dest.copy_(slot)
+                if scale_slot is not None:
+                    scale_dest.copy_(scale_slot)
+            if p == last:
+                # DONE before the last event: the compute stream's wait for that event then
+                # joins the whole side stream (no wait_stream at the end: two stream operations)
+                ws.signal(plan.done_out)
             event.record(side)
-        ws.signal(plan.done_out)
     mine = slice(rank * m_shard, (rank + 1) * m_shard)
     a_full[mine].copy_(a_shard)
+    if rowwise:
+        scale_full[mine].copy_(scale_a)
     with timeline.span("gemm", f"GEMM {rank}", device=dev, chunk=rank):
-        torch.matmul(a_shard, b, out=c[mine])
-    for p, rows, event in zip(plan.peers, plan.rows, plan.events):
+        _chunk_mm(a_shard, b, scaled, c[mine])
+    for p, rows, chunk, scale_rows, event in zip(plan.peers, plan.rows, pulled, scales, plan.events):
         main.wait_event(event)
         with timeline.span("gemm", f"GEMM {p}", device=dev, chunk=p):
-            torch.matmul(a_full[rows], b, out=c[rows])
-    main.wait_stream(side)
+            _chunk_mm(chunk, b, scaled, c[rows], scale_rows)
     a_full.record_stream(side)
-    steps.finish(ws, c, a_full)
-    return c, a_full
+    if rowwise:
+        scale_full.record_stream(side)
+        ws.poison_on_error(c, a_full, scale_full)   # NaN when broken
+    else:
+        steps.finish(ws, c, a_full)
+    return done()
 
 
 class _ScatterPlan:
@@ -175,16 +231,28 @@ class _ScatterPlan:
         self.sources = [inbox(rank, src) for src in range(ws.world_size)]
 
 
-def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _ScatterPlan) -> list[torch.Tensor]:
+def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _ScatterPlan,
+                      scaled: tuple | None = None) -> list[torch.Tensor]:
     """Phase 1 of gemm_rs/gemm_ar: the partial of every owner's rows into that owner's inbox
     slot for this rank (peers through the side stream, owner order from rank + 1); returns this
-    rank's inbox slots in rank order (views of the rows it owns)."""
+    rank's inbox slots in rank order (views of the rows it owns).  ``scaled`` (fp8):
+    (scale_a, scale_b); the partials are then float32 (the workspace's dtype)."""
     main, side = torch.cuda.current_stream(), ws.stream
     dev = a.device
-    side.wait_stream(main)
+    rowwise = scaled is not None and scaled[0].dim() == 2
+
+    def product(rows: slice, out: torch.Tensor | None = None) -> torch.Tensor:
+        if scaled is None:
+            return torch.matmul(a[rows], b) if out is None else torch.matmul(a[rows], b, out=out)
+        if out is None:
+            out = torch.empty((rows.stop - rows.start, b.shape[1]), dtype=ws.spec.dtype, device=dev)
+        return _chunk_mm(a[rows], b, scaled, out, scaled[0][rows] if rowwise else None)
+
+    # no side.wait_stream(main): the side stream's first work waits for an event recorded on the
+    # compute stream after begin and the first GEMM, which orders it after both
     for p, rows, dest, ready, done in zip(plan.peers, plan.rows, plan.dests, plan.ready_out, plan.events):
         with timeline.span("gemm", f"GEMM {p}", device=dev, chunk=p):
-            part = torch.matmul(a[rows], b)
+            part = product(rows)
         done.record(main)
         with torch.cuda.stream(side):
             side.wait_event(done)
@@ -193,59 +261,76 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan
             ws.signal(ready)
         part.record_stream(side)
     with timeline.span("gemm", f"GEMM {ws.rank}", device=dev, chunk=ws.rank):
-        torch.matmul(a[plan.own_rows], b, out=plan.own)
+        product(plan.own_rows, plan.own)
     return plan.sources
 
 
-def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
+def _rounded(acc: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The float32 sum ``acc`` of fp8 partials rounded once to ``out_dtype`` (itself if float32)."""
+    return acc if acc.dtype == out_dtype else acc.to(out_dtype)
+
+
+def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
+            scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     m, n = a.shape[0], b.shape[1]
     world_size, rank = ctx.world_size, ctx.rank
+    scaled = None if scale_a is None else (scale_a, scale_b)
+    result_dtype = out_dtype or a.dtype
+    acc_dtype = partial_dtype(a.dtype)   # fp8: float32 partials, reduced, then rounded once
     if world_size == 1:
-        return torch.matmul(a, b)
+        return torch.matmul(a, b) if scaled is None else _chunk_mm(a, b, scaled, new_output(
+            (m, n), dtype=result_dtype, device=a.device))
     shard = m // world_size
-    c_shard = new_output((shard, n), dtype=a.dtype, device=a.device)
+    c_shard = new_output((shard, n), dtype=acc_dtype if scaled is not None else result_dtype, device=a.device)
     if m * n == 0:
-        return c_shard.zero_()
-    ws = symm.get_workspace(ctx, "gemm_rs", a.dtype, a.device, world_size * shard * n * a.element_size())
+        return _rounded(c_shard.zero_(), result_dtype)
+    ws = symm.get_workspace(ctx, "gemm_rs", acc_dtype, a.device, world_size * shard * n * dtypes.itemsize(acc_dtype))
     plan = steps.cached(ws, ("copy_engine rs", shard, n), lambda: _ScatterPlan(
         ws, [(r * shard, (r + 1) * shard) for r in range(world_size)], shard, n))
     breadcrumb("copy_engine gemm_rs: computing partials")
     ws.begin(plan.credits)
-    sources = _scatter_partials(a, b, ws, plan)
+    sources = _scatter_partials(a, b, ws, plan, scaled)
     steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard)   # NaN when broken
     ws.signal(plan.done_out)
     torch.cuda.current_stream().wait_stream(ws.stream)
-    return c_shard
+    return _rounded(c_shard, result_dtype)
 
 
 def ar_mode(m: int, n: int, element_size: int) -> str:
-    """``"one_shot"`` or ``"two_shot"`` for a gemm_ar output of [m, n] (agreed on every rank)."""
+    """``"one_shot"`` or ``"two_shot"`` for a gemm_ar output of [m, n] (agreed on every rank);
+    ``element_size``: bytes of a partial (:func:`partial_dtype`)."""
     return "one_shot" if ar_one_shot(m, n, element_size) else "two_shot"
 
 
-def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor:
+def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
+            scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     m, n = a.shape[0], b.shape[1]
     world_size, rank = ctx.world_size, ctx.rank
+    scaled = None if scale_a is None else (scale_a, scale_b)
+    result_dtype = out_dtype or a.dtype
+    acc_dtype = partial_dtype(a.dtype)   # fp8: float32 partials, reduced, then rounded once
+    elt = dtypes.itemsize(acc_dtype)
     if world_size == 1 or m * n == 0:
-        return torch.matmul(a, b)
-    c = new_output((m, n), dtype=a.dtype, device=a.device)
-    peers = _peers(ctx)
-    if ar_mode(m, n, a.element_size()) == "one_shot":
+        return torch.matmul(a, b) if scaled is None else _chunk_mm(a, b, scaled, new_output(
+            (m, n), dtype=result_dtype, device=a.device))
+    c = new_output((m, n), dtype=acc_dtype if scaled is not None else result_dtype, device=a.device)
+    if ar_mode(m, n, elt) == "one_shot":
         # its own workspace: its slot is read in place by every peer (credit: DONE from all), a
         # layout the two-shot workspace's credits do not protect
-        ws = symm.get_workspace(ctx, "gemm_ar_one_shot", a.dtype, a.device, m * n * a.element_size())
+        ws = symm.get_workspace(ctx, "gemm_ar_one_shot", acc_dtype, a.device, m * n * elt)
         sources = steps.cached(ws, ("copy_engine ar1", m, n), lambda: [ws.data(src, (m, n)) for src in range(world_size)])
+        peers = steps.cached(ws, "peers", lambda: steps.peers(rank, world_size))
         breadcrumb("copy_engine gemm_ar (one-shot): computing the partial")
         ws.begin(ws.incoming("DONE", peers))
         with timeline.span("gemm", "GEMM", device=a.device):
-            torch.matmul(a, b, out=sources[rank])
+            _chunk_mm(a, b, scaled, sources[rank])
         steps.reduce_inbox(ws, ("ar1", m, n), peers, sources, c, signal_first=ws.outgoing("READY", peers))
         ws.signal(ws.outgoing("DONE", peers))
-        return c
+        return _rounded(c, result_dtype)
 
     bounds = steps.row_bounds(m, world_size)
     slot_rows = -(-m // world_size)
-    ws = steps.two_shot_workspace(ctx, a.dtype, a.device, slot_rows * n)
+    ws = steps.two_shot_workspace(ctx, acc_dtype, a.device, slot_rows * n)
     gather_at = steps.two_shot_gather_offset(ws)
     plan = steps.cached(ws, ("copy_engine ar2", m, n), lambda: _ScatterPlan(ws, bounds, slot_rows, n))
     views = steps.cached(ws, ("copy_engine ar2 gathered", m, n), lambda: [
@@ -253,9 +338,10 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
 
     breadcrumb("copy_engine gemm_ar (two-shot): computing partials")
     ws.begin(plan.credits)
-    sources = _scatter_partials(a, b, ws, plan)
-    steps.gather_reduced(ws, peers, sources, bounds, views.__getitem__, c)   # NaN when broken
-    return c
+    sources = _scatter_partials(a, b, ws, plan, scaled)
+    steps.gather_reduced(ws, plan.peers, sources, bounds, views.__getitem__, c)   # NaN when broken
+    torch.cuda.current_stream().wait_stream(ws.stream)   # the side stream's pushes joined back
+    return _rounded(c, result_dtype)
 
 
 # shared with other strategies through tpfuse/strategies/_symm_steps.py; kept here by name for

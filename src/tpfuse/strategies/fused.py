@@ -24,6 +24,16 @@ next call's side stream can touch them; the epilogue hook's per-chunk words are 
 and read by nobody (READY follows the launch).  So the hooks' generation is the constant 1, which
 a CUDA graph may replay; cross-rank flags keep the workspace's device-memory generations.
 
+fp8 (``scale_a``, ``scale_b``, ``out_dtype`` given; e4m3, or e5m2 with e4m3): the same launches
+with fp8 operands, the scales applied in the GEMM's epilogue (``tpfuse.gemm.matmul``'s
+``scale_a``/``scale_b``/``out_dtype``; ``b`` column-major, as the fp8 MMAs read it: another
+layout is copied once).  ``ag_gemm``: a row-wise ``scale_a`` travels in each rank's slot after its
+rows and is pulled with them, piece by piece, before the piece's arrival word is set, so every
+tile's epilogue reads the scales of rows that have landed (the scales are indexed by global
+row, like the gathered A).  ``gemm_rs``/``gemm_ar``: the epilogue stores float32 partials (the
+policy's reduce dtype) into the owners' float32 inboxes; the owner sums them in float32 and the
+result is rounded once to ``out_dtype``.
+
 No call waits for the GPU: a timed-out wait (a flag's or the GEMM's hook, which shares the
 workspace's error word) breaks the workspace, the outputs of that call and of every later one
 are NaN, and the next call on the group raises ``TimeoutError`` (tpfuse/symm.py).
@@ -57,7 +67,7 @@ DESCRIPTION = ("copy-engine pulls waited on per chunk by one persistent GEMM (AG
                "stores partials into their owners' buffers (RS, AR)")
 ORDER = 30
 # the Triton GEMM core multiplies float32 in TF32: fused refuses float32 (why_unavailable)
-DTYPES = (dtypes.HALF,)
+DTYPES = (dtypes.HALF, dtypes.FP8)   # fp8: scales in the persistent GEMM's epilogue
 SYMMETRIC_MEMORY = True
 
 # Rows of the fused GEMM's CTA tile: BLOCK_M of 28 of the 30 tuned configs in
@@ -258,7 +268,8 @@ class _AgPlan:
     tables of the call, and the GEMM's wait spec (the workspace's error word: a broken workspace
     stops the GEMM's waits too)."""
 
-    def __init__(self, ws: symm.Workspace, m_shard: int, k: int, chunk_m: int, arrived: torch.Tensor):
+    def __init__(self, ws: symm.Workspace, m_shard: int, k: int, chunk_m: int, arrived: torch.Tensor,
+                 rowwise: bool = False):
         from tpfuse.gemm import WaitSpec
 
         rank, world_size = ws.rank, ws.world_size
@@ -269,7 +280,9 @@ class _AgPlan:
         self.mine = slice(rank * m_shard, (rank + 1) * m_shard)
         pieces = _ag_pieces(rank, world_size, m_shard, chunk_m)
         self.own_words = [chunk for src, _, _, chunk, last in pieces if src == rank and last]
-        self.pulls = []   # (src, lo, hi, chunk, READY table or None when already waited, peer rows, last)
+        # (src, lo, hi, chunk, READY table or None when already waited, peer rows, peer scale rows
+        # (fp8 row-wise) or None, last)
+        self.pulls = []
         waited = set()
         for src, lo, hi, chunk, last in pieces:
             if src == rank:
@@ -277,7 +290,9 @@ class _AgPlan:
             base = src * m_shard
             ready = None if src in waited else ws.incoming("READY", [src])
             waited.add(src)
-            self.pulls.append((src, lo, hi, chunk, ready, ws.data(src, (m_shard, k))[lo - base:hi - base], last))
+            scale_rows = steps.ag_scale_slot(ws, src, m_shard, k)[lo - base:hi - base] if rowwise else None
+            self.pulls.append((src, lo, hi, chunk, ready, ws.data(src, (m_shard, k))[lo - base:hi - base],
+                               scale_rows, last))
         # The tiles wait a little longer than the side stream's flag waits: when a peer is dead
         # both would time out together, and only the flag wait knows which peer it was (the
         # GEMM's wait for chunk 0 won the record on the H200 bed at W = 4 and named rank 0, not
@@ -289,28 +304,52 @@ class _AgPlan:
         self.chunk_owner = lambda chunk: min(chunk * chunk_m // m_shard, world_size - 1)   # first rows' owner
 
 
-def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *,
-            knobs: FusedKnobs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _column_major(b: torch.Tensor) -> torch.Tensor:
+    """``b`` as the fp8 MMAs read it: column-major (``weight.t()`` already is; else one copy)."""
+    return b if b.stride(0) == 1 or b.shape[0] <= 1 else b.t().contiguous().t()
+
+
+def _scale_kwargs(scale_a, scale_b, out_dtype) -> dict:
+    """The GEMM core's scale arguments of an fp8 call ({} otherwise): contiguous scales."""
+    if scale_a is None:
+        return {}
+    return dict(scale_a=scale_a.contiguous(), scale_b=scale_b.contiguous(), out_dtype=out_dtype)
+
+
+def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
+            scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *,
+            knobs: FusedKnobs | None = None):
+    """(c, a_full), or (c, a_full, scale_a_full) when scaled (fp8)."""
     world_size, rank = ctx.world_size, ctx.rank
     m_shard, k = a_shard.shape
     n = b.shape[1]
     if world_size == 1 or m_shard * k == 0 or n == 0:
-        return copy_engine.ag_gemm(a_shard, b, ctx)
+        return copy_engine.ag_gemm(a_shard, b, ctx, scale_a, scale_b, out_dtype)
+    scaled = scale_a is not None
+    rowwise = scaled and scale_a.dim() == 2
     m = world_size * m_shard
-    a_full = new_output((m, k), dtype=a_shard.dtype, device=a_shard.device)
-    c = new_output((m, n), dtype=a_shard.dtype, device=a_shard.device)
     dev = a_shard.device
+    a_full = new_output((m, k), dtype=a_shard.dtype, device=dev)
+    c = new_output((m, n), dtype=out_dtype or a_shard.dtype, device=dev)
+    scale_full = None
+    if scaled:
+        b = _column_major(b)
+        scale_full = new_output((m, 1), dtype=scale_a.dtype, device=dev) if rowwise else scale_a.clone()
     pieces_per_rank = chunks_per_rank(m_shard, n, k, world_size, a_shard.dtype, dev, knobs)
     chunk_m = -(-m_shard // pieces_per_rank)
 
-    ws = symm.get_workspace(ctx, "ag_gemm", a_shard.dtype, dev, a_shard.nbytes)
+    need = steps.ag_slot_bytes(m_shard, k, a_shard.element_size(), rowwise)
+    ws = symm.get_workspace(ctx, "ag_gemm", a_shard.dtype, dev, need)
     arrived = _local_words(ws, "arrived", -(-m // chunk_m))
-    plan = steps.cached(ws, ("fused ag", m_shard, k, chunk_m), lambda: _AgPlan(ws, m_shard, k, chunk_m, arrived))
+    plan = steps.cached(ws, ("fused ag", m_shard, k, chunk_m, rowwise),
+                        lambda: _AgPlan(ws, m_shard, k, chunk_m, arrived, rowwise))
     main, side = torch.cuda.current_stream(), ws.stream
     breadcrumb("fused ag_gemm: publishing the local shard")
     ws.host.chunk_owner = plan.chunk_owner   # names the peer if the GEMM's wait times out
-    steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out)
+    steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out, scale_a if rowwise else None)
     a_full[plan.mine].copy_(a_shard)
+    if rowwise:
+        scale_full[plan.mine].copy_(scale_a)
     for chunk in plan.own_words:
         _set_word(arrived, chunk)
     # The pulls are issued before the GEMM is launched: a launch first, with the side stream's
@@ -318,22 +357,32 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *,
     # the GEMM's bounded spins (docs/ops.md, tried and not kept).
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        for src, lo, hi, chunk, ready, rows, last in plan.pulls:
+        for src, lo, hi, chunk, ready, rows, scale_rows, last in plan.pulls:
             if ready is not None:
                 with timeline.span("wait", f"READY {src}", device=dev, chunk=chunk):
                     ws.wait(ready, symm.WAIT_READY)
             with timeline.span("copy", f"pull {src} rows {lo}:{hi}", device=dev, chunk=chunk):
                 a_full[lo:hi].copy_(rows)
+                if scale_rows is not None:   # before the arrival word: the tiles' epilogues read them
+                    scale_full[lo:hi].copy_(scale_rows)
             if last:
                 _set_word(arrived, chunk)
         ws.signal(plan.done_out)
     _gemm("fused GEMM (waits per chunk)", chunk_m, a_full, b, out=c, tile_order="round",
-          start_chunk=plan.start_chunk, wait=plan.wait, check=False, num_sms=sm_budget(dev, world_size, knobs))
+          start_chunk=plan.start_chunk, wait=plan.wait, check=False, num_sms=sm_budget(dev, world_size, knobs),
+          **_scale_kwargs(scale_full, scale_b, c.dtype))
     arrived.zero_()   # after the GEMM (main stream), which ends only once every word was set
     main.wait_stream(side)
     a_full.record_stream(side)
-    steps.finish(ws, c, a_full)   # NaN when broken: this call's wait or the GEMM's timed out, or an earlier one
-    return c, a_full
+    if not scaled:
+        steps.finish(ws, c, a_full)   # NaN when broken: this call's wait or the GEMM's timed out, or an earlier one
+        return c, a_full
+    if rowwise:
+        scale_full.record_stream(side)
+        ws.poison_on_error(c, a_full, scale_full)
+    else:
+        steps.finish(ws, c, a_full)
+    return c, a_full, scale_full
 
 
 class _PartialsPlan:
@@ -360,7 +409,7 @@ class _PartialsPlan:
 
 
 def _fused_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _PartialsPlan,
-                    knobs: FusedKnobs | None = None) -> list[torch.Tensor]:
+                    knobs: FusedKnobs | None = None, scales: dict | None = None) -> list[torch.Tensor]:
     """Phase 1 of gemm_rs/gemm_ar: ONE GEMM in owner order storing each owner's rows straight
     into that owner's inbox slot for this rank.  Returns this rank's inbox slots in rank order;
     the caller raises READY[rank] on every owner (in the launch of its next wait).
@@ -368,55 +417,70 @@ def _fused_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: 
     READY is raised once after the GEMM, not per chunk: an owner's reduce needs every rank's
     chunk, and the last of those lands at the end of some rank's GEMM either way.  (A per-chunk
     relay kernel was tried: it started its bounded wait before the first call's JIT compile of
-    the GEMM had finished and timed out.)"""
+    the GEMM had finished and timed out.)  ``scales`` (fp8): the GEMM core's scale arguments,
+    ``out_dtype`` the workspace's (float32 partials)."""
     _gemm("fused GEMM (epilogue to owners)", plan.chunk_m, a, b, tile_order="owner", start_chunk=plan.start_chunk,
-          epilogue=plan.epilogue, num_sms=sm_budget(a.device, ws.world_size, knobs))
+          epilogue=plan.epilogue, num_sms=sm_budget(a.device, ws.world_size, knobs), **(scales or {}))
     return plan.sources
 
 
-def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *, knobs: FusedKnobs | None = None) -> torch.Tensor:
+def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
+            scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *,
+            knobs: FusedKnobs | None = None) -> torch.Tensor:
     m, n, k = a.shape[0], b.shape[1], a.shape[1]
     world_size = ctx.world_size
     if world_size == 1 or m * n * k == 0:
-        return copy_engine.gemm_rs(a, b, ctx)
+        return copy_engine.gemm_rs(a, b, ctx, scale_a, scale_b, out_dtype)
+    acc_dtype = copy_engine.partial_dtype(a.dtype)   # fp8: float32 partials, rounded once after the sum
+    scales = None
+    if scale_a is not None:
+        b = _column_major(b)
+        scales = _scale_kwargs(scale_a, scale_b, acc_dtype)
     shard = m // world_size
-    c_shard = new_output((shard, n), dtype=a.dtype, device=a.device)
-    ws = symm.get_workspace(ctx, "gemm_rs", a.dtype, a.device, world_size * shard * n * a.element_size())
+    c_shard = new_output((shard, n), dtype=acc_dtype, device=a.device)
+    ws = symm.get_workspace(ctx, "gemm_rs", acc_dtype, a.device, world_size * shard * n * dtypes.itemsize(acc_dtype))
     plan = steps.cached(ws, ("fused rs", shard, n), lambda: _PartialsPlan(
         ws, [(r * shard, (r + 1) * shard) for r in range(world_size)], shard, n))
     breadcrumb("fused gemm_rs: the GEMM stores into the owners' inboxes")
     ws.begin(plan.credits)
-    sources = _fused_partials(a, b, ws, plan, knobs)
+    sources = _fused_partials(a, b, ws, plan, knobs, scales)
     # READY to every owner and the wait for every peer's READY: one launch; the reduce is the NaN fill
     steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard, signal_first=plan.ready_out)
     ws.signal(plan.done_out)
-    return c_shard
+    return c_shard if scales is None else c_shard.to(out_dtype or acc_dtype)
 
 
-def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, *, knobs: FusedKnobs | None = None) -> torch.Tensor:
+def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
+            scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *,
+            knobs: FusedKnobs | None = None) -> torch.Tensor:
     m, n, k = a.shape[0], b.shape[1], a.shape[1]
     world_size = ctx.world_size
-    one_shot = copy_engine.ar_mode(m, n, a.element_size()) == "one_shot"
+    acc_dtype = copy_engine.partial_dtype(a.dtype)   # fp8: float32 partials, rounded once after the sum
+    one_shot = copy_engine.ar_mode(m, n, dtypes.itemsize(acc_dtype)) == "one_shot"
     if world_size == 1 or m * n * k == 0 or m % world_size or one_shot:
         # small outputs: copy_engine's one-shot (the GEMM must finish before any rank can read
         # its partial, so there is nothing to fuse); uneven M: its two-shot path (the epilogue
         # hook needs chunks of one height)
-        return copy_engine.gemm_ar(a, b, ctx)
+        return copy_engine.gemm_ar(a, b, ctx, scale_a, scale_b, out_dtype)
+    scales = None
+    if scale_a is not None:
+        b = _column_major(b)
+        scales = _scale_kwargs(scale_a, scale_b, acc_dtype)
     bounds = steps.row_bounds(m, world_size)
     slot_rows = m // world_size
-    ws = steps.two_shot_workspace(ctx, a.dtype, a.device, slot_rows * n)   # copy_engine's layout and credits
+    ws = steps.two_shot_workspace(ctx, acc_dtype, a.device, slot_rows * n)   # copy_engine's layout and credits
     gather_at = steps.two_shot_gather_offset(ws)
     plan = steps.cached(ws, ("fused ar", m, n), lambda: _PartialsPlan(ws, bounds, slot_rows, n))
     views = steps.cached(ws, ("fused ar gathered", m, n), lambda: [
         ws.data(owner, (slot_rows, n), offset=gather_at) for owner in range(world_size)])
-    c = new_output((m, n), dtype=a.dtype, device=a.device)
+    c = new_output((m, n), dtype=acc_dtype, device=a.device)
 
     breadcrumb("fused gemm_ar: the GEMM stores into the owners' inboxes")
     ws.begin(plan.credits)
-    sources = _fused_partials(a, b, ws, plan, knobs)
+    sources = _fused_partials(a, b, ws, plan, knobs, scales)
     # READY to every owner and the wait for the DONE2 credits: one launch; NaN fill at the end
     steps.gather_reduced(ws, plan.peers, sources, bounds, views.__getitem__, c, signal_first=plan.ready_out)
-    return c
+    return c if scales is None else c.to(out_dtype or acc_dtype)
 
 
 # --- the simulator's model of this file (tpfuse.model.simulate runs it) -------------------------
