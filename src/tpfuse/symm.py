@@ -251,19 +251,24 @@ class Workspace:
     # -- flag kernels -------------------------------------------------------------------------
     def _launch(self, kernel, *args, fixed: tuple | None = None, **constexprs) -> None:
         """One program of ``kernel``.  ``fixed``: a key naming these arguments, which are all the
-        workspace's own (generation, flag tables, error word, bounds): after the first launch
-        they are kept under it and launched directly, without the per-argument key."""
-        if fixed is not None:
-            hit = self._fixed.get(fixed)
-            if hit is not None:
-                try:
-                    hit[0](_GRID_1, torch._C._cuda_getCurrentRawStream(hit[2]), hit[1])
-                    return
-                except Exception:   # noqa: BLE001 - _run below warns once and takes the JIT from then on
-                    self._fixed.clear()
+        workspace's own (generation, flag tables, error word, bounds): the launch is kept under
+        it, and :meth:`_fire` repeats it without building arguments or keys."""
         direct = _run(kernel, (1,), args, constexprs, 1, self.spec.device)
         if fixed is not None and direct is not None:
             self._fixed[fixed] = (direct, (*args, *constexprs.values()), self.spec.device.index)
+
+    def _fire(self, fixed: tuple) -> bool:
+        """Repeat the launch kept under ``fixed`` (:meth:`_launch`); False where none is kept
+        (first launch, not CUDA, interpreted) or it failed (:func:`_run` then says why)."""
+        hit = self._fixed.get(fixed)
+        if hit is None:
+            return False
+        try:
+            hit[0](_GRID_1, torch._C._cuda_getCurrentRawStream(hit[2]), hit[1])
+            return True
+        except Exception:   # noqa: BLE001 - the caller launches through _run, which warns once and takes the JIT
+            self._fixed.clear()
+            return False
 
     def _bound(self) -> tuple[int, bool]:
         if self._wait_bound is None:
@@ -279,9 +284,12 @@ class Workspace:
         from tpfuse.kernels.flags import wait_kernel
 
         addrs, peers = table
+        fixed = ("wait", id(addrs), what, lag, advance)
+        if self._fire(fixed):
+            return
         bound, asm = self._bound()
         self._launch(wait_kernel, self.gen, addrs, peers, addrs.numel(), lag, bound, self.error, what,
-                     self.rank, ADVANCE=advance, USE_ASM=asm, fixed=("wait", id(addrs), what, lag, advance))
+                     self.rank, ADVANCE=advance, USE_ASM=asm, fixed=fixed)
 
     def signal(self, table: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Enqueue on the current stream: every flag of ``table`` = gen (release, system scope);
@@ -289,18 +297,21 @@ class Workspace:
         from tpfuse.kernels.flags import signal_kernel
 
         addrs, _ = table
-        if addrs.numel():
-            self._launch(signal_kernel, self.gen, addrs, addrs.numel(), self.error, fixed=("signal", id(addrs)))
+        fixed = ("signal", id(addrs))
+        if not self._fire(fixed) and addrs.numel():
+            self._launch(signal_kernel, self.gen, addrs, addrs.numel(), self.error, fixed=fixed)
 
     def signal_wait(self, signals: tuple[torch.Tensor, torch.Tensor], waits: tuple[torch.Tensor, torch.Tensor],
                     what: int, *, lag: int = 0) -> None:
         """:meth:`signal` of ``signals`` then :meth:`wait` of ``waits`` (no advance), one launch."""
         from tpfuse.kernels.flags import signal_wait_kernel
 
+        fixed = ("signal_wait", id(signals[0]), id(waits[0]), what, lag)
+        if self._fire(fixed):
+            return
         bound, asm = self._bound()
         self._launch(signal_wait_kernel, self.gen, signals[0], signals[0].numel(), waits[0], waits[1],
-                     waits[0].numel(), lag, bound, self.error, what, self.rank, USE_ASM=asm,
-                     fixed=("signal_wait", id(signals[0]), id(waits[0]), what, lag))
+                     waits[0].numel(), lag, bound, self.error, what, self.rank, USE_ASM=asm, fixed=fixed)
 
     def begin(self, credits: tuple[torch.Tensor, torch.Tensor], what: int = WAIT_CREDIT) -> None:
         """First work of a call: refuse a broken workspace (raising what the host knows, no
