@@ -175,11 +175,12 @@ class _ScatterPlan:
         self.sources = [inbox(rank, src) for src in range(ws.world_size)]
 
 
-def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _ScatterPlan) -> list[torch.Tensor]:
+def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _ScatterPlan,
+                      main: torch.cuda.Stream) -> list[torch.Tensor]:
     """Phase 1 of gemm_rs/gemm_ar: the partial of every owner's rows into that owner's inbox
-    slot for this rank (peers through the side stream, owner order from rank + 1); returns this
-    rank's inbox slots in rank order (views of the rows it owns)."""
-    main, side = torch.cuda.current_stream(), ws.stream
+    slot for this rank (peers through the side stream, owner order from rank + 1; ``main``: the
+    current stream); returns this rank's inbox slots in rank order (views of the rows it owns)."""
+    side = ws.stream
     dev = a.device
     # no side.wait_stream(main): the side stream's first work waits for an event recorded on the
     # compute stream after begin and the first GEMM, which orders it after both
@@ -212,10 +213,11 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
         ws, [(r * shard, (r + 1) * shard) for r in range(world_size)], shard, n))
     breadcrumb("copy_engine gemm_rs: computing partials")
     ws.begin(plan.credits)
-    sources = _scatter_partials(a, b, ws, plan)
+    main = torch.cuda.current_stream()
+    sources = _scatter_partials(a, b, ws, plan, main)
     steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard)   # NaN when broken
     ws.signal(plan.done_out)
-    torch.cuda.current_stream().wait_stream(ws.stream)
+    main.wait_stream(ws.stream)
     return c_shard
 
 
@@ -254,9 +256,10 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext) -> torch.Tensor
 
     breadcrumb("copy_engine gemm_ar (two-shot): computing partials")
     ws.begin(plan.credits)
-    sources = _scatter_partials(a, b, ws, plan)
+    main = torch.cuda.current_stream()
+    sources = _scatter_partials(a, b, ws, plan, main)
     steps.gather_reduced(ws, plan.peers, sources, bounds, views.__getitem__, c)   # NaN when broken
-    torch.cuda.current_stream().wait_stream(ws.stream)   # the side stream's pushes joined back
+    main.wait_stream(ws.stream)   # the side stream's pushes joined back
     return c
 
 
