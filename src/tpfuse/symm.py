@@ -84,8 +84,17 @@ def timeout_s() -> float:
     return timeout_setting()
 
 
+@functools.lru_cache(maxsize=1)
 def _interpreting() -> bool:
+    """``TRITON_INTERPRET=1``, read once (a process setting; :func:`refresh_settings`)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def refresh_settings() -> None:
+    """Read the environment settings this module caches again (``TPFUSE_TIMEOUT_S``,
+    ``TRITON_INTERPRET``): for tests that change them.  Workspaces keep the bounds they have."""
+    timeout_s.cache_clear()
+    _interpreting.cache_clear()
 
 
 def flag_index(region: str, other: int, world_size: int) -> int:
@@ -139,6 +148,7 @@ class Workspace:
         self.calls = 0                      # host count of begun calls (messages only)
         self._tables: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}
         self._views: dict[object, torch.Tensor] = {}
+        self._fixed: dict[tuple, tuple] = {}      # Workspace._launch: fixed launches, prepared
         self.state: dict[object, object] = {}   # what a strategy keeps with its buffers (never evicted)
         self._stream: torch.cuda.Stream | None = None
         self._wait_bound: tuple[int, bool] | None = None   # (spin bound, inline PTX), fixed at the first wait
@@ -239,8 +249,26 @@ class Workspace:
         return self._stream
 
     # -- flag kernels -------------------------------------------------------------------------
-    def _launch(self, kernel, *args, **constexprs) -> None:
-        _run(kernel, (1,), args, constexprs, 1, self.spec.device)
+    def _launch(self, kernel, *args, fixed: tuple | None = None, **constexprs) -> None:
+        """One program of ``kernel``.  ``fixed``: a key naming these arguments, which are all the
+        workspace's own (generation, flag tables, error word, bounds): the launch is kept under
+        it, and :meth:`_fire` repeats it without building arguments or keys."""
+        direct = _run(kernel, (1,), args, constexprs, 1, self.spec.device)
+        if fixed is not None and direct is not None:
+            self._fixed[fixed] = (direct, (*args, *constexprs.values()), self.spec.device.index)
+
+    def _fire(self, fixed: tuple) -> bool:
+        """Repeat the launch kept under ``fixed`` (:meth:`_launch`); False where none is kept
+        (first launch, not CUDA, interpreted) or it failed (:func:`_run` then says why)."""
+        hit = self._fixed.get(fixed)
+        if hit is None:
+            return False
+        try:
+            hit[0](_GRID_1, torch._C._cuda_getCurrentRawStream(hit[2]), hit[1])
+            return True
+        except Exception:   # noqa: BLE001 - the caller launches through _run, which warns once and takes the JIT
+            self._fixed.clear()
+            return False
 
     def _bound(self) -> tuple[int, bool]:
         if self._wait_bound is None:
@@ -256,9 +284,12 @@ class Workspace:
         from tpfuse.kernels.flags import wait_kernel
 
         addrs, peers = table
+        fixed = ("wait", id(addrs), what, lag, advance)
+        if self._fire(fixed):
+            return
         bound, asm = self._bound()
         self._launch(wait_kernel, self.gen, addrs, peers, addrs.numel(), lag, bound, self.error, what,
-                     self.rank, ADVANCE=advance, USE_ASM=asm)
+                     self.rank, ADVANCE=advance, USE_ASM=asm, fixed=fixed)
 
     def signal(self, table: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Enqueue on the current stream: every flag of ``table`` = gen (release, system scope);
@@ -266,17 +297,21 @@ class Workspace:
         from tpfuse.kernels.flags import signal_kernel
 
         addrs, _ = table
-        if addrs.numel():
-            self._launch(signal_kernel, self.gen, addrs, addrs.numel(), self.error)
+        fixed = ("signal", id(addrs))
+        if not self._fire(fixed) and addrs.numel():
+            self._launch(signal_kernel, self.gen, addrs, addrs.numel(), self.error, fixed=fixed)
 
     def signal_wait(self, signals: tuple[torch.Tensor, torch.Tensor], waits: tuple[torch.Tensor, torch.Tensor],
                     what: int, *, lag: int = 0) -> None:
         """:meth:`signal` of ``signals`` then :meth:`wait` of ``waits`` (no advance), one launch."""
         from tpfuse.kernels.flags import signal_wait_kernel
 
+        fixed = ("signal_wait", id(signals[0]), id(waits[0]), what, lag)
+        if self._fire(fixed):
+            return
         bound, asm = self._bound()
         self._launch(signal_wait_kernel, self.gen, signals[0], signals[0].numel(), waits[0], waits[1],
-                     waits[0].numel(), lag, bound, self.error, what, self.rank, USE_ASM=asm)
+                     waits[0].numel(), lag, bound, self.error, what, self.rank, USE_ASM=asm, fixed=fixed)
 
     def begin(self, credits: tuple[torch.Tensor, torch.Tensor], what: int = WAIT_CREDIT) -> None:
         """First work of a call: refuse a broken workspace (raising what the host knows, no
@@ -341,37 +376,45 @@ def _device_table(values: list[int], device: torch.device) -> torch.Tensor:
 # Direct launches of the workspace's small kernels (the pattern of tpfuse/gemm/launch.py):
 # Triton's JIT launch binds and specializes every argument on every call (tens of us of host
 # time, several times per op call); the first launch of a specialization goes through it and
-# keeps the CompiledKernel, later ones call that directly.  The key holds everything the JIT
-# specializes on: the kernel, the device, its constexprs and warps, each pointer's dtype and 16-byte
-# alignment, each integer's size class, divisibility by 16 and equality to 1.
-_COMPILED: dict = {}
+# keeps the CompiledKernel, later ones launch that directly (tpfuse/_direct.py).  The key holds
+# everything the JIT specializes on: the kernel, the device, its constexprs and warps, each
+# pointer's dtype and 16-byte alignment, each integer's size class, divisibility by 16 and
+# equality to 1.  The flag kernels' arguments are all the workspace's own (Workspace._launch):
+# those launches skip even the key.
+_COMPILED: dict = {}    # key -> (kernel, Direct)
 _DIRECT_BROKEN = [False]
+_GRID_1 = (1, 1, 1)
 
 
-def _arg_key(x) -> object:
-    if isinstance(x, torch.Tensor):
-        return (x.dtype, x.data_ptr() % 16 == 0)
-    if isinstance(x, bool) or not isinstance(x, int):
-        return x
-    return (-2**31 <= x < 2**31, x % 16 == 0, x == 1)
+def _spec_key(kernel, device: torch.device, num_warps: int, constexprs: dict, args: tuple) -> tuple:
+    key = [id(kernel), device.index, num_warps, *constexprs.items()]   # id: hashing a JITFunction hashes its source
+    for x in args:
+        if x.__class__ is int:
+            key.append((-2**31 <= x < 2**31, x % 16 == 0, x == 1))
+        elif isinstance(x, torch.Tensor):
+            key.append((x.dtype, x.data_ptr() % 16 == 0))
+        else:
+            key.append(x)
+    return tuple(key)
 
 
-def _run(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, device: torch.device) -> None:
+def _run(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, device: torch.device):
     """``kernel[grid](*args, **constexprs)`` (constexprs are the kernel's last parameters, in
-    order), launched directly once compiled on CUDA."""
+    order), launched directly once compiled on CUDA.  Returns the :class:`tpfuse._direct.Direct`
+    that launches this specialization (None: interpreted, not CUDA, or through the JIT only)."""
     if device.type != "cuda" or _interpreting():
         kernel[grid](*args, num_warps=num_warps, **constexprs)
-        return
+        return None
     key = None
     if not _DIRECT_BROKEN[0]:
-        key = (kernel, device.index, num_warps, tuple(constexprs.items()), tuple(_arg_key(x) for x in args))
-        compiled = _COMPILED.get(key)
-        if compiled is not None:
+        key = _spec_key(kernel, device, num_warps, constexprs, args)
+        hit = _COMPILED.get(key)
+        if hit is not None and hit[0] is kernel:
             try:
                 # a CompiledKernel reads grid[0..2]: a 1-D grid raised IndexError on the H200 bed
-                compiled[grid + (1,) * (3 - len(grid))](*args, *constexprs.values(),
-                                                         stream=torch._C._cuda_getCurrentRawStream(device.index))
-                return
+                hit[1](grid + (1,) * (3 - len(grid)), torch._C._cuda_getCurrentRawStream(device.index),
+                       (*args, *constexprs.values()))
+                return hit[1]
             except Exception as exc:   # a change of Triton's internals: say so once, then always JIT
                 import warnings
 
@@ -382,7 +425,12 @@ def _run(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, dev
                 key = None
     compiled = kernel[grid](*args, num_warps=num_warps, **constexprs)
     if key is not None and compiled is not None:
-        _COMPILED[key] = compiled
+        from tpfuse._direct import Direct
+
+        direct = Direct(compiled)
+        _COMPILED[key] = (kernel, direct)
+        return direct
+    return None
 
 
 # --------------------------------------------------------------------------------------------

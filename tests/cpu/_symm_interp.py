@@ -33,13 +33,13 @@ def interpreted():
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["TPFUSE_TIMEOUT_S"] = "0.05"
-    symm.timeout_s.cache_clear()
+    symm.refresh_settings()
     _drop_kernels()
     try:
         yield
     finally:
         os.environ.pop("TPFUSE_TIMEOUT_S", None)
-        symm.timeout_s.cache_clear()
+        symm.refresh_settings()
         if previous is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:

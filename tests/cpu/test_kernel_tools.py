@@ -318,10 +318,11 @@ def test_rerank_leaders_by_the_median_of_interleaved_timings():
 def test_a_failed_direct_launch_warns_and_is_counted_as_jit(monkeypatch):
     # The library's fallback (a change of Triton's launcher) must show: a warning, the JIT path
     # from then on, and launch_counts() that a GPU test asserting direct launches would fail on.
-    class Broken:
-        def __getitem__(self, grid):
+    class Broken:   # a kept launcher (tpfuse._direct.Direct) that Triton's internals no longer fit
+        def __call__(self, grid, stream, args):
             raise RuntimeError("launcher changed (test)")
     monkeypatch.setattr(launch, "_DIRECT_BROKEN", [False])
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)   # CPU builds lack it
     monkeypatch.setitem(launch._COMPILED, "spec-under-test", Broken())
     compiled = object()
     before = gc.launch_counts()

@@ -147,7 +147,7 @@ _PLANS: dict = {}            # call signature -> LaunchPlan
 _LAST_PLAN: list = [None]    # the plan of the latest call (last_plan())
 _MAX_PLANS = 4096            # a bound, not a tuned number: plans are small, shapes in a model are few
 _STREAM_K_BUFFERS: dict = {}  # (device, raw stream) -> (fp32 workspace, int32 tile counters)
-_COMPILED: dict = {}         # kernel specialization -> Triton CompiledKernel (direct launch)
+_COMPILED: dict = {}         # kernel specialization -> its tpfuse._direct.Direct (direct launch)
 _LAUNCHES = collections.Counter()   # launch_counts()
 _DIRECT_BROKEN: list = [False]      # a direct launch failed once: the JIT from then on (warned)
 
@@ -605,7 +605,7 @@ def _launch_cached(spec, grid, full: list, device, jit_launch, direct: bool) -> 
     compiled = _COMPILED.get(spec) if direct else None
     if compiled is not None:
         try:
-            compiled[grid](*full, stream=torch._C._cuda_getCurrentRawStream(device.index))
+            compiled(grid, torch._C._cuda_getCurrentRawStream(device.index), full)   # a tpfuse._direct.Direct
             _LAUNCHES["direct"] += 1
             return
         except Exception as e:  # a Triton internals change: say so once, then use the JIT path
@@ -619,8 +619,10 @@ def _launch_cached(spec, grid, full: list, device, jit_launch, direct: bool) -> 
     if id(compiled) not in _SEEN_COMPILED:
         _SEEN_COMPILED[id(compiled)] = compiled   # kept: Triton caches it anyway
         _LAUNCHES["compiled"] += 1
-    if direct:
-        _COMPILED[spec] = compiled
+    if direct and compiled is not None:
+        from .._direct import Direct
+
+        _COMPILED[spec] = Direct(compiled)
 
 
 _SEEN_COMPILED: dict = {}   # id -> CompiledKernel returned by a JIT launch

@@ -232,12 +232,12 @@ class _ScatterPlan:
 
 
 def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _ScatterPlan,
-                      scaled: tuple | None = None) -> list[torch.Tensor]:
+                      main: torch.cuda.Stream, scaled: tuple | None = None) -> list[torch.Tensor]:
     """Phase 1 of gemm_rs/gemm_ar: the partial of every owner's rows into that owner's inbox
-    slot for this rank (peers through the side stream, owner order from rank + 1); returns this
-    rank's inbox slots in rank order (views of the rows it owns).  ``scaled`` (fp8):
-    (scale_a, scale_b); the partials are then float32 (the workspace's dtype)."""
-    main, side = torch.cuda.current_stream(), ws.stream
+    slot for this rank (peers through the side stream, owner order from rank + 1; ``main``: the
+    current stream); returns this rank's inbox slots in rank order (views of the rows it owns).
+    ``scaled`` (fp8): (scale_a, scale_b); the partials are then float32 (the workspace's dtype)."""
+    side = ws.stream
     dev = a.device
     rowwise = scaled is not None and scaled[0].dim() == 2
 
@@ -289,10 +289,11 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
         ws, [(r * shard, (r + 1) * shard) for r in range(world_size)], shard, n))
     breadcrumb("copy_engine gemm_rs: computing partials")
     ws.begin(plan.credits)
-    sources = _scatter_partials(a, b, ws, plan, scaled)
+    main = torch.cuda.current_stream()
+    sources = _scatter_partials(a, b, ws, plan, main, scaled)
     steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard)   # NaN when broken
     ws.signal(plan.done_out)
-    torch.cuda.current_stream().wait_stream(ws.stream)
+    main.wait_stream(ws.stream)
     return _rounded(c_shard, result_dtype)
 
 
@@ -338,9 +339,10 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
 
     breadcrumb("copy_engine gemm_ar (two-shot): computing partials")
     ws.begin(plan.credits)
-    sources = _scatter_partials(a, b, ws, plan, scaled)
+    main = torch.cuda.current_stream()
+    sources = _scatter_partials(a, b, ws, plan, main, scaled)
     steps.gather_reduced(ws, plan.peers, sources, bounds, views.__getitem__, c)   # NaN when broken
-    torch.cuda.current_stream().wait_stream(ws.stream)   # the side stream's pushes joined back
+    main.wait_stream(ws.stream)   # the side stream's pushes joined back
     return _rounded(c, result_dtype)
 
 

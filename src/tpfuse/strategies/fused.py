@@ -138,6 +138,13 @@ def sm_budget(device: torch.device, world_size: int, knobs: FusedKnobs | None = 
     knobs = _check_knobs(knobs)
     if knobs.num_sms is not None:
         return knobs.num_sms
+    return _device_sm_budget(device, world_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_sm_budget(device: torch.device, world_size: int) -> int:
+    """:func:`model_sm_budget` of ``device`` (its SM count and the process's shared-GPU setting,
+    read once: both sit on every call)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return model_sm_budget(sms, world_size, shared_gpu=_shared_gpu())
 
@@ -218,11 +225,21 @@ def chunks_per_rank(m_shard: int, n: int, k: int, world_size: int, dtype: torch.
     knobs = _check_knobs(knobs)
     if knobs.chunks_per_rank is not None:
         return max(1, min(knobs.chunks_per_rank, m_shard))
-    from tpfuse.model.hardware import detect
-
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    return planned_chunks_per_rank(m_shard, n, k, world_size, dtype, detect(device), cuda_graph=capturing,
-                                   num_sms=sm_budget(device, world_size, knobs) if device.type == "cuda" else None)
+    key = (m_shard, n, k, world_size, dtype, device, knobs, capturing)
+    pieces = _PLANNED.get(key)
+    if pieces is None:   # per shape once: the planner's arguments cost more to hash than this lookup
+        from tpfuse.model.hardware import detect
+
+        pieces = planned_chunks_per_rank(m_shard, n, k, world_size, dtype, detect(device), cuda_graph=capturing,
+                                         num_sms=sm_budget(device, world_size, knobs) if device.type == "cuda" else None)
+        if len(_PLANNED) >= 4096:
+            _PLANNED.clear()
+        _PLANNED[key] = pieces
+    return pieces
+
+
+_PLANNED: dict = {}   # chunks_per_rank's answers (planned_chunks_per_rank.cache_clear() does not reach them)
 
 
 def _ag_pieces(rank: int, world_size: int, m_shard: int, chunk_m: int) -> list[tuple[int, int, int, int, bool]]:
