@@ -248,6 +248,12 @@ class Workspace:
             self._stream = torch.cuda.Stream(device=self.spec.device)
         return self._stream
 
+    def on_stream(self) -> "_OnStream":
+        """``with ws.on_stream():`` is ``with torch.cuda.stream(ws.stream):`` (the side stream is
+        the current stream inside, the previous one again after, exceptions included), cheaper on
+        the host when the current device is the workspace's (every call of the strategies)."""
+        return _OnStream(self.stream)
+
     # -- flag kernels -------------------------------------------------------------------------
     def _launch(self, kernel, *args, fixed: tuple | None = None, **constexprs) -> None:
         """One program of ``kernel``.  ``fixed``: a key naming these arguments, which are all the
@@ -356,6 +362,37 @@ class Workspace:
         self.broken = (f"tpfuse {op or self.spec.op}: this rank's symmetric-memory workspace is broken by an earlier "
                        f"timeout ({message}); call tpfuse.release_workspaces() on every rank, then call again")
         raise TimeoutError(message)
+
+
+class _OnStream:
+    """``torch.cuda.stream(stream)`` for a ``torch.cuda.Stream`` of the current device, through
+    the three torch._C calls that context ends in (torch's own costs a device query, two
+    ``Stream`` objects, device comparisons and wrapper calls on every use; several per op call):
+    remember the device's current stream, make ``stream`` current, restore the remembered one on
+    exit.  Any other case (another device, a stand-in stream in tests) takes ``torch.cuda.stream``."""
+
+    __slots__ = ("stream", "prev", "slow")
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.prev = self.slow = None
+
+    def __enter__(self) -> None:
+        s = self.stream
+        if s.__class__ is torch.cuda.Stream and torch._C._cuda_getDevice() == s.device_index:
+            prev = torch._C._cuda_getCurrentStream(s.device_index)
+            torch._C._cuda_setStream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+            self.prev = prev
+        else:
+            self.slow = torch.cuda.stream(s)
+            self.slow.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self.slow is not None:
+            self.slow.__exit__(*exc)
+            return
+        prev = self.prev
+        torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -175,7 +175,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     last = plan.peers[-1]
     pulled = [a_full[rows] for rows in plan.rows]   # each peer's rows, sliced once per call
     scales = [scale_full[rows] if rowwise else None for rows in plan.rows]
-    with torch.cuda.stream(side):
+    with ws.on_stream():
         for p, ready, slot, dest, scale_slot, scale_dest, event in zip(
                 plan.peers, plan.ready_in, plan.slots, pulled, plan.scale_slots, scales, plan.events):
             with timeline.span("wait", f"READY {p}", device=dev, chunk=p):
@@ -254,7 +254,7 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan
         with timeline.span("gemm", f"GEMM {p}", device=dev, chunk=p):
             part = product(rows)
         done.record(main)
-        with torch.cuda.stream(side):
+        with ws.on_stream():
             side.wait_event(done)
             with timeline.span("copy", f"push {p}", device=dev, chunk=p):
                 dest.copy_(part)

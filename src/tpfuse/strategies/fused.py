@@ -373,7 +373,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     # kernels issued after it, timed out in the bed when their first call's JIT compile outlasted
     # the GEMM's bounded spins (docs/ops.md, tried and not kept).
     side.wait_stream(main)
-    with torch.cuda.stream(side):
+    with ws.on_stream():
         for src, lo, hi, chunk, ready, rows, scale_rows, last in plan.pulls:
             if ready is not None:
                 with timeline.span("wait", f"READY {src}", device=dev, chunk=chunk):
