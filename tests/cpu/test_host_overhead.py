@@ -168,8 +168,9 @@ def test_eager_symmetric_memory_calls_fork_streams_only_where_they_overlap(monke
     """The stream operations of one eager copy_engine/fused call (W = 2, launches faked): the
     two-shot gemm_ar's gather runs on the compute stream (a side stream there overlapped nothing
     and cost a fork and a join), copy_engine's gemm_rs and two-shot gemm_ar fork through their
-    first chunk's event (no wait_stream) and join once, and copy_engine's ag_gemm joins through
-    its last chunk's event (recorded after DONE)."""
+    first chunk's event (no fork of their own) and join once, and copy_engine's ag_gemm joins through
+    its last chunk's event (recorded after DONE).  A fork or join is ``wait_stream``'s record and
+    wait, through an event the plan keeps."""
     import sys
     import types
 
@@ -229,8 +230,9 @@ def test_eager_symmetric_memory_calls_fork_streams_only_where_they_overlap(monke
         launches = [o for o in seq if o not in ("wait_stream", "wait_event", "record")]
         assert launches[-4:] == ["signal_kernel", "wait_kernel", "signal_kernel", "poison"], seq
         # copy_engine: phase 1's side stream forked through its first event, joined once at the end
-        assert streams == ([] if m is fused else ["record", "wait_event", "wait_stream"]), (m.NAME, seq)
-    assert stream_ops(lambda: copy_engine.gemm_rs(a, b, ctx))[0] == ["record", "wait_event", "wait_stream"]
+        assert streams == ([] if m is fused else ["record", "wait_event"] * 2), (m.NAME, seq)
+    assert stream_ops(lambda: copy_engine.gemm_rs(a, b, ctx))[0] == ["record", "wait_event"] * 2
     streams, seq = stream_ops(lambda: copy_engine.ag_gemm(a_shard, b, ctx))
-    assert streams == ["wait_stream", "record", "wait_event"], seq
-    assert seq.index("signal_kernel", seq.index("wait_stream")) < seq.index("record"), seq   # DONE, then the event
+    assert streams == ["record", "wait_event"] * 2, seq   # the fork, then the chunk's event
+    fork = seq.index("wait_event")
+    assert seq.index("signal_kernel", fork) < seq.index("record", fork), seq   # DONE, then the event

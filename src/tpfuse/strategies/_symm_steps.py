@@ -38,6 +38,13 @@ def peers(rank: int, world_size: int) -> list[int]:
     return [(rank + i) % world_size for i in range(1, world_size)]
 
 
+def join(waiter, stream, event: torch.cuda.Event) -> None:
+    """``waiter.wait_stream(stream)`` through ``event``, one the caller keeps (a plan's): torch's
+    makes a new event for each wait (an event object and its creation per call)."""
+    event.record(stream)
+    waiter.wait_event(event)
+
+
 def publish_shard(ws: symm.Workspace, a_shard: torch.Tensor, credits, ready_out,
                   scale_rows: torch.Tensor | None = None) -> None:
     """Begin a call (refuse a broken workspace, advance the generation, wait for the credits of

@@ -137,6 +137,7 @@ class _AgPlan:
         self.scale_slots = [steps.ag_scale_slot(ws, p, m_shard, k) if rowwise else None for p in self.peers]
         self.rows = [slice(p * m_shard, (p + 1) * m_shard) for p in self.peers]
         self.events = [torch.cuda.Event() for _ in self.peers]
+        self.fork = torch.cuda.Event()   # the side stream's wait for the compute stream
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
@@ -168,10 +169,10 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     need = steps.ag_slot_bytes(m_shard, k, a_shard.element_size(), rowwise)
     ws = symm.get_workspace(ctx, "ag_gemm", a_shard.dtype, dev, need)
     plan = steps.cached(ws, ("copy_engine ag", m_shard, k, rowwise), lambda: _AgPlan(ws, m_shard, k, rowwise))
-    main, side = torch.cuda.current_stream(), ws.stream
+    main, side = ws.current_stream(), ws.stream
     breadcrumb("copy_engine ag_gemm: publishing the local shard")
     steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out, scale_a if rowwise else None)
-    side.wait_stream(main)
+    steps.join(side, main, plan.fork)
     last = plan.peers[-1]
     pulled = [a_full[rows] for rows in plan.rows]   # each peer's rows, sliced once per call
     scales = [scale_full[rows] if rowwise else None for rows in plan.rows]
@@ -226,6 +227,7 @@ class _ScatterPlan:
         self.dests = [inbox(p, rank) for p in self.peers]
         self.ready_out = [ws.outgoing("READY", [p]) for p in self.peers]
         self.events = [torch.cuda.Event() for _ in self.peers]
+        self.joined = torch.cuda.Event()   # the compute stream's wait for the side stream at the end
         self.own_rows = slice(*bounds[rank])
         self.own = inbox(rank, rank)
         self.sources = [inbox(rank, src) for src in range(ws.world_size)]
@@ -289,11 +291,11 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
         ws, [(r * shard, (r + 1) * shard) for r in range(world_size)], shard, n))
     breadcrumb("copy_engine gemm_rs: computing partials")
     ws.begin(plan.credits)
-    main = torch.cuda.current_stream()
+    main = ws.current_stream()
     sources = _scatter_partials(a, b, ws, plan, main, scaled)
     steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard)   # NaN when broken
     ws.signal(plan.done_out)
-    main.wait_stream(ws.stream)
+    steps.join(main, ws.stream, plan.joined)
     return _rounded(c_shard, result_dtype)
 
 
@@ -339,10 +341,10 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
 
     breadcrumb("copy_engine gemm_ar (two-shot): computing partials")
     ws.begin(plan.credits)
-    main = torch.cuda.current_stream()
+    main = ws.current_stream()
     sources = _scatter_partials(a, b, ws, plan, main, scaled)
     steps.gather_reduced(ws, plan.peers, sources, bounds, views.__getitem__, c)   # NaN when broken
-    main.wait_stream(ws.stream)   # the side stream's pushes joined back
+    steps.join(main, ws.stream, plan.joined)   # the side stream's pushes joined back
     return _rounded(c, result_dtype)
 
 

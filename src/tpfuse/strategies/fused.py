@@ -319,6 +319,7 @@ class _AgPlan:
                              max_spins=max(1, int(bound_s * 1000)), error=ws.error, rank=rank)
         self.start_chunk = rank * m_shard // chunk_m
         self.chunk_owner = lambda chunk: min(chunk * chunk_m // m_shard, world_size - 1)   # first rows' owner
+        self.fork, self.joined = torch.cuda.Event(), torch.cuda.Event()   # side waits for compute, and back
 
 
 def _column_major(b: torch.Tensor) -> torch.Tensor:
@@ -360,7 +361,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     arrived = _local_words(ws, "arrived", -(-m // chunk_m))
     plan = steps.cached(ws, ("fused ag", m_shard, k, chunk_m, rowwise),
                         lambda: _AgPlan(ws, m_shard, k, chunk_m, arrived, rowwise))
-    main, side = torch.cuda.current_stream(), ws.stream
+    main, side = ws.current_stream(), ws.stream
     breadcrumb("fused ag_gemm: publishing the local shard")
     ws.host.chunk_owner = plan.chunk_owner   # names the peer if the GEMM's wait times out
     steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out, scale_a if rowwise else None)
@@ -372,7 +373,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     # The pulls are issued before the GEMM is launched: a launch first, with the side stream's
     # kernels issued after it, timed out in the bed when their first call's JIT compile outlasted
     # the GEMM's bounded spins (docs/ops.md, tried and not kept).
-    side.wait_stream(main)
+    steps.join(side, main, plan.fork)
     with ws.on_stream():
         for src, lo, hi, chunk, ready, rows, scale_rows, last in plan.pulls:
             if ready is not None:
@@ -389,7 +390,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
           start_chunk=plan.start_chunk, wait=plan.wait, check=False, num_sms=sm_budget(dev, world_size, knobs),
           **_scale_kwargs(scale_full, scale_b, c.dtype))
     arrived.zero_()   # after the GEMM (main stream), which ends only once every word was set
-    main.wait_stream(side)
+    steps.join(main, side, plan.joined)
     a_full.record_stream(side)
     if not scaled:
         steps.finish(ws, c, a_full)   # NaN when broken: this call's wait or the GEMM's timed out, or an earlier one
