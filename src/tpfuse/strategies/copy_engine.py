@@ -138,6 +138,9 @@ class _AgPlan:
         self.rows = [slice(p * m_shard, (p + 1) * m_shard) for p in self.peers]
         self.events = [torch.cuda.Event() for _ in self.peers]
         self.fork = torch.cuda.Event()   # the side stream's wait for the compute stream
+        # timeline span names, built once (span() is a no-op when nothing records)
+        self.labels = [(f"READY {p}", f"pull {p}", f"GEMM {p}") for p in self.peers]
+        self.own_label = f"GEMM {ws.rank}"
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
@@ -177,11 +180,11 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     pulled = [a_full[rows] for rows in plan.rows]   # each peer's rows, sliced once per call
     scales = [scale_full[rows] if rowwise else None for rows in plan.rows]
     with ws.on_stream():
-        for p, ready, slot, dest, scale_slot, scale_dest, event in zip(
-                plan.peers, plan.ready_in, plan.slots, pulled, plan.scale_slots, scales, plan.events):
-            with timeline.span("wait", f"READY {p}", device=dev, chunk=p):
+        for p, ready, slot, dest, scale_slot, scale_dest, event, labels in zip(
+                plan.peers, plan.ready_in, plan.slots, pulled, plan.scale_slots, scales, plan.events, plan.labels):
+            with timeline.span("wait", labels[0], device=dev, chunk=p):
                 ws.wait(ready, symm.WAIT_READY)
-            with timeline.span("copy", f"pull {p}", device=dev, chunk=p):
+            with timeline.span("copy", labels[1], device=dev, chunk=p):
                 dest.copy_(slot)
                 if scale_slot is not None:
                     scale_dest.copy_(scale_slot)
@@ -194,11 +197,12 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     a_full[mine].copy_(a_shard)
     if rowwise:
         scale_full[mine].copy_(scale_a)
-    with timeline.span("gemm", f"GEMM {rank}", device=dev, chunk=rank):
+    with timeline.span("gemm", plan.own_label, device=dev, chunk=rank):
         _chunk_mm(a_shard, b, scaled, c[mine])
-    for p, rows, chunk, scale_rows, event in zip(plan.peers, plan.rows, pulled, scales, plan.events):
+    for p, rows, chunk, scale_rows, event, labels in zip(plan.peers, plan.rows, pulled, scales, plan.events,
+                                                         plan.labels):
         main.wait_event(event)
-        with timeline.span("gemm", f"GEMM {p}", device=dev, chunk=p):
+        with timeline.span("gemm", labels[2], device=dev, chunk=p):
             _chunk_mm(chunk, b, scaled, c[rows], scale_rows)
     a_full.record_stream(side)
     if rowwise:
@@ -228,6 +232,8 @@ class _ScatterPlan:
         self.ready_out = [ws.outgoing("READY", [p]) for p in self.peers]
         self.events = [torch.cuda.Event() for _ in self.peers]
         self.joined = torch.cuda.Event()   # the compute stream's wait for the side stream at the end
+        self.labels = [(f"GEMM {p}", f"push {p}") for p in self.peers]   # timeline span names
+        self.own_label = f"GEMM {rank}"
         self.own_rows = slice(*bounds[rank])
         self.own = inbox(rank, rank)
         self.sources = [inbox(rank, src) for src in range(ws.world_size)]
@@ -252,17 +258,18 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan
 
     # no side.wait_stream(main): the side stream's first work waits for an event recorded on the
     # compute stream after begin and the first GEMM, which orders it after both
-    for p, rows, dest, ready, done in zip(plan.peers, plan.rows, plan.dests, plan.ready_out, plan.events):
-        with timeline.span("gemm", f"GEMM {p}", device=dev, chunk=p):
+    for p, rows, dest, ready, done, labels in zip(plan.peers, plan.rows, plan.dests, plan.ready_out, plan.events,
+                                                  plan.labels):
+        with timeline.span("gemm", labels[0], device=dev, chunk=p):
             part = product(rows)
         done.record(main)
         with ws.on_stream():
             side.wait_event(done)
-            with timeline.span("copy", f"push {p}", device=dev, chunk=p):
+            with timeline.span("copy", labels[1], device=dev, chunk=p):
                 dest.copy_(part)
             ws.signal(ready)
         part.record_stream(side)
-    with timeline.span("gemm", f"GEMM {ws.rank}", device=dev, chunk=ws.rank):
+    with timeline.span("gemm", plan.own_label, device=dev, chunk=ws.rank):
         product(plan.own_rows, plan.own)
     return plan.sources
 
