@@ -10,7 +10,8 @@ Writes ``gemm_core_h200.json`` (``--name`` changes it) and prints a short table 
 
 ``--dtype fp8``: e4m3 operands (``b = weight.t()``), bf16 output, scales tensor-wise and
 row-wise (``--scaling``; one row per shape and scaling, named ``<shape>-tensorwise`` /
-``-rowwise``), against ``torch._scaled_mm`` (cuBLASLt) in the "cublas" columns: ``graph_ratio`` =
+``-rowwise``), against ``torch._scaled_mm(..., use_fast_accum=True)`` (cuBLASLt; the core
+accumulates fp8 products the same way) in the "cublas" columns: ``graph_ratio`` =
 ``torch._scaled_mm`` time / ours. Writes ``gemm_core_fp8_h200.json`` unless ``--name`` says.
 """
 from __future__ import annotations
@@ -99,7 +100,9 @@ def baseline(a, b, c, *sc):
     """cuBLAS: ``torch.matmul``, or for fp8 ``torch._scaled_mm`` (cuBLASLt) into ``c``."""
     if not sc:
         return torch.matmul(a, b, out=c)
-    return torch._scaled_mm(a, b, scale_a=sc[0], scale_b=sc[1], out_dtype=c.dtype, out=c)
+    # use_fast_accum: the core's fp8 dot accumulates as cuBLASLt's fast mode does (Triton's
+    # sm_90 default max_num_imprecise_acc), so the baseline does too (docs/gemm_core.md)
+    return torch._scaled_mm(a, b, scale_a=sc[0], scale_b=sc[1], out_dtype=c.dtype, out=c, use_fast_accum=True)
 
 
 def bench(fn_of_set, sets, rep):
@@ -356,7 +359,7 @@ def main(argv=None):
                       "--rounds interleaved rounds of (cublas, ours, round_order, owner_order, wait, epilogue), "
                       "each round in a rotated order; eager: min of the rounds' medians; graph (one CUDA-graph "
                       "replay per call): median of the rounds' medians, graph_ratio and *_graph_overhead are "
-                      "medians of per-round pairs; cublas = torch.matmul(a, w.t()) (fp8: torch._scaled_mm(a, w.t(), "
+                      "medians of per-round pairs; cublas = torch.matmul(a, w.t()) (fp8: torch._scaled_mm(a, w.t(), use_fast_accum=True, "
                       "scale_a, scale_b, out_dtype=bfloat16), cuBLASLt); "
                       "ours = best tuned config (tuning timed from CUDA-graph replays unless --eager-tuning); hooks reuse that config with signals pre-set"}
     todo = shapes(args.quick)

@@ -398,3 +398,32 @@ def compiled_fp8_matches_eager(rank, world_size):
 
 def test_torch_compile_fullgraph(rank_pool):
     assert all(rank_pool(2).run(compiled_fp8_matches_eager, timeout=240))
+
+
+@pytest.mark.parametrize("rows,mode", [(37, "tensor"), (37, "row"), (48, "row"), (5, "tensor")])
+def test_scaled_mm_row_padding_keeps_the_product(monkeypatch, rows, mode):
+    """The CUDA path pads an fp8 ``a`` to a multiple of 16 rows (cuBLASLt refused 37 rows on the
+    H200 bed); forced on here, it must give the unpadded product bit for bit, into ``out`` too."""
+    from tpfuse.strategies import _scaled
+
+    g = torch.Generator().manual_seed(rows)
+    a = (torch.randn(rows, 32, generator=g) * 2).to(torch.float8_e4m3fn)
+    b = (torch.randn(48, 32, generator=g) * 2).to(torch.float8_e4m3fn).t()
+    if mode == "tensor":
+        sa, sb = torch.tensor(0.75), torch.tensor(1.5)
+    else:
+        sa, sb = torch.rand(rows, 1, generator=g) + 0.25, torch.rand(1, 48, generator=g) + 0.25
+    plain = _scaled.mm(a, b, sa, sb, torch.bfloat16)
+    monkeypatch.setattr(_scaled, "_pad_rows", lambda device: True)
+    seen, real = [], torch._scaled_mm
+
+    def spy(x, *args, **kwargs):
+        seen.append(x.shape[0])
+        return real(x, *args, **kwargs)
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    padded = _scaled.mm(a, b, sa, sb, torch.bfloat16)
+    out = torch.full((rows, 48), float("nan"), dtype=torch.bfloat16)
+    into = _scaled.mm(a, b, sa, sb, torch.bfloat16, out=out)
+    assert padded.shape == (rows, 48) and into is out
+    assert seen == [-(-rows // 16) * 16] * 2   # the padded operand reached torch._scaled_mm
+    assert torch.equal(padded, plain) and torch.equal(out, plain)

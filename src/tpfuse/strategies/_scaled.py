@@ -7,6 +7,12 @@ the scales and ``out_dtype`` are None) and ``(a * scale_a) @ (b * scale_b)`` rou
 ``scale_a_rows`` is the scale of exactly the rows of ``a`` passed (a strategy slicing row chunks
 slices a row-wise scale alike; a tensor-wise scale passes unchanged).  Inputs were validated by
 :mod:`tpfuse.ops` (:func:`tpfuse._fp8.check_scaled`).
+
+On CUDA an fp8 ``a`` whose row count is not a multiple of :data:`ROW_MULTIPLE` is padded with
+zero rows (scale 1) before ``torch._scaled_mm`` and the product's first rows are kept: on the
+H200 bed (torch 2.11, CUDA 13) cuBLASLt refused a 37-row chunk of copy_engine's fp8 ag_gemm with
+``CUBLAS_STATUS_NOT_SUPPORTED`` while every row count that is a multiple of 16 ran (the GEMM
+benchmark's).  Rows are independent, so the kept rows are the unpadded product's.
 """
 
 from __future__ import annotations
@@ -15,7 +21,14 @@ import torch
 
 from tpfuse._fp8 import is_fp8
 
-__all__ = ["mm", "wire"]
+__all__ = ["mm", "wire", "ROW_MULTIPLE"]
+
+ROW_MULTIPLE = 16   # the fp8 row counts cuBLASLt took on the H200 (module docstring)
+
+
+def _pad_rows(device: torch.device) -> bool:
+    """Whether fp8 operands on ``device`` get their rows padded to ``ROW_MULTIPLE`` (CUDA)."""
+    return device.type == "cuda"
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, scale_a_rows: torch.Tensor | None = None,
@@ -39,6 +52,18 @@ def mm(a: torch.Tensor, b: torch.Tensor, scale_a_rows: torch.Tensor | None = Non
             a = a.contiguous()
         if b.stride(0) != 1 or b.stride(1) < max(1, b.shape[0]):
             b = b.t().contiguous().t()
+    m = a.shape[0]
+    if m % ROW_MULTIPLE and _pad_rows(a.device):
+        padded = -(-m // ROW_MULTIPLE) * ROW_MULTIPLE
+        a_pad = a.new_zeros((padded, a.shape[1]), dtype=torch.uint8)   # zero bytes: +0.0 in e4m3 and e5m2
+        a_pad[:m].copy_(a.view(torch.uint8))
+        a_pad = a_pad.view(a.dtype)
+        if scale_a.dim() == 2:
+            s_pad = scale_a.new_ones((padded, 1))
+            s_pad[:m] = scale_a
+            scale_a = s_pad
+        rows = torch._scaled_mm(a_pad, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)[:m]
+        return rows if out is None else out.copy_(rows)
     kwargs = {} if out is None else {"out": out}
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, **kwargs)
 
