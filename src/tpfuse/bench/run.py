@@ -201,6 +201,8 @@ def _parts_fp8(w: Workload, sets, device) -> tuple[Callable, Callable, Callable]
 
     n, world_size = len(sets), w.world_size
     scales = [_scales(a) for a, _ in sets]
+    out_dtype = _fp8.DEFAULT_OUT_DTYPE   # what the ops return for fp8 by default
+    partial_dtype = tpfuse.dtypes.reduce_dtype(sets[0][0].dtype, (tpfuse.dtypes.FP8,))
 
     def gemm_of(a, i, out_dtype):
         return mm(a, sets[i % n][1], scales[i % n]["scale_a"], scales[i % n]["scale_b"], out_dtype)
@@ -209,7 +211,7 @@ def _parts_fp8(w: Workload, sets, device) -> tuple[Callable, Callable, Callable]
         full = [torch.empty(w.m, w.k, device=device, dtype=sets[0][0].dtype) for _ in sets]
         for f in full:
             f.view(torch.uint8).random_(0, 0x7f)   # finite e4m3 bytes (0x7f is NaN)
-        gemm = lambda i: gemm_of(full[i % n], i, torch.bfloat16)  # noqa: E731
+        gemm = lambda i: gemm_of(full[i % n], i, out_dtype)  # noqa: E731
         comm = lambda i: all_gather_rows(wire(full[i % n]), wire(sets[i % n][0]), None)  # noqa: E731
 
         def torch_way(i):
@@ -218,20 +220,20 @@ def _parts_fp8(w: Workload, sets, device) -> tuple[Callable, Callable, Callable]
         return gemm, comm, torch_way
     outs = [torch.randn(w.m, w.n, device=device) for _ in sets]   # float32 partials
     shards = [torch.empty(w.m // world_size, w.n, device=device) for _ in sets]
-    gemm = lambda i: gemm_of(sets[i % n][0], i, torch.bfloat16)  # noqa: E731
+    gemm = lambda i: gemm_of(sets[i % n][0], i, out_dtype)  # noqa: E731
     if w.op == "gemm_rs":
         comm = lambda i: reduce_scatter_rows(shards[i % n], outs[i % n], None)  # noqa: E731
 
         def torch_way(i):
-            reduce_scatter_rows(shards[i % n], gemm_of(sets[i % n][0], i, torch.float32), None)
-            return shards[i % n].to(torch.bfloat16)
+            reduce_scatter_rows(shards[i % n], gemm_of(sets[i % n][0], i, partial_dtype), None)
+            return shards[i % n].to(out_dtype)
     else:
         comm = lambda i: dist.all_reduce(outs[i % n])  # noqa: E731
 
         def torch_way(i):
-            partial = gemm_of(sets[i % n][0], i, torch.float32)
+            partial = gemm_of(sets[i % n][0], i, partial_dtype)
             dist.all_reduce(partial)
-            return partial.to(torch.bfloat16)
+            return partial.to(out_dtype)
     return gemm, comm, torch_way
 
 
