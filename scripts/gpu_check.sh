@@ -37,7 +37,7 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember pass/fail and 
   date -u +%Y-%m-%dT%H:%M:%SZ
 } > "$OUT/gpu.txt" 2>&1
 GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())')
-step gpu_tests timeout "${TESTS_LIMIT_S:-400}" $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu} --timeout 300 -rs --durations=15
+step gpu_tests timeout "${TESTS_LIMIT_S:-400}" $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu} --timeout 300 -rfEs --durations=15
 # the one-GPU multi-process bed for the symmetric-memory strategies (MPS; tests/gpu/bed.py)
 if [ "${SKIP_BED:-0}" != 1 ]; then
   nvidia-cuda-mps-control -d >/dev/null 2>&1; mps_started=$?
