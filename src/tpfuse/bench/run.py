@@ -111,33 +111,28 @@ class _CellJob:
 _DTYPES = common.OP_DTYPES
 
 
-def _copies(w: Workload, rank: int, device: torch.device, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Input sets (random, never zeros): enough copies to exceed 3 x L2 on GPU, one on CPU.
-    fp8: e4m3 quantized with tensor-wise scales (:func:`_scales` gives each set's)."""
+def _copies(w: Workload, rank: int, device: torch.device,
+            dtype: torch.dtype) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[dict]]:
+    """Input sets (random, never zeros): enough copies to exceed 3 x L2 on GPU, one on CPU; and
+    each set's extra op arguments ({} but for fp8: e4m3 quantized with tensor-wise scales, whose
+    ``scale_a``, ``scale_b`` and ``out_dtype`` they are)."""
     rows = w.m // w.world_size if w.op == "ag_gemm" else w.m
     per_copy = (rows * w.k + w.k * w.n + w.m * w.n) * torch.empty((), dtype=dtype).element_size()
     n = max(2, min(8, math.ceil(3 * L2_BYTES / per_copy))) if device.type == "cuda" else 1
     g = torch.Generator(device=device).manual_seed(1000 * rank + 7)
-    out = []
+    out, kws = [], []
     fp8 = _fp8.is_fp8(dtype)
     make = torch.float32 if fp8 else dtype
-    _SCALES.clear()   # the previous cell's sets are gone
     for _ in range(n):
         a = torch.randn(rows, w.k, generator=g, device=device, dtype=make)
         weight = torch.randn(w.n, w.k, generator=g, device=device, dtype=make) / math.sqrt(w.k)
         if fp8:
             (a, scale_a), (weight, scale_b) = (_fp8.quantize(x, dtype, "tensor") for x in (a, weight))
-            _SCALES[a.data_ptr()] = dict(scale_a=scale_a, scale_b=scale_b, out_dtype=_fp8.DEFAULT_OUT_DTYPE)
+            kws.append(dict(scale_a=scale_a, scale_b=scale_b, out_dtype=_fp8.DEFAULT_OUT_DTYPE))
+        else:
+            kws.append({})
         out.append((a, weight.t()))
-    return out
-
-
-_SCALES: dict[int, dict] = {}   # fp8 input sets: the scales of each set, by its a's address
-
-
-def _scales(a: torch.Tensor) -> dict:
-    """The op's scale arguments for input set ``(a, b)`` ({} unless fp8)."""
-    return _SCALES[a.data_ptr()] if _fp8.is_fp8(a.dtype) else {}
+    return out, kws
 
 
 def _asynctp_fn(w: Workload, sets, group_name: str, device: torch.device) -> tuple[Callable | None, str | None]:
@@ -158,13 +153,13 @@ def _asynctp_fn(w: Workload, sets, group_name: str, device: torch.device) -> tup
                                                                       group_name)), None
 
 
-def _parts(w: Workload, sets, device, dtype) -> tuple[Callable, Callable, Callable]:
+def _parts(w: Workload, sets, kws, device, dtype) -> tuple[Callable, Callable, Callable]:
     """(gemm alone, collective alone, collective + matmul as users write it), input dtype."""
     from tpfuse._dist import all_gather_rows, reduce_scatter_rows
 
     n, world_size = len(sets), w.world_size
     if _fp8.is_fp8(dtype):
-        return _parts_fp8(w, sets, device)
+        return _parts_fp8(w, sets, kws, device)
     if w.op == "ag_gemm":
         full = [torch.randn(w.m, w.k, device=device, dtype=dtype) for _ in sets]
         gemm = lambda i: torch.matmul(full[i % n], sets[i % n][1])  # noqa: E731
@@ -193,14 +188,13 @@ def _parts(w: Workload, sets, device, dtype) -> tuple[Callable, Callable, Callab
     return gemm, comm, torch_way
 
 
-def _parts_fp8(w: Workload, sets, device) -> tuple[Callable, Callable, Callable]:
+def _parts_fp8(w: Workload, sets, scales, device) -> tuple[Callable, Callable, Callable]:
     """fp8 :func:`_parts`: the all-gather moves the fp8 bytes, the GEMM is ``torch._scaled_mm``
     (bf16 out), RS/AR reduce its float32 partials (what ``unfused`` runs)."""
     from tpfuse._dist import all_gather_rows, reduce_scatter_rows
     from tpfuse.strategies._scaled import mm, wire
 
     n, world_size = len(sets), w.world_size
-    scales = [_scales(a) for a, _ in sets]
     out_dtype = _fp8.DEFAULT_OUT_DTYPE   # what the ops return for fp8 by default
     partial_dtype = tpfuse.dtypes.reduce_dtype(sets[0][0].dtype, (tpfuse.dtypes.FP8,))
 
@@ -266,18 +260,17 @@ def cell_job(rank: int, world_size: int, job: _CellJob) -> dict:
     w = job.workload
     device = torch.device("cuda", torch.cuda.current_device()) if job.mode != "cpu-gloo" else torch.device("cpu")
     dtype = _DTYPES[job.dtype]
-    sets = _copies(w, rank, device, dtype)
+    sets, kw = _copies(w, rank, device, dtype)   # kw: fp8, each set's scales and out_dtype
     ctx = group_context(None)
     n = len(sets)
     runnable = strategies.runnable(ctx, device, dtype)
     names = tuple(job.strategies) if job.strategies is not None else (*runnable, "auto")
-    resolved = resolve_strategy(w.op, "auto", sets[0][0], sets[0][1], ctx, **_scales(sets[0][0]))
+    resolved = resolve_strategy(w.op, "auto", sets[0][0], sets[0][1], ctx, **kw[0])
     op = getattr(tpfuse, w.op)
     to_run, skipped = strategy_plan(names, runnable, resolved, job.mode,
                                     lambda s: strategies.why_unavailable(s, ctx, device, dtype))
-    kw = [_scales(a) for a, _ in sets]   # fp8: each set's scales and out_dtype
     variants: dict[str, Callable] = {s: (lambda i, s=s: op(*sets[i % n], strategy=s, **kw[i % n])) for s in to_run}
-    gemm, comm, torch_way = _parts(w, sets, device, dtype)
+    gemm, comm, torch_way = _parts(w, sets, kw, device, dtype)
     variants["@gemm"] = gemm
     if job.mode == "one-gpu-bed":
         why = "one-GPU bed: its gloo group cannot carry CUDA tensors (and NCCL refuses two ranks on one GPU)"
@@ -335,7 +328,7 @@ def timeline_job(rank: int, world_size: int, job: _CellJob) -> list[dict]:
 
     w = job.workload
     device = torch.device("cuda", torch.cuda.current_device()) if job.mode != "cpu-gloo" else torch.device("cpu")
-    sets = _copies(w, rank, device, _DTYPES[job.dtype])
+    sets, kw = _copies(w, rank, device, _DTYPES[job.dtype])
     op = getattr(tpfuse, w.op)
     events: list[dict] = []
     for s in job.strategies or ():
@@ -343,7 +336,7 @@ def timeline_job(rank: int, world_size: int, job: _CellJob) -> list[dict]:
             common._barrier(device)
             with timeline.recording(rank) as rec:
                 with rec.span("call", s, device=device):
-                    op(*sets[0], strategy=s, **_scales(sets[0][0]))
+                    op(*sets[0], strategy=s, **kw[0])
         events += [ev.to_dict() for ev in rec.events()]
     return events
 
