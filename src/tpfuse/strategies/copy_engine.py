@@ -274,6 +274,13 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan
     return plan.sources
 
 
+def _whole_product(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` with nothing to exchange (one rank, or an empty gemm_ar): scaled for fp8."""
+    if scaled is None:
+        return torch.matmul(a, b)
+    return _chunk_mm(a, b, scaled, new_output((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device))
+
+
 def _rounded(acc: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The float32 sum ``acc`` of fp8 partials rounded once to ``out_dtype`` (itself if float32)."""
     return acc if acc.dtype == out_dtype else acc.to(out_dtype)
@@ -287,8 +294,7 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     result_dtype = out_dtype or a.dtype
     acc_dtype = partial_dtype(a.dtype)   # fp8: float32 partials, reduced, then rounded once
     if world_size == 1:
-        return torch.matmul(a, b) if scaled is None else _chunk_mm(a, b, scaled, new_output(
-            (m, n), dtype=result_dtype, device=a.device))
+        return _whole_product(a, b, scaled, result_dtype)
     shard = m // world_size
     c_shard = new_output((shard, n), dtype=acc_dtype if scaled is not None else result_dtype, device=a.device)
     if m * n == 0:
@@ -321,8 +327,7 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     acc_dtype = partial_dtype(a.dtype)   # fp8: float32 partials, reduced, then rounded once
     elt = dtypes.itemsize(acc_dtype)
     if world_size == 1 or m * n == 0:
-        return torch.matmul(a, b) if scaled is None else _chunk_mm(a, b, scaled, new_output(
-            (m, n), dtype=result_dtype, device=a.device))
+        return _whole_product(a, b, scaled, result_dtype)
     c = new_output((m, n), dtype=acc_dtype if scaled is not None else result_dtype, device=a.device)
     if ar_mode(m, n, elt) == "one_shot":
         # its own workspace: its slot is read in place by every peer (credit: DONE from all), a
