@@ -30,20 +30,33 @@ import torch
 
 from tpfuse.kernels import abi
 
-__all__ = ["HostRecord", "Watchdog", "describe", "watch", "WAIT_KINDS"]
+__all__ = ["HostRecord", "Watchdog", "describe", "watch", "WAIT_KINDS", "register_wait"]
 
 log = logging.getLogger("tpfuse")
 
-# What a timeout of each wait (word abi.ERR_WHAT) means, in the user's words.
+# What a timeout of each wait (word abi.ERR_WHAT) means, in the user's words.  A strategy with
+# waits of its own (codes it owns in abi.py) adds them through :func:`register_wait`.
 WAIT_KINDS = {
     abi.WAIT_CREDIT: ("credit", "to finish reading this rank's buffer from the previous call"),
     abi.WAIT_READY: ("ready", "to publish its data for this call"),
     abi.WAIT_CREDIT2: ("credit", "to finish reading this rank's gather buffer from the previous call"),
     abi.WAIT_READY2: ("ready", "to publish its reduced rows for this call"),
-    # sm_workers' staging ring (this rank's own words; :func:`describe` words these itself)
-    abi.WAIT_SLOT_FREE: ("ring credit", "the workers to drain a staging-ring slot (sm_workers' producer)"),
-    abi.WAIT_SLOT_READY: ("ring ready", "the producer to fill a staging-ring slot (sm_workers' workers)"),
 }
+# code -> explain(words, op=, waiter=, timeout_s=) -> the sentence (register_wait)
+_EXPLAIN: dict[int, Callable[..., str]] = {}
+
+
+def register_wait(code: int, kind: str, meaning: str, explain: Callable[..., str]) -> None:
+    """A strategy's own wait (its code in abi.py): ``kind``/``meaning`` for :data:`WAIT_KINDS`,
+    and ``explain(words, *, op, waiter, timeout_s)``, the sentence :func:`describe` gives for a
+    record of that code (``waiter``: the rank that waited).  The strategy's module calls it at
+    import; the kernels that record the code are its own, so it is registered before any record."""
+    known = WAIT_KINDS.get(code)
+    if code in (abi.WAIT_GEMM_CHUNK, abi.WAIT_CREDIT, abi.WAIT_READY, abi.WAIT_CREDIT2, abi.WAIT_READY2) or (
+            known is not None and known != (kind, meaning)):
+        raise ValueError(f"wait code {code} is taken ({known or 'the GEMM wait hook'}); give the wait its own code in abi.py")
+    WAIT_KINDS[code] = (kind, meaning)
+    _EXPLAIN[code] = explain
 
 
 def describe(words: list[int], *, op: str, rank: int, timeout_s: float,
@@ -62,16 +75,10 @@ def describe(words: list[int], *, op: str, rank: int, timeout_s: float,
                 f"waited more than {timeout_s:g} s (TPFUSE_TIMEOUT_S) for chunk {chunk} of its input "
                 f"to land (its arrival word: wanted >= {gen}, last saw {seen}); {who} is "
                 f"dead, late, or called a different op sequence.")
+    explain = _EXPLAIN.get(what)
+    if explain is not None:
+        return explain(words, op=op, waiter=waiter, timeout_s=timeout_s)
     chunk = words[abi.ERR_CHUNK]
-    if what == abi.WAIT_SLOT_FREE:
-        return (f"tpfuse {op} (sm_workers): rank {waiter}'s producer waited more than {timeout_s:g} s "
-                f"(TPFUSE_TIMEOUT_S) for a FREE slot {words[abi.ERR_TILE]} of its staging ring (chunk {chunk}, for "
-                f"owner rank {peer}: wanted the slot's use count >= {gen}, last saw {seen}). Its worker CTAs did not "
-                f"drain the slot: they wait on an earlier chunk, or a peer rank is dead or late.")
-    if what == abi.WAIT_SLOT_READY:
-        return (f"tpfuse {op} (sm_workers): rank {waiter}'s worker CTAs waited more than {timeout_s:g} s "
-                f"(TPFUSE_TIMEOUT_S) for ring chunk {chunk} (for owner rank {peer}) to be produced (wanted use "
-                f">= {gen}, last saw {seen}); its producer stalled.")
     kind, meaning = WAIT_KINDS.get(what, ("?", "to signal"))
     where = f" (the wait was for chunk {chunk})" if chunk >= 0 else ""
     return (f"tpfuse {op}: rank {waiter} waited more than {timeout_s:g} s (TPFUSE_TIMEOUT_S) for rank {peer} "

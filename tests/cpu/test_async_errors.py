@@ -160,6 +160,23 @@ def test_the_watchdog_reports_each_error_once_naming_the_ranks():
     assert len(dog._live()) == 1
 
 
+def test_a_strategy_explains_its_own_wait_codes_and_cannot_take_anothers(monkeypatch):
+    """watchdog.register_wait: the sentence for a code a strategy owns comes from that strategy
+    (sm_workers registers its ring waits at import); a code already taken is refused."""
+    monkeypatch.setattr(watchdog, "WAIT_KINDS", dict(watchdog.WAIT_KINDS))
+    monkeypatch.setattr(watchdog, "_EXPLAIN", dict(watchdog._EXPLAIN))
+    assert abi.WAIT_SLOT_FREE in watchdog._EXPLAIN and abi.WAIT_SLOT_READY in watchdog._EXPLAIN
+    code = 99
+    watchdog.register_wait(code, "toy", "the toy to finish", lambda words, *, op, waiter, timeout_s:
+                           f"{op}: rank {waiter} waited {timeout_s:g} s for the toy (peer {words[abi.ERR_PEER]})")
+    words = [0] * abi.ERROR_WORDS
+    words[abi.ERR_WHAT], words[abi.ERR_PEER], words[abi.ERR_RANK] = code, 3, 1
+    assert watchdog.describe(words, op="gemm_rs", rank=0, timeout_s=2.0) == "gemm_rs: rank 1 waited 2 s for the toy (peer 3)"
+    for taken in (abi.WAIT_READY, abi.WAIT_GEMM_CHUNK, abi.WAIT_SLOT_FREE):
+        with pytest.raises(ValueError, match="taken"):
+            watchdog.register_wait(taken, "toy", "the toy to finish", lambda words, **kw: "")
+
+
 def test_the_watchdog_thread_logs_within_its_interval():
     got = threading.Event()
     lines = []

@@ -87,7 +87,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpfuse import dtypes, symm, timeline
+from tpfuse import dtypes, symm, timeline, watchdog
 from tpfuse._dist import GroupContext, breadcrumb, new_output
 from tpfuse.kernels import abi
 from tpfuse.model import cost as model_cost
@@ -115,10 +115,33 @@ ORDER = 40
 DTYPES = (dtypes.HALF,)
 SYMMETRIC_MEMORY = True
 
-# Codes of this strategy's own waits in the workspace's error word (abi.ERR_WHAT; their meaning:
-# tpfuse.watchdog.describe)
+# Codes of this strategy's own waits in the workspace's error word (abi.ERR_WHAT; explained to
+# tpfuse.watchdog.describe by the register_wait calls below)
 WAIT_SLOT_FREE = abi.WAIT_SLOT_FREE     # the producer waited for the workers to drain a ring slot (a credit)
 WAIT_SLOT_READY = abi.WAIT_SLOT_READY   # a worker waited for the producer to fill a ring slot
+
+
+def _explain_slot_free(words: list[int], *, op: str, waiter: int, timeout_s: float) -> str:
+    peer, gen, seen, chunk = (words[abi.ERR_PEER], words[abi.ERR_GENERATION], words[abi.ERR_SEEN],
+                              words[abi.ERR_CHUNK])
+    return (f"tpfuse {op} ({NAME}): rank {waiter}'s producer waited more than {timeout_s:g} s "
+            f"(TPFUSE_TIMEOUT_S) for a FREE slot {words[abi.ERR_TILE]} of its staging ring (chunk {chunk}, for "
+            f"owner rank {peer}: wanted the slot's use count >= {gen}, last saw {seen}). Its worker CTAs did not "
+            f"drain the slot: they wait on an earlier chunk, or a peer rank is dead or late.")
+
+
+def _explain_slot_ready(words: list[int], *, op: str, waiter: int, timeout_s: float) -> str:
+    peer, gen, seen, chunk = (words[abi.ERR_PEER], words[abi.ERR_GENERATION], words[abi.ERR_SEEN],
+                              words[abi.ERR_CHUNK])
+    return (f"tpfuse {op} ({NAME}): rank {waiter}'s worker CTAs waited more than {timeout_s:g} s "
+            f"(TPFUSE_TIMEOUT_S) for ring chunk {chunk} (for owner rank {peer}) to be produced (wanted use "
+            f">= {gen}, last saw {seen}); its producer stalled.")
+
+
+watchdog.register_wait(WAIT_SLOT_FREE, "ring credit", "the workers to drain a staging-ring slot (sm_workers' producer)",
+                       _explain_slot_free)
+watchdog.register_wait(WAIT_SLOT_READY, "ring ready", "the producer to fill a staging-ring slot (sm_workers' workers)",
+                       _explain_slot_ready)
 
 # Defaults of the knobs, with their sources.
 # ~15 SMs reach NVLink4/5 line rate with KB-sized SM-driven messages (published measurements
