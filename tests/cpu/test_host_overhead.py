@@ -236,3 +236,54 @@ def test_eager_symmetric_memory_calls_fork_streams_only_where_they_overlap(monke
     assert streams == ["record", "wait_event"] * 2, seq   # the fork, then the chunk's event
     fork = seq.index("wait_event")
     assert seq.index("signal_kernel", fork) < seq.index("record", fork), seq   # DONE, then the event
+
+
+def test_busy_ahead_interleaved_rotates_and_takes_the_ratio_per_round(monkeypatch):
+    """The busy-ahead figures of several variants come from the same rounds, in an order that
+    rotates, and each variant's ratio to the reference is the median of per-round ratios: a
+    host that slows down between rounds moves both sides of a ratio alike (faked clock, no GPU)."""
+    import types
+
+    from tpfuse.bench import host
+
+    clock = [0.0]
+    slow = [1.0]                      # the host's load factor, drifting from round to round
+    order = []
+
+    def variant(name, cost_s):
+        def fn():
+            order.append(name)
+            clock[0] += cost_s * slow[0]
+        return fn
+
+    class FakeEvent:
+        def record(self):
+            pass
+
+        def query(self):
+            return False              # the queued work is still running
+
+    syncs = [0]
+
+    def synchronize():
+        syncs[0] += 1
+        if syncs[0] % 6 == 1:         # a new round (3 variants x 2 phases): the host drifts
+            slow[0] *= 2.0
+
+    monkeypatch.setattr(host, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(host, "_sleep_cycles_per_ms", lambda: 1.0)
+    monkeypatch.setattr(host.torch, "cuda", types.SimpleNamespace(synchronize=synchronize, _sleep=lambda n: None,
+                                                                 Event=FakeEvent))
+    fns = {"ours": variant("ours", 1e-4), "mid": variant("mid", 2e-4), "theirs": variant("theirs", 4e-4)}
+    rows = host.measure_busy_ahead_interleaved(fns, calls=3, rounds=3, reference="theirs")
+    firsts = [order[i] for i in range(0, len(order), 4)]   # 1 + 3 calls per (round, variant)
+    assert firsts == ["ours", "mid", "theirs", "mid", "theirs", "ours", "theirs", "ours", "mid"]
+    assert set(rows) == {"ours", "mid", "theirs"} and all(r["gpu_stayed_busy"] for r in rows.values())
+    assert len(rows["ours"]["round_host_us"]) == 3 and "host_us_ratio" not in rows["theirs"]
+    # the host got 2x slower every round: the absolute figures moved 4x, the ratios did not
+    assert rows["ours"]["round_host_us"][2] == pytest.approx(4 * rows["ours"]["round_host_us"][0])
+    assert rows["ours"]["host_us_ratio"] == pytest.approx(0.25)
+    assert rows["mid"]["host_us_ratio"] == pytest.approx(0.5)
+    assert rows["ours"]["reference_host_us"] == rows["theirs"]["host_us"]
+    with pytest.raises(ValueError, match="reference"):
+        host.measure_busy_ahead_interleaved(fns, reference="nope")

@@ -35,9 +35,16 @@ that waited for the GPU would show it):
 | ``host_ms_gpu_busy`` | host ms of ONE eager ``tpfuse.<op>`` call issued behind >= ``busy_ms`` (60) ms of queued GPU work |
 | ``host_us`` | host us per call of ``busy_calls`` back-to-back calls, the GPU busy ahead throughout |
 | ``gpu_stayed_busy`` | the queued GPU work had not finished when the host was done (else the figures include waiting for it) |
+| ``round_host_us`` | ``host_us`` of each round |
+| ``host_us_vs_asynctp`` | ag_gemm / gemm_rs: median over rounds of ``host_us`` / async-TP's ``host_us`` in the same round |
+| ``asynctp_host_us`` | async-TP's ``host_us`` from those rounds |
 
-and rows of ``strategy = "asynctp"`` give the same two figures for PyTorch's async-TP ops
-(``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``) in the same run.
+and rows of ``strategy = "asynctp"`` give the same figures for PyTorch's async-TP ops
+(``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``).  The busy-ahead
+figures of one op are taken interleaved (:func:`measure_busy_ahead_interleaved`): every round times
+each strategy and async-TP once, in a rotating order, so the bed's drifting host load (W processes
+and MPS share it; async-TP's own figure moved 2x between two runs on one day) hits all alike, and
+the ratio is taken per round.
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ import torch.distributed as dist
 
 from tpfuse import dtypes
 
-__all__ = ["measure_host_overhead", "measure_busy_ahead", "main"]
+__all__ = ["measure_host_overhead", "measure_busy_ahead", "measure_busy_ahead_interleaved", "main"]
 
 
 def _per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
@@ -87,24 +94,54 @@ def measure_busy_ahead(fn: Callable[[], object], *, calls: int = 20, rounds: int
     behind ``busy_ms`` + 2 ms per call), medians over ``rounds``; ``gpu_stayed_busy``: the
     queued work was still running when the host was done, in every round.  ``barrier`` lines
     the ranks up before each round (every rank of a collective ``fn`` must call this)."""
+    return measure_busy_ahead_interleaved({"fn": fn}, calls=calls, rounds=rounds, busy_ms=busy_ms,
+                                          barrier=barrier)["fn"]
+
+
+def measure_busy_ahead_interleaved(fns: dict[str, Callable[[], object]], *, calls: int = 20, rounds: int = 5,
+                                   busy_ms: float = 60.0, barrier: Callable[[], None] = lambda: None,
+                                   reference: str | None = None) -> dict[str, dict]:
+    """:func:`measure_busy_ahead` of several eager calls, interleaved: every round times each of
+    ``fns`` once (one call, then ``calls`` calls, each behind its own queued GPU work), in an
+    order that rotates from round to round, so that drift of the host's load (the one-GPU bed's
+    host is shared by W processes and MPS) hits every variant alike.  Returns per key the
+    figures of :func:`measure_busy_ahead` plus ``round_host_us`` (each round's value) and, for
+    every key but ``reference``, ``host_us_ratio``: the median over rounds of its ``host_us``
+    divided by the reference's in the same round (``reference_host_us``: the reference's median).
+    Every rank of a collective ``fn`` must call this with the same keys in the same order."""
+    if calls < 1 or rounds < 1:
+        raise ValueError(f"calls, rounds: {calls}, {rounds} must be >= 1")
+    if reference is not None and reference not in fns:
+        raise ValueError(f"reference: {reference!r} is not one of {list(fns)}")
     per_ms = _sleep_cycles_per_ms()
-    one, each, busy = [], [], True
-    for _ in range(rounds):
-        for n, ahead, out in ((1, busy_ms, one), (calls, busy_ms + 2.0 * calls, each)):
-            torch.cuda.synchronize()
-            barrier()
-            torch.cuda._sleep(int(ahead * per_ms))
-            queued = torch.cuda.Event()
-            queued.record()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            elapsed = time.perf_counter() - t0
-            busy = busy and not queued.query()
-            out.append(elapsed / n)
+    keys = list(fns)
+    one: dict[str, list[float]] = {key: [] for key in keys}
+    each: dict[str, list[float]] = {key: [] for key in keys}
+    busy = {key: True for key in keys}
+    for r in range(rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            for n, ahead, out in ((1, busy_ms, one[key]), (calls, busy_ms + 2.0 * calls, each[key])):
+                torch.cuda.synchronize()
+                barrier()
+                torch.cuda._sleep(int(ahead * per_ms))
+                queued = torch.cuda.Event()
+                queued.record()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fns[key]()
+                elapsed = time.perf_counter() - t0
+                busy[key] = busy[key] and not queued.query()
+                out.append(elapsed / n)
     torch.cuda.synchronize()
-    return {"host_ms_gpu_busy": statistics.median(one) * 1e3, "host_us": statistics.median(each) * 1e6,
-            "gpu_stayed_busy": busy, "busy_ms": busy_ms, "busy_calls": calls}
+    rows = {key: {"host_ms_gpu_busy": statistics.median(one[key]) * 1e3, "host_us": statistics.median(each[key]) * 1e6,
+                  "round_host_us": [round(v * 1e6, 2) for v in each[key]], "gpu_stayed_busy": busy[key],
+                  "busy_ms": busy_ms, "busy_calls": calls} for key in keys}
+    if reference is not None:
+        for key in keys:
+            if key != reference:
+                rows[key]["host_us_ratio"] = statistics.median(x / y for x, y in zip(each[key], each[reference]))
+                rows[key]["reference_host_us"] = rows[reference]["host_us"]
+    return rows
 
 
 def measure_host_overhead(op: str = "gemm_ar", *, strategy: str = "unfused", m: int = 128, n: int = 256,
@@ -239,21 +276,35 @@ def _bed_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
         m = args.m
         a = torch.randn(m // world_size if op == "ag_gemm" else m, args.k, device=dev, dtype=dtypes.default("cuda"))
         b = torch.randn(args.n, args.k, device=dev, dtype=dtypes.default("cuda")).t()
+        fn = getattr(tpfuse, op)
+        busy_fns, op_rows = {}, {}
         for s in args.strategies:
-            row = measure_host_overhead(op, strategy=s, m=m, n=args.n, k=args.k, dtype=dtypes.default("cuda"),
-                                        device="cuda", calls=args.calls, rounds=args.rounds, warmup=10)
-            fn = getattr(tpfuse, op)
-            with torch.no_grad():
-                row.update(measure_busy_ahead(lambda: fn(a, b, strategy=s), calls=args.busy_calls,
-                                              rounds=args.rounds, barrier=dist.barrier))
-            rows.append(row)
+            op_rows[s] = measure_host_overhead(op, strategy=s, m=m, n=args.n, k=args.k, dtype=dtypes.default("cuda"),
+                                               device="cuda", calls=args.calls, rounds=args.rounds, warmup=10)
+            busy_fns[s] = lambda s=s: fn(a, b, strategy=s)
         if op in ("ag_gemm", "gemm_rs"):
-            rows.append(_asynctp_row(op, a, b, world_size, args))
+            op_rows["asynctp"], theirs = _asynctp_row(op, a, b, world_size, args)
+            if theirs is not None:
+                busy_fns["asynctp"] = theirs
+        # every variant in the same rounds, rotated (the bed's host load drifts: async-TP's own
+        # figure moved 2x between runs), and each tpfuse variant's ratio to async-TP per round
+        with torch.no_grad():
+            busy = measure_busy_ahead_interleaved(busy_fns, calls=args.busy_calls, rounds=args.rounds,
+                                                  barrier=dist.barrier,
+                                                  reference="asynctp" if "asynctp" in busy_fns else None)
+        for key, row in op_rows.items():
+            got = busy.get(key, {})
+            if "host_us_ratio" in got:
+                got["host_us_vs_asynctp"] = got.pop("host_us_ratio")
+                got["asynctp_host_us"] = got.pop("reference_host_us")
+            row.update(got)
+            rows.append(row)
     return rows
 
 
-def _asynctp_row(op: str, a: torch.Tensor, b: torch.Tensor, world_size: int, args: argparse.Namespace) -> dict:
-    """PyTorch's async-TP op for ``op`` timed as :func:`measure_busy_ahead` times ours."""
+def _asynctp_row(op: str, a: torch.Tensor, b: torch.Tensor, world_size: int, args: argparse.Namespace):
+    """PyTorch's async-TP op for ``op``: its row (the busy-ahead figures are filled by the
+    caller, which times it interleaved with ours) and the call, or None where it fails."""
     group_name = dist.group.WORLD.group_name
     if op == "ag_gemm":
         def fn():
@@ -266,14 +317,21 @@ def _asynctp_row(op: str, a: torch.Tensor, b: torch.Tensor, world_size: int, arg
                device="cuda", device_name=torch.cuda.get_device_name(), backend="gloo",
                **{key: None for key in ("tpfuse_us", "direct_us", "custom_op_us", "bare_us", "matmul_us",
                                          "overhead_us", "dispatcher_us")})
+    ok = True
     try:
         with torch.no_grad():
             for _ in range(3):
                 fn()
-            row.update(measure_busy_ahead(fn, calls=args.busy_calls, rounds=args.rounds, barrier=dist.barrier))
+            torch.cuda.synchronize()
     except Exception as exc:   # noqa: BLE001 - a torch build without it: say so in the row
         row["reasons"] = {"host_us": f"async-TP failed: {type(exc).__name__}: {str(exc)[:200]}"}
-    return row
+        ok = False
+    # the ranks agree on whether it runs (every rank must time the same variants)
+    flag = torch.tensor([1 if ok else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if not flag.item() and ok:
+        row["reasons"] = {"host_us": "async-TP failed on another rank"}
+    return row, (fn if flag.item() else None)
 
 
 def _main_bed(args: argparse.Namespace) -> int:
@@ -298,7 +356,9 @@ def _report(rows: list[dict], path: str | None, meta: dict) -> None:
         busy = ""
         if "host_us" in r:
             busy = (f"  | GPU busy ahead: one call {r['host_ms_gpu_busy']:.2f} ms, {r['host_us']:.1f} us/call"
-                    f"{'' if r.get('gpu_stayed_busy') else ' (the GPU went idle: includes waiting)'}")
+                    f"{'' if r.get('gpu_stayed_busy') else ' (the GPU went idle: includes waiting)'}"
+                    + (f", {r['host_us_vs_asynctp']:.2f}x async-TP's in the same rounds"
+                       if r.get("host_us_vs_asynctp") is not None else ""))
         print(f"{r['op']:8s} {r['strategy']:11s} W={r['world_size']} tpfuse {us(r['tpfuse_us'])} us  direct "
               f"{us(r['direct_us'])}  overhead {us(r['overhead_us'])}  custom op {us(r['custom_op_us'])}  "
               f"bare {us(r['bare_us'])}  matmul {us(r['matmul_us'])}{busy}", flush=True)
