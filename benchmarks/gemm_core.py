@@ -336,7 +336,9 @@ def main(argv=None):
                    help="more timings of each tuning leader; ranked by the median of all")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (eager and graph)")
     p.add_argument("--no-graphs", dest="graphs", action="store_false", help="skip CUDA-graph timings")
-    p.add_argument("--only", default="", help="comma-separated substrings of shape names")
+    p.add_argument("--only", default="",
+                   help="comma-separated substrings of shape names; one ending in $ must end the name "
+                        "(8B-fc1-train$: not 8B-fc1-train_chunk)")
     p.add_argument("--eager-tuning", dest="tune_graphs", action="store_false",
                    help="time tuning candidates with eager launches (default: CUDA-graph replays)")
     args = p.parse_args(argv)
@@ -365,7 +367,7 @@ def main(argv=None):
     todo = shapes(args.quick)
     if args.only:
         keys = args.only.split(",")
-        todo = [s for s in todo if any(k in s.name for k in keys)]
+        todo = [s for s in todo if any(s.name.endswith(k[:-1]) if k.endswith("$") else k in s.name for k in keys)]
     rows, log = [], []
     meta["host_us_per_call"] = host_overhead_us()
     print("host time per call (us):", meta["host_us_per_call"], flush=True)

@@ -258,6 +258,59 @@ def test_offline_ws_kernel_takes_row_major_b_and_narrow_tiles():
         assert "HGMMA" in sass and "LOCAL:0" in res and kern.metadata.shared <= 232448, kw
 
 
+# fp8 variants of the Gluon kernel, compiled with the (block, stages) ws_choice takes for them:
+# (ws_choice's keywords, the config asked for, compile_ws_kernel's keywords, wgmma of the PTX)
+_WS_FP8 = {
+    "e4m3_bf16_tensorwise_stacked": (dict(out_dtype=torch.bfloat16, scale_a=1, scale_b=1), 256,
+                                     dict(epi_tma=9), ".e4m3.e4m3"),
+    "e4m3_bf16_rowwise_8_descriptors": (dict(out_dtype=torch.bfloat16, scale_a=2, scale_b=2), 256,
+                                        dict(epi_tma=8), ".e4m3.e4m3"),
+    "e4m3_fp32_rowwise_stacked": (dict(out_dtype=torch.float32, scale_a=2, scale_b=2), 256,
+                                  dict(epi_tma=9), ".e4m3.e4m3"),
+    "e4m3_fp32_tensorwise_8_descriptors": (dict(out_dtype=torch.float32, scale_a=1, scale_b=1), 128,
+                                           dict(epi_tma=8), ".e4m3.e4m3"),
+    "e4m3_bf16_rowwise_wait": (dict(out_dtype=torch.bfloat16, scale_a=2, scale_b=2), 256,
+                               dict(wait=True, tile_order=1), ".e4m3.e4m3"),
+    "e5m2_e4m3_fp16_tensorwise_stacked": (dict(b_dtype=E4M3, out_dtype=torch.float16, scale_a=1, scale_b=1), 256,
+                                          dict(epi_tma=9), ".e5m2.e4m3"),
+}
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
+@pytest.mark.parametrize("variant", list(_WS_FP8))
+def test_offline_ws_kernel_fp8_with_scales(variant):
+    # on every supported Triton: the Gluon kernel with fp8 inputs at the (block, stages) ws_choice
+    # takes (K-steps of 128; float32 out: 128-wide tiles) compiles to fp8 wgmma (QGMMA) fed by TMA
+    # loads, spills nothing and fits sm_90's shared memory beside its staging buffer; the hook's
+    # count and publication (or the wait) as for bf16. The scales: one multiply per accumulator
+    # element and operand (a tensor-wise pair: their product once, then one per element).
+    compile_ws, sass_of = _offline_ws(pinned=False)
+    ws_kw, bn, kw, mma = _WS_FP8[variant]
+    dtype = E5M2 if ws_kw.get("b_dtype") == E4M3 else E4M3
+    cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=128, num_warps=8, num_stages=3)
+    wait = kw.get("wait", False)
+    (block, stages), _ = launch.ws_choice((9, 0), dtype, cfg, None if wait else object(), object() if wait else None,
+                                          0 if wait else kw["epi_tma"], True, out_tma=True, **ws_kw)
+    assert block[2] == 128 and (block[1] == 128) == (ws_kw["out_dtype"] == torch.float32), block
+    m, n, k = 4096, 3584, 4096
+    kern = compile_ws(m, n, k, block=block, stages=stages, dtype=dtype, b_dtype=ws_kw.get("b_dtype"),
+                      out_dtype=ws_kw["out_dtype"], scale_a=ws_kw["scale_a"], scale_b=ws_kw["scale_b"], **kw)
+    sass, res = sass_of(kern.asm["cubin"])
+    ptx = kern.asm["ptx"]
+    assert "LOCAL:0" in res and "STACK:0" in res and kern.metadata.shared <= 232448, (res, kern.metadata.shared)
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32" + re.escape(mma), ptx)
+    assert wgmma and set(wgmma) == {str(block[1])} and "QGMMA" in sass and "UTMALDG" in sass
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    for piece in ("atom.add.acq_rel.gpu", "fence.acq_rel.sys"):
+        assert ptx.count(piece) == (0 if wait else 1), piece
+    assert ptx.count("ld.global.acquire.sys.b32") == (1 if wait else 0)
+    import triton
+    if triton.__version__.startswith(KNOWN_TRITON):   # pinned: what this Triton made of the scaling
+        per_thread = block[0] * block[1] // (abi.WS_NUM_WARPS * 32)   # accumulator elements per MMA thread
+        muls = len(re.findall(r"\bmul\.(?:rn\.)?f32", ptx))
+        assert muls == (2 * per_thread if ws_kw["scale_a"] == 2 else per_thread + 1), muls
+
+
 def test_ws_choice():
     # the Gluon kernel takes one hook on sm_90 -- the epilogue hook where it stores by TMA, or the
     # wait hook into a TMA-stored output -- for 128-row tiles 128 or 256 wide in
@@ -291,6 +344,50 @@ def test_ws_choice():
     assert got == () and "gluon=False" in reason
     got, reason = launch.ws_choice((10, 0), torch.bfloat16, big, epi, None, 8, True)   # wgmma is sm_90's
     assert got == () and "sm_90" in reason
+
+
+def test_ws_choice_fp8():
+    # fp8 (e4m3, and the e4m3/e5m2 mixes) with any scale modes into bf16/fp16/float32: the Gluon
+    # kernel with K-steps of 128; float32 out takes 128-wide tiles (its staging buffer is twice
+    # a 16-bit one's); b must be K-major; 16-bit inputs with scales or another output stay out
+    sm90 = (9, 0)
+    big = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3)
+    narrow = dataclasses.replace(big, BLOCK_N=128, num_stages=6)
+    epi, wait = object(), object()
+
+    def choice(dtype, cfg, *args, **kw):
+        return launch.ws_choice(sm90, dtype, cfg, *args, **kw)
+    for sa, sb in ((0, 0), (1, 1), (2, 2), (1, 2), (2, 0)):
+        for out, want in ((torch.bfloat16, ((128, 256, 128), 3)), (torch.float16, ((128, 256, 128), 3)),
+                          (torch.float32, ((128, 128, 128), 5))):
+            got, why = choice(E4M3, big, epi, None, 8, True, out_dtype=out, scale_a=sa, scale_b=sb)
+            assert got == want and "Gluon" in why, (sa, sb, out, why)
+        got, why = choice(E4M3, big, None, wait, 0, True, out_tma=True, out_dtype=torch.bfloat16, scale_a=sa,
+                          scale_b=sb)
+        assert got == ((128, 256, 128), 3) and "load warp waits" in why
+    got, why = choice(E4M3, big, epi, None, 9, True, out_dtype=torch.float32, scale_a=2, scale_b=2)
+    assert "128-wide" in why and "float32" in why
+    assert choice(E4M3, narrow, epi, None, 8, True, out_dtype=torch.bfloat16)[0] == ((128, 128, 128), 5)
+    for a_dt, b_dt in ((E4M3, E5M2), (E5M2, E4M3)):
+        assert choice(a_dt, big, epi, None, 9, True, b_dtype=b_dt, out_dtype=torch.float16, scale_a=1,
+                      scale_b=1)[0] == ((128, 256, 128), 3)
+    # wave fill as for bf16: 8B fc1 prefill (4096 x 3584) on 132 SMs takes 128-wide tiles
+    assert choice(E4M3, big, epi, None, 8, True, 4096, 3584, 132, out_dtype=torch.bfloat16, scale_a=2,
+                  scale_b=2)[0] == ((128, 128, 128), 5)
+    for kw, why in ((dict(b_dtype=E5M2, out_dtype=torch.bfloat16, a_dtype=E5M2), "outside"),
+                    (dict(out_dtype=torch.bfloat16, b_kmajor=False), "K-major"),
+                    (dict(out_dtype=E4M3), "outside"),
+                    (dict(a_dtype=torch.bfloat16, out_dtype=torch.bfloat16, scale_a=1), "with scales"),
+                    (dict(a_dtype=torch.bfloat16, out_dtype=torch.float32), "another output dtype"),
+                    (dict(a_dtype=torch.float16, b_dtype=torch.float16, out_dtype=torch.float16, scale_b=2),
+                     "with scales")):
+        got, reason = choice(kw.pop("a_dtype", E4M3), big, epi, None, 8, True, **kw)
+        assert got == () and why in reason and "gemm_kernel" in reason, (kw, reason)
+    got, reason = choice(E4M3, dataclasses.replace(big, BLOCK_M=64), epi, None, 8, True, out_dtype=torch.bfloat16)
+    assert got == () and "128x128 or 128x256" in reason
+    # bf16 unscaled as before (its own out dtype given or not)
+    assert choice(torch.bfloat16, dataclasses.replace(big, BLOCK_K=64), epi, None, 8, True,
+                  out_dtype=torch.bfloat16)[0] == ((128, 256, 64), 3)
 
 
 def test_rerank_leaders_by_the_median_of_interleaved_timings():

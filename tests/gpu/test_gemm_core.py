@@ -618,7 +618,9 @@ def test_fp8_mixes_and_out_dtypes(a_dtype, b_dtype, out_dtype):
 def test_fp8_stream_k_and_hooks_match_the_plain_call_bitwise():
     # stream-K sums and scales per subtile from the workspace; the wait hook's gathered rows
     # take their scales by global row; the epilogue hook stores scaled rows to each chunk's
-    # destination. Hooks change neither sums nor scaling: bitwise the plain call.
+    # destination. Hooks change neither sums nor scaling: bitwise the plain call, in
+    # gemm_hooked_kernel (gluon=False) and, on sm_90, in the Gluon kernel (gemm_ws_kernel:
+    # the same wgmma K-steps in the same order, the scales applied in gemm.py's order).
     m, k, n, chunk_m = 1024, 2048, 1024, 256
     a, b, sa, sb = _fp8_operands(m, k, n, E4M3, E4M3, "row", seed=2)
     sk = dataclasses.replace(FP8_NARROW, num_programs=7, stream_k=2)
@@ -626,16 +628,48 @@ def test_fp8_stream_k_and_hooks_match_the_plain_call_bitwise():
     assert gc.last_plan().sk_tiles > 0
     _fp8_close(out, _scaled_mm(a, b, sa, sb, torch.bfloat16), a, b, sa, sb)
     plain = gc.matmul(a, b, config=FP8_BIG, scale_a=sa, scale_b=sb)
-    signal = torch.full((m // chunk_m,), 5, dtype=torch.int32, device="cuda")
-    waited = gc.matmul(a, b, config=FP8_BIG, tile_order="round", start_chunk=2, scale_a=sa, scale_b=sb,
-                       wait=gc.WaitSpec(signal, generation=5, chunk_m=chunk_m, timeout_ns=10**9))
-    assert gc.last_plan().variant == "gemm_hooked_kernel"
-    dests = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    for gluon in (False, True):
+        options = gc.GemmOptions(gluon=gluon)
+        kernel = "gemm_ws_kernel" if gluon and WS_GPU else "gemm_hooked_kernel"
+        signal = torch.full((m // chunk_m,), 5, dtype=torch.int32, device="cuda")
+        waited = gc.matmul(a, b, config=FP8_BIG, tile_order="round", start_chunk=2, scale_a=sa, scale_b=sb,
+                           wait=gc.WaitSpec(signal, generation=5, chunk_m=chunk_m, timeout_ns=10**9), options=options)
+        assert gc.last_plan().variant == kernel, gc.last_plan().explain()
+        dests = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        signals = torch.zeros(m // chunk_m, dtype=torch.int32, device="cuda")
+        spec = gc.EpilogueSpec.from_tensors(list(dests.split(chunk_m)), signals, 1, chunk_m)
+        gc.matmul(a, b, config=FP8_BIG, tile_order="owner", start_chunk=1, epilogue=spec, scale_a=sa, scale_b=sb,
+                  options=options)
+        assert gc.last_plan().variant == kernel, gc.last_plan().explain()
+        torch.cuda.synchronize()
+        assert torch.equal(waited, plain) and torch.equal(dests, plain) and signals.tolist() == [1] * 4, kernel
+
+
+@pytest.mark.skipif(not WS_GPU, reason="the Gluon kernel is sm_90's")
+@pytest.mark.parametrize("mode", ["tensor", "row"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fp8_gluon_epilogue_hook_per_chunk_matches_the_plain_call_bitwise(mode, out_dtype):
+    # gemm_rs's case: fp8 into float32 partials, one destination per chunk (per-chunk TMA
+    # descriptors), the Gluon kernel's store warp counting and publishing; float32 takes
+    # 128-wide tiles (ws_choice). Bitwise the plain call's 128x256 tiles.
+    m, k, n, chunk_m = 1024, 2048, 1024, 256
+    a, b, sa, sb = _fp8_operands(m, k, n, E4M3, E4M3, mode, seed=5)
+    plain = gc.matmul(a, b, config=FP8_BIG, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    assert not torch.isnan(plain).any()   # its accuracy: test_fp8_against_scaled_mm, test_fp8_mixes_and_out_dtypes
+    dests = [torch.full((chunk_m, n), float("nan"), dtype=out_dtype, device="cuda") for _ in range(m // chunk_m)]
     signals = torch.zeros(m // chunk_m, dtype=torch.int32, device="cuda")
-    spec = gc.EpilogueSpec.from_tensors(list(dests.split(chunk_m)), signals, 1, chunk_m)
-    gc.matmul(a, b, config=FP8_BIG, tile_order="owner", start_chunk=1, epilogue=spec, scale_a=sa, scale_b=sb)
-    torch.cuda.synchronize()
-    assert torch.equal(waited, plain) and torch.equal(dests, plain) and signals.tolist() == [1] * 4
+    for generation in (1, 2):   # the JIT launch, then the direct one
+        for d in dests:
+            d.fill_(float("nan"))
+        spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m)
+        gc.matmul(a, b, config=FP8_BIG, tile_order="owner", start_chunk=1, epilogue=spec, scale_a=sa, scale_b=sb,
+                  out_dtype=out_dtype)
+        plan = gc.last_plan()
+        assert plan.kernel == "gemm_ws_kernel" and plan.epi_tma == m // chunk_m, plan.explain()
+        assert plan.tile_shape == ((128, 128) if out_dtype == torch.float32 else (128, 256)), plan.explain()
+        torch.cuda.synchronize()
+        assert signals.tolist() == [generation] * (m // chunk_m)
+        assert torch.equal(torch.cat(dests), plain)
 
 
 @pytest.mark.skipif(not FP8, reason="fp8 MMAs need compute capability 8.9+")

@@ -341,18 +341,47 @@ def _wave_fill(tiles: int, programs: int) -> float:
     return tiles / (-(-tiles // programs) * programs)
 
 
+def _ws_dtypes_why_not(dtype, b_dtype, out_dtype, scale_a, scale_b, b_kmajor) -> str:
+    """Why the Gluon kernel cannot take these dtypes, scales and b layout ("" if it can)."""
+    b_dtype = dtype if b_dtype is None else b_dtype
+    out_dtype = dtype if out_dtype is None and dtype in _types.WS_DTYPES else out_dtype
+    if dtype in _types.WS_DTYPES:
+        if b_dtype != dtype or out_dtype != dtype or scale_a or scale_b:
+            return (f"{_types.dtype_name(dtype)} with scales or another output dtype: outside the Gluon kernel's "
+                    "(bf16/fp16 in and out unscaled, or fp8); gemm_kernel")
+        return ""
+    if _types.is_fp8(dtype):
+        if (dtype, b_dtype) not in _types.FP8_PAIRS or out_dtype not in _types.FP8_OUT_DTYPES:
+            return (f"fp8 {dtype} x {b_dtype} into {out_dtype}: outside the Gluon kernel's (fp8 pairs "
+                    "into bf16/fp16/float32); gemm_kernel")
+        if not b_kmajor:
+            return "fp8 b not K-major: sm_90's fp8 wgmma reads b K-major (weight.t()); gemm_kernel"
+        return ""
+    return f"{dtype} outside the Gluon kernel's (bf16/fp16 in and out, or fp8): gemm_kernel"
+
+
 def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0, programs=0,
-              out_tma=False, options: GemmOptions = DEFAULT_OPTIONS) -> tuple[tuple, str]:
+              out_tma=False, options: GemmOptions = DEFAULT_OPTIONS, *, b_dtype=None, out_dtype=None,
+              scale_a=_types.SCALE_NONE, scale_b=_types.SCALE_NONE, b_kmajor=True) -> tuple[tuple, str]:
     """``((block, stages), why)`` of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py)
     for a launch with one hook, or ``((), why not)`` for gemm_kernel. Taken on sm_90
-    (``capability`` major 9) for bf16/fp16, for configs of 128-row tiles 128 or 256 wide, with either the epilogue hook where it stores by TMA (``epi_tma``: every destination
-    16-byte aligned, per-chunk descriptors or stacked destinations) -- its store warp counts and
-    publishes off the MMA warps, which in gemm_kernel wait ~0.9 us per tile for it -- or the wait
-    hook into a TMA-stored ``out`` (``out_tma``) -- its load warp waits, not the MMA warps. Not
-    with both hooks at once. The Gluon kernel takes the config's tile and GROUP_M, K-steps of 64
-    and as many stages as fit beside its staging buffer; it has no stream-K, so where 128-wide
-    tiles fill the waves of ``programs`` better by more than 5 points than 256-wide ones (8B fc1
-    at M = 4096: 0.97 against 0.85), it takes those. ``options.gluon=False`` keeps gemm_kernel."""
+    (``capability`` major 9) for configs of 128-row tiles 128 or 256 wide, with either the
+    epilogue hook where it stores by TMA (``epi_tma``: every destination 16-byte aligned,
+    per-chunk descriptors or stacked destinations) -- its store warp counts and publishes off
+    the MMA warps, which in gemm_kernel wait ~0.9 us per tile for it -- or the wait hook into a
+    TMA-stored ``out`` (``out_tma``) -- its load warp waits, not the MMA warps. Not with both
+    hooks at once. ``options.gluon=False`` keeps gemm_kernel.
+
+    Dtypes: bf16/fp16 in and out (``b_dtype``, ``out_dtype`` None: ``dtype``), unscaled,
+    K-steps of 64; or fp8 (``dtype`` x ``b_dtype`` one of ``_types.FP8_PAIRS``, ``b_kmajor``:
+    sm_90's fp8 wgmma reads b K-major) into bf16/fp16/float32 with any scale modes
+    (``scale_a``/``scale_b``, ``_types.SCALE_*``; applied to the fp32 accumulator as gemm.py
+    does), K-steps of 128 (the same bytes per stage). Stages: as many as fit beside the output
+    staging buffer in sm_90's 227 KiB (3 for 128x256 tiles, 5 for 128x128); a float32 output's
+    staging buffer is twice a 16-bit one's, so fp8 into float32 takes 128-wide tiles (a
+    128x256 one would leave room for 2 stages). No stream-K, so where 128-wide tiles fill the
+    waves of ``programs`` better by more than 5 points than 256-wide ones (8B fc1 at M = 4096:
+    0.97 against 0.85), it takes those."""
     if epilogue is None and wait is None:
         return (), "no hook: gemm_kernel"
     if epilogue is not None and wait is not None:
@@ -365,20 +394,25 @@ def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0
         return (), "GemmOptions(gluon=False): gemm_kernel"
     if not use_asm:
         return (), "no inline PTX (signal_asm off or not on CUDA): gemm_kernel"
-    if dtype not in _types.WS_DTYPES or cfg.BLOCK_M != 128 or cfg.BLOCK_N not in (128, 256):
-        return (), ("config outside the Gluon kernel's (bf16/fp16 in and out, no scales, 128x128 or 128x256 "
-                    "tiles): gemm_kernel")
+    why_not = _ws_dtypes_why_not(dtype, b_dtype, out_dtype, scale_a, scale_b, b_kmajor)
+    if why_not:
+        return (), why_not
+    if cfg.BLOCK_M != 128 or cfg.BLOCK_N not in (128, 256):
+        return (), ("config outside the Gluon kernel's (128x128 or 128x256 tiles): gemm_kernel")
     if capability[0] != 9:
         return (), f"compute capability {capability}: the Gluon kernel's wgmma is sm_90's; gemm_kernel"
-    bn = cfg.BLOCK_N
+    fp8 = _types.is_fp8(dtype)
+    bn, narrowed = cfg.BLOCK_N, ""
+    if bn == 256 and fp8 and out_dtype == torch.float32:
+        bn, narrowed = 128, " with 128-wide tiles (a 128x256 float32 staging buffer leaves room for 2 stages)"
     if bn == 256 and m and n and programs:
         fill = {w: _wave_fill(-(-m // 128) * -(-n // w), programs) for w in (128, 256)}
         if fill[128] > fill[256] + 0.05:
-            bn = 128
+            bn, narrowed = 128, " with 128-wide tiles, which fill the waves better"
     why = ("one hook on sm_90: the warp-specialized Gluon kernel (its "
            + ("store warp counts and publishes" if epilogue is not None else "load warp waits")
-           + ", not the MMA warps)" + (" with 128-wide tiles, which fill the waves better" if bn != cfg.BLOCK_N else ""))
-    return ((128, bn, 64), 3 if bn == 256 else 5), why
+           + ", not the MMA warps" + (", fp8 scaled in the MMA warps" if fp8 else "") + ")" + narrowed)
+    return ((128, bn, 128 if fp8 else 64), 3 if bn == 256 else 5), why
 
 
 def epi_count_mode(options: GemmOptions = DEFAULT_OPTIONS, eligible_async: bool = True,
@@ -501,10 +535,9 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
                        DEST_ALIGNED=epilogue.align_elems if epilogue is not None else 0, EPI_TMA=epi_tma,
                        EPI_COUNT=epi_count if epilogue is not None else abi.EPI_COUNT_RETURNING).project()
     capability = device_info(device_index(device))["capability"] if device.type == "cuda" else (0, 0)
-    # the Gluon kernel writes its inputs' dtype, unscaled
-    ws_dtype = a.dtype if out_dtype == a.dtype and not (mode_a or mode_b) else None
-    ws, why_ws = ws_choice(capability, ws_dtype, cfg, epilogue, wait, epi_tma, use_asm, m, n, programs,
-                           out_tma=bool(use_tma) and cfg.tma_store and epilogue is None, options=options)
+    ws, why_ws = ws_choice(capability, a.dtype, cfg, epilogue, wait, epi_tma, use_asm, m, n, programs,
+                           out_tma=bool(use_tma) and cfg.tma_store and epilogue is None, options=options,
+                           b_dtype=b.dtype, out_dtype=out_dtype, scale_a=mode_a, scale_b=mode_b, b_kmajor=b_kmajor)
     if epilogue is not None or wait is not None:
         reasons.append(why_ws)
     if ws:   # one program per SM or fewer, no more than tiles of the Gluon kernel's own tile
@@ -566,7 +599,7 @@ def _shared_layout(block: tuple, dtype: str):
 
 
 def _gluon_descriptor(t, shape, strides, block):
-    """A Gluon TMA descriptor of ``t`` (bf16/fp16, unit column stride) with the shared layout
+    """A Gluon TMA descriptor of ``t`` (bf16/fp16/fp8/float32, unit column stride) with the shared layout
     the Gluon kernel stages ``block`` in (same arguments as triton's TensorDescriptor)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     return TensorDescriptor(t, list(shape), list(strides), list(block), _shared_layout(tuple(block), _types.tl_name(t.dtype)))
@@ -665,7 +698,7 @@ def _launch_gemm_kernel(plan: LaunchPlan, plan_key, values: dict, device) -> Non
 
 def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, counters=None, signal_ptrs=None,
                generation=0, epi_descs=None, wait_signal=None, wait_gen=0, wait_timeout_ns=0,
-               err=None, tile_records=None) -> None:
+               err=None, tile_records=None, scale_a=None, scale_b=None) -> None:
     """The Gluon kernel on ``a [M, K] @ b [K, N]`` (``b`` row-major or ``weight.t()``) into
     ``out``, or with ``dests`` (the epilogue hook) into one destination per chunk (``stacked``:
     consecutive row blocks of one tensor, ``epi_descs`` their descriptors), counting in
@@ -673,7 +706,8 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, cou
     ``wait_signal`` (the wait hook, into ``out``): the load warp waits before a tile's loads
     until ``wait_signal[c] >= wait_gen`` for every chunk ``c`` its rows touch, for at most
     ``wait_timeout_ns``, recording a timeout in ``err``. ``tile_records``: the per-tile timeline
-    (RECORD_TILES). :func:`matmul` validated everything."""
+    (RECORD_TILES). ``scale_a`` / ``scale_b``: fp8's scales (modes ``plan.scale_a`` /
+    ``plan.scale_b``), applied by the MMA warps. :func:`matmul` validated everything."""
     from ..kernels.gemm_ws import gemm_ws_kernel
     m, k = a.shape
     n = b.shape[1]
@@ -703,19 +737,22 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, cou
     # the dtype, block, b_kmajor and destinations; the hook ints and pointers are not
     # specialized but for their width and dtype), so a cached compiled kernel fits this call
     c0 = dests[0] if epilogue else out
-    spec = ("gemm_ws", a.device, a.dtype, c0.dtype, m, n, k, a.stride(), b.stride(), c0.stride(), bm, bn, bk,
+    mode_a, mode_b = plan.scale_a, plan.scale_b
+    spec = ("gemm_ws", a.device, a.dtype, b.dtype, c0.dtype, mode_a, mode_b, m, n, k, a.stride(), b.stride(),
+            c0.stride(), bm, bn, bk,
             group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, sum(d is not None for d in epi),
             wait, record, tuple(-2**31 <= x < 2**31 for x in ints),
             tuple(None if t is None else t.dtype for t in (wait_signal, err, counters, signal_ptrs)))
     full = [a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
-            wait_timeout_ns, err, counters, signal_ptrs, generation, *epi, tile_records,
+            wait_timeout_ns, err, counters, signal_ptrs, generation, *epi, tile_records, scale_a, scale_b,
             bm, bn, bk, group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, wait, record,
-            abi.WS_NUM_WARPS]
+            mode_a, mode_b, abi.WS_NUM_WARPS]
     _launch_cached(spec, (grid, 1, 1), full, a.device, lambda: gemm_ws_kernel[(grid, )](
         a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen, wait_timeout_ns,
-        err, counters, signal_ptrs, generation, *epi, tile_records,
+        err, counters, signal_ptrs, generation, *epi, tile_records, scale_a, scale_b,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages, TILE_ORDER=tile_order_idx,
         B_KMAJOR=b_kmajor, EPILOGUE=epilogue, EPI_TMA=epi_tma, WAIT=wait, RECORD_TILES=record,
+        SCALE_A=mode_a, SCALE_B=mode_b,
         num_warps=abi.WS_NUM_WARPS, maxnreg=abi.WS_MAXNREG), plan.options.direct_launch)
 
 
@@ -833,10 +870,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
             _launch_ws(plan, a, b, dests=epilogue.dests, stacked=plan.epi_tma == abi.EPI_TMA_STACKED,
                        counters=epilogue.counters, signal_ptrs=epilogue.signal_ptrs,
                        generation=epilogue.generation, epi_descs=_epilogue_descriptors(epilogue, plan),
-                       tile_records=tile_records)
+                       tile_records=tile_records, scale_a=scale_a, scale_b=scale_b)
             return None
         _launch_ws(plan, a, b, out=out, wait_signal=wait.signal, wait_gen=wait.generation,
-                   wait_timeout_ns=wait.timeout_ns, err=err, tile_records=tile_records)
+                   wait_timeout_ns=wait.timeout_ns, err=err, tile_records=tile_records, scale_a=scale_a,
+                   scale_b=scale_b)
         if check:
             check_error_word(err, rank=wait.rank, timeout_ns=wait.timeout_ns)
         return out

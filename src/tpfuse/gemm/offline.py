@@ -128,13 +128,19 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
 
 
 def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int = 3, epi_tma: int = -1,
-                      tile_order: int = 2, b_kmajor: bool = True, wait: bool = False, record_tiles: bool = False):
-    """triton.compile of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py) for bf16
+                      tile_order: int = 2, b_kmajor: bool = True, wait: bool = False, record_tiles: bool = False,
+                      dtype: torch.dtype = _types.HEURISTIC_DTYPE, b_dtype: torch.dtype | None = None,
+                      out_dtype: torch.dtype | None = None, scale_a: int = _types.SCALE_NONE,
+                      scale_b: int = _types.SCALE_NONE):
+    """triton.compile of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py) for
     ``a[m, k] @ b`` (``weight[n, k].t()`` or row-major ``[k, n]``) on sm_90, launched as
     tpfuse.gemm.launch launches it; ``epi_tma``: -1 no hook (plain output), else the epilogue hook through
     that many per-chunk descriptors (chunks of ``m // epi_tma`` rows) or, 9, one over stacked
     destinations; ``wait``: the wait hook (without the epilogue hook); ``record_tiles``: the per-tile
-    timeline on (RECORD_TILES)."""
+    timeline on (RECORD_TILES). ``dtype`` (a's; ``b_dtype`` the weight's, default the same),
+    ``out_dtype`` (default: the input's, bfloat16 for fp8) and the scale modes ``scale_a`` /
+    ``scale_b`` (``kernels/_types.py`` ``SCALE_*``) as :func:`compile_kernel` takes them; fp8
+    wants ``block``'s K at 128 (ws_choice's)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -142,16 +148,20 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
     from .launch import _gluon_descriptor as make_descriptor
     W = importlib.import_module("tpfuse.kernels.gemm_ws")
     bm, bn, bk = block
-    a = torch.empty(m, k, dtype=_types.HEURISTIC_DTYPE)
-    c = torch.empty(m, n, dtype=_types.HEURISTIC_DTYPE)
+    b_dtype = dtype if b_dtype is None else b_dtype
+    if out_dtype is None:
+        out_dtype = _types.FP8_DEFAULT_OUT if _types.is_fp8(dtype) else dtype
+    a = torch.empty(m, k, dtype=dtype)
+    c = torch.empty(m, n, dtype=out_dtype)
     if b_kmajor:
-        b_desc = make_descriptor(torch.empty(n, k, dtype=_types.HEURISTIC_DTYPE), (n, k), (k, 1), (bn, bk))
+        b_desc = make_descriptor(torch.empty(n, k, dtype=b_dtype), (n, k), (k, 1), (bn, bk))
     else:
-        b_desc = make_descriptor(torch.empty(k, n, dtype=_types.HEURISTIC_DTYPE), (k, n), (n, 1), (bk, bn))
+        b_desc = make_descriptor(torch.empty(k, n, dtype=b_dtype), (k, n), (n, 1), (bk, bn))
     c_desc = make_descriptor(c, (m, n), (n, 1), (bm, bn))
     hook = epi_tma >= 0
     descs = 1 if epi_tma == W.EPI_TMA_STACKED.value else max(epi_tma, 0)
     chunks = max(descs, 1)
+    scales = {_types.SCALE_NONE: None, _types.SCALE_TENSOR: torch.empty(1), _types.SCALE_VECTOR: torch.empty(max(m, n))}
     args = dict(a_desc=make_descriptor(a, (m, k), (k, 1), (bm, bk)), b_desc=b_desc, c_desc=c_desc, M=m, N=n, K=k,
                 chunk_m=m // chunks, num_chunks=chunks, start_chunk=0,
                 wait_signal=torch.empty(4, dtype=torch.int32) if wait else None, wait_gen=1, wait_timeout=10**9,
@@ -159,10 +169,11 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
                 counters=torch.empty(4, dtype=torch.int32) if hook else None,
                 signal_ptrs=torch.empty(4, dtype=torch.int64) if hook else None, epi_gen=1,
                 **{f"epi_d{q}": c_desc if q < descs else None for q in range(8)},
-                tile_records=torch.empty(4, abi.TILE_RECORD_COLUMNS, dtype=torch.int64) if record_tiles else None)
+                tile_records=torch.empty(4, abi.TILE_RECORD_COLUMNS, dtype=torch.int64) if record_tiles else None,
+                scale_a=scales[scale_a], scale_b=scales[scale_b])
     cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, TILE_ORDER=tile_order,
                 B_KMAJOR=b_kmajor, EPILOGUE=hook, EPI_TMA=max(epi_tma, 0), WAIT=wait, RECORD_TILES=record_tiles,
-                num_warps=abi.WS_NUM_WARPS)
+                SCALE_A=scale_a, SCALE_B=scale_b, num_warps=abi.WS_NUM_WARPS)
     sig, attrs, constexprs = _signature(W.gemm_ws_kernel.arg_names, args, cons,
                                         lambda name, v: name in ("M", "N", "K") and v % 16 == 0)
     src = GluonASTSource(fn=W.gemm_ws_kernel, signature=sig, attrs=attrs, constexprs=constexprs)

@@ -53,7 +53,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# The warp-specialized Gluon kernel (gemm_ws.py) takes these, output in the same dtype, unscaled.
+# The warp-specialized Gluon kernel (gemm_ws.py) takes these, output in the same dtype, unscaled;
+# and fp8 (FP8_PAIRS, b K-major) with any scale modes into FP8_OUT_DTYPES (launch.ws_choice).
 WS_DTYPES = (torch.bfloat16, torch.float16)
 # The dtype the heuristics of tpfuse/gemm/config.py were measured in (their default argument).
 HEURISTIC_DTYPE = torch.bfloat16

@@ -6,13 +6,24 @@ the H200), which the tensor cores wait for. Here each program has three partitio
 
 * MMA (the default partition, ``num_warps`` = 8: two warpgroups, 64 rows of the 128-row tile
   each): waits for a stage's operands, issues the wgmma, frees the stage; at a tile's end it
-  converts the accumulator and writes it into the output staging buffer (shared memory);
+  scales (fp8, below), converts the accumulator and writes it into the output staging buffer
+  (shared memory);
 * load (1 warp): the TMA loads of A and B into a ring of ``STAGES`` stages, running ahead over
   the program's tiles;
 * store (1 warp): the TMA store of the staging buffer to the tile's destination and then, with
   the epilogue hook, the count of the tile in its chunks and the publication of a chunk whose
   count is complete -- so the fences and the atomic's round trip wait on this warp only, while
   the MMA warps go on with the next tile.
+
+Dtypes: bf16/fp16 in and out; or fp8 (e4m3, e4m3 x e5m2 mixes; a and b may differ) into
+bf16/fp16/float32 (``c_desc``'s dtype), b K-major (sm_90's fp8 wgmma reads it so), K-steps of 128
+(32 per wgmma). The fp8 MMAs accumulate as gemm.py's ``tl.dot`` does: Triton's sm_90 default
+``max_num_imprecise_acc`` (2**30, fast accumulation across all of K, no fp32 promotion in
+between), the same wgmma K-steps in the same order. The scales (``SCALE_A`` / ``SCALE_B``, as
+gemm.py: none, tensor-wise, row-wise ``[M, 1]`` / column-wise ``[1, N]``) multiply the fp32
+accumulator in the MMA partition in gemm.py's ``_scale_tile`` order before the rounding, so a
+tile rounds as gemm_kernel rounds it: tensor-wise values are read once per program, row-wise ones
+per tile (by global row and column) while the tile's last wgmma group runs.
 
 The three walk the same tiles in the same order (gemm.py's ``_tile_coords``), and
 talk through mbarriers: ``ready[s]``/``empty[s]`` per stage, ``c_ready``/``c_empty`` for the
@@ -51,7 +62,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from . import abi
+from . import _types, abi
 # gemm.py's tile orders, called from Gluon as they are (scalar integer arithmetic); the first
 # timeout of a wait claims the error word as in gemm.py
 from .gemm import _tile_coords
@@ -59,6 +70,10 @@ from .signals import record_timeout
 from .tile_records import record_end, record_start, tile_clock
 
 EPI_TMA_STACKED = gl.constexpr(abi.EPI_TMA_STACKED)
+# SCALE_A / SCALE_B (kernels/_types.py, as gemm.py): no scale, one value, one per row of a / column of b
+SCALE_NONE = gl.constexpr(_types.SCALE_NONE)
+SCALE_TENSOR = gl.constexpr(_types.SCALE_TENSOR)
+SCALE_VECTOR = gl.constexpr(_types.SCALE_VECTOR)
 
 # The store warp's count of one stored tile in one chunk: lane 0 counts, every lane gets the
 # count it made (shfl). Before it: this warp's TMA writes done and ordered before the release.
@@ -112,7 +127,7 @@ def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl
                     EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
-     wait_signal, wait_gen, wait_timeout, err_ptr, tile_records) = p
+     wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b) = p
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
@@ -161,7 +176,7 @@ def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: g
                     EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
-     wait_signal, wait_gen, wait_timeout, err_ptr, tile_records) = p
+     wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b) = p
     c_desc = epi_descs[0]
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -198,18 +213,64 @@ def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: g
 
 
 @gluon.jit
+def _load_scales(layout: gl.constexpr, off_m, off_n, M, N, sa, sb, scale_a, scale_b, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
+    """A tile's scales in the accumulator's ``layout``: ``(row factor, column factor)``, the
+    tensor-wise values ``sa`` / ``sb`` (loaded once per program) or ``scale_a[global row]`` /
+    ``scale_b[column]`` (masked: 0 past M or N, as gemm.py; TMA clips those rows anyway)."""
+    fa = sa
+    fb = sb
+    if SCALE_A == SCALE_VECTOR:
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        fa = gl.load(scale_a + offs_m, mask=offs_m < M, other=0.0)
+    if SCALE_B == SCALE_VECTOR:
+        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        fb = gl.load(scale_b + offs_n, mask=offs_n < N, other=0.0)
+    return fa, fb
+
+
+@gluon.jit
+def _scale_acc(acc, fa, fb, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
+    """gemm.py's ``_scale_tile`` on the accumulator in its wgmma layout, in the same order of
+    fp32 operations (so a tile rounds as the plain kernel rounds it): a tensor-wise pair
+    multiplies by their product, otherwise by scale_a's factor first, then scale_b's."""
+    if SCALE_A == SCALE_TENSOR and SCALE_B == SCALE_TENSOR:
+        acc = acc * (fa * fb)
+    else:
+        if SCALE_A == SCALE_TENSOR:
+            acc = acc * fa
+        elif SCALE_A == SCALE_VECTOR:
+            acc = acc * gl.expand_dims(fa, 1)
+        if SCALE_B == SCALE_TENSOR:
+            acc = acc * fb
+        elif SCALE_B == SCALE_VECTOR:
+            acc = acc * gl.expand_dims(fb, 0)
+    return acc
+
+
+@gluon.jit
 def _mma_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr, num_warps: gl.constexpr):
+                    EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr, SCALE_A: gl.constexpr,
+                    SCALE_B: gl.constexpr, num_warps: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
-     wait_signal, wait_gen, wait_timeout, err_ptr, tile_records) = p
+     wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b) = p
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
+    # wgmma's K per instruction: 32 bytes of operand (16 for bf16/fp16, 32 for fp8)
+    INSTR_K: gl.constexpr = 256 // a_desc.dtype.primitive_bitwidth
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+                                                         instr_shape=[16, BLOCK_N, INSTR_K])
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    # tensor-wise scales: one value each for the whole call, read once
+    sa = 1.0
+    sb = 1.0
+    if SCALE_A == SCALE_TENSOR:
+        sa = gl.load(scale_a)
+    if SCALE_B == SCALE_TENSOR:
+        sb = gl.load(scale_b)
     it = 0
     tc = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
@@ -220,13 +281,25 @@ def _mma_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.
                 b_op = b_bufs.index(s).permute((1, 0))
             else:
                 b_op = b_bufs.index(s)
+            # fp8: Triton's sm_90 default max_num_imprecise_acc (2**30, as tl.dot in gemm.py):
+            # the tensor core accumulates across all of K, no fp32 promotion in between
             acc = warpgroup_mma(a_bufs.index(s), b_op, acc, use_acc=ki > 0, is_async=True)
             # one wgmma group in flight: the previous stage's is done, so it is free
             acc = warpgroup_mma_wait(1, deps=(acc, ))
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ki > 0)
             it += 1
+        fa = sa
+        fb = sb
+        if SCALE_A == SCALE_VECTOR or SCALE_B == SCALE_VECTOR:
+            # row-/column-wise scales: loaded while the tile's last wgmma group runs
+            pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+                                        BLOCK_M, GROUP_M, TILE_ORDER)
+            fa, fb = _load_scales(mma_layout, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, sa, sb, scale_a, scale_b,
+                                  BLOCK_M, BLOCK_N, SCALE_A, SCALE_B)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+        if SCALE_A != SCALE_NONE or SCALE_B != SCALE_NONE:
+            acc = _scale_acc(acc, fa, fb, SCALE_A, SCALE_B)
         # the staging buffer is free once the store warp's previous TMA store has read it
         mbarrier.wait(c_empty, (tc & 1) ^ 1)
         c_smem.store(acc.to(c_smem.dtype))
@@ -238,18 +311,19 @@ def _mma_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.
 # Per-call values (generations, chunk geometry) and the hook buffers are not specialized on, so
 # a new generation never compiles a new kernel.
 @gluon.jit(do_not_specialize=["chunk_m", "num_chunks", "start_chunk", "epi_gen", "wait_gen", "wait_timeout"],
-           do_not_specialize_on_alignment=["counters", "signal_ptrs", "wait_signal", "err_ptr", "tile_records"])
+           do_not_specialize_on_alignment=["counters", "signal_ptrs", "wait_signal", "err_ptr", "tile_records",
+                                           "scale_a", "scale_b"])
 def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_chunk,
                    wait_signal, wait_gen, wait_timeout, err_ptr,
                    counters, signal_ptrs, epi_gen,
-                   epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7, tile_records,
+                   epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7, tile_records, scale_a, scale_b,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                    STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr,
                    EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr,
-                   num_warps: gl.constexpr):
-    dtype: gl.constexpr = a_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+                   SCALE_A: gl.constexpr, SCALE_B: gl.constexpr, num_warps: gl.constexpr):
+    # a and b may differ in fp8 (e4m3 x e5m2 mixes); the output (c_desc) is bf16, fp16 or fp32
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -268,10 +342,10 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
         epi_descs = (c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc)
     p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
          M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
-         wait_signal, wait_gen, wait_timeout, err_ptr, tile_records)
+         wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b)
     gl.warp_specialize([
         (_mma_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA,
-                          WAIT, RECORD_TILES, num_warps)),
+                          WAIT, RECORD_TILES, SCALE_A, SCALE_B, num_warps)),
         (_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, WAIT,
                            RECORD_TILES)),
         (_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA,
