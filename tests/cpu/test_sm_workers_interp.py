@@ -96,8 +96,9 @@ def test_worker_copy_covers_odd_sizes_exactly_and_publishes_once(interp, comm_sm
 def test_worker_wait_times_out_recording_rank_peer_chunk_and_generation(interp):
     """Task 1 waits for a peer's READY that never comes: the error word (abi.py's layout) and
     its host-visible record name the wait (what, peer, target generation, last seen, rank,
-    chunk, program); task 0 was copied, task 2 (after the failed wait) was not, and no task
-    published; the host raises a TimeoutError naming them from the record (no device
+    chunk, program); task 1 was neither copied nor published, while tasks 0 and 2 (one block
+    each, dealt to program 0; task 1 to program 1, which alone waits) were copied and published
+    before the timeout; the host raises a TimeoutError naming them from the record (no device
     read) and the workspace is broken.  A launch on the broken word copies and publishes nothing."""
     ws = fake_ranks(2, 4096, torch.float16, op="ag_gemm")[1]
     ws.gen.fill_(3)
@@ -113,18 +114,19 @@ def test_worker_wait_times_out_recording_rank_peer_chunk_and_generation(interp):
     launch = S._launch_tables(ws, ("timeout",), lambda: tasks)
     S.launch_workers(ws, launch, S.SmWorkersKnobs(comm_sms=2, block_bytes=256))
     words = ws.error.tolist()
-    assert words[:7] == [1, symm.WAIT_READY, 0, 3, 2, 1, 11] and words[abi.ERR_PROGRAM] in (0, 1)
+    assert words[:7] == [1, symm.WAIT_READY, 0, 3, 2, 1, 11] and words[abi.ERR_PROGRAM] == 1
     assert ws.host.record() == words[:abi.ERR_RECORD_WORDS]
-    assert torch.equal(dst[:64], src) and dst[64:].eq(0).all()
-    # the interpreter runs program 0 to its end first: program 1 then finds the word broken and
-    # stops before its stripe of task 0, so task 0 never completes and publishes nothing
-    assert done.tolist() == [0, 0, 0]
+    # the interpreter runs program 0 to its end first: tasks 0 and 2 complete (their sole
+    # participant), then program 1 times out on task 1
+    assert torch.equal(dst[:64], src) and dst[64:128].eq(0).all() and torch.equal(dst[128:], src)
+    assert done.tolist() == [3, 0, 3]
     with pytest.raises(TimeoutError, match=r"rank 1 waited .* for rank 0 to publish .*generation >= 3.*chunk 11"):
         ws.check("ag_gemm")
     assert ws.broken is not None and "broken" in ws.broken
     # queued after the timeout: every task is skipped at once, nothing copied, nothing published
     flag.fill_(3)
     dst.zero_()
+    done.zero_()
     S.launch_workers(ws, launch, S.SmWorkersKnobs(comm_sms=2, block_bytes=256))
     assert dst.eq(0).all() and done.tolist() == [0, 0, 0] and ws.error.tolist() == words
 
