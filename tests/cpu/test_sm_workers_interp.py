@@ -96,8 +96,9 @@ def test_worker_copy_covers_odd_sizes_exactly_and_publishes_once(interp, comm_sm
 def test_worker_wait_times_out_recording_rank_peer_chunk_and_generation(interp):
     """Task 1 waits for a peer's READY that never comes: the error word (abi.py's layout) and
     its host-visible record name the wait (what, peer, target generation, last seen, rank,
-    chunk, program); task 0 was copied, task 2 (after the failed wait) was not, and no task
-    published; the host raises a TimeoutError naming them from the record (no device
+    chunk, program); task 1 was neither copied nor published, while tasks 0 and 2 (one block
+    each, dealt to program 0; task 1 to program 1, which alone waits) were copied and published
+    before the timeout; the host raises a TimeoutError naming them from the record (no device
     read) and the workspace is broken.  A launch on the broken word copies and publishes nothing."""
     ws = fake_ranks(2, 4096, torch.float16, op="ag_gemm")[1]
     ws.gen.fill_(3)
@@ -113,20 +114,124 @@ def test_worker_wait_times_out_recording_rank_peer_chunk_and_generation(interp):
     launch = S._launch_tables(ws, ("timeout",), lambda: tasks)
     S.launch_workers(ws, launch, S.SmWorkersKnobs(comm_sms=2, block_bytes=256))
     words = ws.error.tolist()
-    assert words[:7] == [1, symm.WAIT_READY, 0, 3, 2, 1, 11] and words[abi.ERR_PROGRAM] in (0, 1)
+    assert words[:7] == [1, symm.WAIT_READY, 0, 3, 2, 1, 11] and words[abi.ERR_PROGRAM] == 1
     assert ws.host.record() == words[:abi.ERR_RECORD_WORDS]
-    assert torch.equal(dst[:64], src) and dst[64:].eq(0).all()
-    # the interpreter runs program 0 to its end first: program 1 then finds the word broken and
-    # stops before its stripe of task 0, so task 0 never completes and publishes nothing
-    assert done.tolist() == [0, 0, 0]
+    # the interpreter runs program 0 to its end first: tasks 0 and 2 complete (their sole
+    # participant), then program 1 times out on task 1
+    assert torch.equal(dst[:64], src) and dst[64:128].eq(0).all() and torch.equal(dst[128:], src)
+    assert done.tolist() == [3, 0, 3]
     with pytest.raises(TimeoutError, match=r"rank 1 waited .* for rank 0 to publish .*generation >= 3.*chunk 11"):
         ws.check("ag_gemm")
     assert ws.broken is not None and "broken" in ws.broken
     # queued after the timeout: every task is skipped at once, nothing copied, nothing published
     flag.fill_(3)
     dst.zero_()
+    done.zero_()
     S.launch_workers(ws, launch, S.SmWorkersKnobs(comm_sms=2, block_bytes=256))
     assert dst.eq(0).all() and done.tolist() == [0, 0, 0] and ws.error.tolist() == words
+
+
+@pytest.mark.parametrize("comm_sms, blocks_before, tasks_before", [(4, 1, 2), (3, 2, 4), (5, 3, 3), (2, 1, 3)])
+def test_small_tasks_are_dealt_to_rotating_programs_and_only_those_wait(interp, comm_sms, blocks_before,
+                                                                       tasks_before):
+    """Task t's blocks are dealt from program (blocks of the tasks before t) mod G, and only
+    programs with a block wait: ``tasks_before`` tasks of ``blocks_before`` blocks each (the
+    last one short: sizes need not be block multiples), then a one-block task whose READY never
+    comes.  Its wait is made -- and its timeout recorded -- by program (tasks_before x
+    blocks_before) mod G alone (before: by every program, program 0 first), every task before
+    it was copied and published by its participants, and their counters are back at 0.  (The
+    cases make the waiting program the last one: the interpreter runs programs one after
+    another, and one that starts after the timeout finds the workspace broken and copies nothing.)"""
+    block = 128                                                    # fp16 elements of 256 bytes
+    ws = fake_ranks(2, 4096, torch.float16, op="ag_gemm")[1]
+    ws.gen.fill_(1)
+    flag = torch.zeros(1, dtype=torch.int32)
+    done = torch.zeros(tasks_before + 1, dtype=torch.int32)
+    size = (blocks_before - 1) * block + 72
+    src = torch.randint(-2**15, 2**15 - 1, (size,), dtype=torch.int16).view(torch.float16)
+    dst = torch.zeros((tasks_before + 1) * size, dtype=torch.float16)
+    tasks = [S.Task(src=src.data_ptr(), dst=dst.data_ptr() + 2 * size * i, numel=size if i < tasks_before else 1,
+                    chunk=i, peer=0, what=symm.WAIT_READY, wait=flag.data_ptr() if i == tasks_before else 0,
+                    wait_gen=1, pub1=done.data_ptr() + 4 * i, pub1_const=1) for i in range(tasks_before + 1)]
+    launch = S._launch_tables(ws, ("dealing", comm_sms, blocks_before, tasks_before), lambda: tasks)
+    S.launch_workers(ws, launch, S.SmWorkersKnobs(comm_sms=comm_sms, block_bytes=256))
+    words = ws.error.tolist()
+    assert words[:7] == [1, symm.WAIT_READY, 0, 1, 0, 1, tasks_before]
+    assert words[abi.ERR_PROGRAM] == (tasks_before * blocks_before) % comm_sms
+    for i in range(tasks_before):
+        assert torch.equal(dst[i * size:(i + 1) * size].view(torch.int16), src.view(torch.int16)), f"task {i}"
+    assert dst[tasks_before * size:].view(torch.int16).eq(0).all()
+    assert done.tolist() == [1] * tasks_before + [0]
+    assert launch.counters[:tasks_before].eq(0).all()
+
+
+@pytest.mark.parametrize("comm_sms, block_bytes", [(1, 256), (3, 256), (8, 256), (40, 256), (5, 1024)])
+def test_many_tiny_and_odd_tasks_are_counted_to_their_participants_and_published_once(interp, comm_sms,
+                                                                                    block_bytes):
+    """60 tasks of 0 .. 5 blocks and odd sizes (G above and below a task's blocks): every
+    element copied, nothing past a task's end, every task's words published with its value and
+    every counter back at 0 -- a completion target other than min(G, blocks) leaves a counter
+    non-zero or a word unpublished."""
+    g = torch.Generator().manual_seed(comm_sms)
+    block = block_bytes // 2
+    sizes = [0, 1, block - 1, block, block + 1] + torch.randint(0, 5 * block, (55,), generator=g).tolist()
+    ws = fake_ranks(1, 4096, torch.float16, op="ag_gemm")[0]
+    ws.gen.fill_(5)
+    total = sum(s + 8 for s in sizes)
+    src = torch.randint(-2**15, 2**15 - 1, (total,), dtype=torch.int16, generator=g).view(torch.float16)
+    dst = torch.full((total,), -1, dtype=torch.int16).view(torch.float16)
+    words = torch.zeros(len(sizes), dtype=torch.int32)
+    tasks, offsets, at = [], [], 0
+    for i, size in enumerate(sizes):
+        offsets.append(at)
+        tasks.append(S.Task(src=src.data_ptr() + 2 * at, dst=2 * at, numel=size, chunk=i,
+                            pub1=words.data_ptr() + 4 * i, pub1_const=i, pub1_gen=1))
+        at += size + 8
+    launch = S._launch_tables(ws, ("tiny", comm_sms, block_bytes), lambda: tasks)
+    S.launch_workers(ws, launch, S.SmWorkersKnobs(comm_sms=comm_sms, block_bytes=block_bytes),
+                     dst_base=dst.data_ptr())
+    got, want = dst.view(torch.int16), src.view(torch.int16)
+    for off, size in zip(offsets, sizes):
+        assert torch.equal(got[off:off + size], want[off:off + size]), f"task of {size} elements"
+        assert got[off + size:off + size + 8].eq(-1).all(), f"written past the end of a task of {size}"
+    assert words.tolist() == [i + 5 for i in range(len(sizes))]
+    assert launch.counters.eq(0).all() and ws.error[0].item() == 0
+
+
+@pytest.mark.parametrize("comm_sms, pushed_early", [(1, [1, 0, 0]), (2, [1, 0, 1]), (5, [1, 0, 0])])
+def test_an_owners_ready_waits_for_every_piece_of_the_owner(interp, comm_sms, pushed_early):
+    """gemm_rs's ring, one worker launch over all its tasks (as on the GPU): owner 1's rows in
+    three one-block pieces through three slots.  With pieces 0 and 2 produced and piece 1 not,
+    pieces 0 and 2 are pushed and their slots FREE, but the owner's READY -- which covers all
+    its pieces -- is not published (piece 2's completion says nothing of piece 1 now that
+    programs skip pieces they have no block of; at G = 2 program 0 completes piece 2 while
+    piece 1, program 1's, is not done); piece 1's timeout is recorded.  All three produced:
+    READY is published once, with the generation, and every counter is back at 0.  (The
+    interpreter runs programs one after another: at G = 1 the one program stops at piece 1, at
+    G = 5 program 2, piece 2's, starts after the timeout and copies nothing.)"""
+    world_size, shard, n = 2, 48, 8
+    kn = S.SmWorkersKnobs(comm_sms=comm_sms, slots=3, block_bytes=256, chunk_rows=16)   # 128 elements a piece
+    bounds = [(r * shard, (r + 1) * shard) for r in range(world_size)]
+    for produced in ([1, 0, 1], [1, 1, 1]):
+        ws = fake_ranks(world_size, world_size * shard * n * 2, torch.float16)
+        ws[0].gen.fill_(4)
+        ring, launch = S._ring(ws[0], bounds, shard, n, kn)
+        assert len(ring.pieces) == 3 and all(p.owner == 1 for p in ring.pieces)
+        ring.buffer.copy_(torch.arange(ring.buffer.numel()).to(torch.float16))
+        ring.ready.copy_(torch.tensor(produced, dtype=torch.int32))
+        S.launch_workers(ws[0], launch, kn)
+        ready_word = ws[0].flags[1][symm.flag_index("READY", 0, world_size)].item()
+        inbox = ws[0].data(1, (shard, n), offset=0).reshape(-1)
+        for j, p in enumerate(ring.pieces):
+            pushed = torch.equal(inbox[p.lo * n - shard * n:p.hi * n - shard * n], ring.slot(j)[:(p.hi - p.lo) * n])
+            assert pushed == bool(produced[j] if produced == [1, 1, 1] else pushed_early[j]), (j, produced)
+        if produced == [1, 1, 1]:
+            assert ready_word == 4 and ring.free.tolist() == [1, 1, 1] and ws[0].error[0].item() == 0
+            assert launch.counters.eq(0).all()
+        else:
+            assert ready_word == 0, "READY published before every piece of the owner was pushed"
+            assert ws[0].error.tolist()[:7] == [1, S.WAIT_SLOT_READY, 1, 1, 0, 0, 1]
+            assert ring.free.tolist() == pushed_early
 
 
 def test_ring_kernels_do_nothing_once_the_word_is_broken(interp):
@@ -144,9 +249,11 @@ def test_ring_kernels_do_nothing_once_the_word_is_broken(interp):
     assert ws.error.tolist()[:abi.ERR_RECORD_WORDS] == [1] + [0] * (abi.ERR_RECORD_WORDS - 1)
 
 
-@pytest.mark.parametrize("numel, chunk_bytes, ctas", [(1000, 256, 3), (77, 4096, 2), (4096, 1024, 1)])
+@pytest.mark.parametrize("numel, chunk_bytes, ctas", [(1000, 256, 3), (77, 4096, 2), (4096, 1024, 1),
+                                                      (3001, 100, 4), (5000, 1000, 2), (5000, 1000, 7)])
 def test_make_copy_the_bench_grid_copies_int32_exactly(interp, numel, chunk_bytes, ctas):
-    """``tpfuse bench comm``'s sm_workers rows: the worker kernel alone, chunks of ``chunk_bytes``."""
+    """``tpfuse bench comm``'s sm_workers rows: the worker kernel alone, chunks of ``chunk_bytes``
+    (many chunks below a block, chunks not a block multiple, CTAs above and below a chunk's blocks)."""
     src = torch.randint(-2**31, 2**31 - 1, (numel,), dtype=torch.int32)
     dst = torch.zeros(numel + 4, dtype=torch.int32)
     S.make_copy(src, dst[:numel], chunk_bytes, S.SmWorkersKnobs(comm_sms=ctas, block_bytes=256))()
@@ -234,6 +341,16 @@ def test_ring_wraps_around_across_calls_and_every_owner_gets_the_reduce_scatter(
     errors = _rs_calls(world_size, shard, 24, 20, kn, calls=calls)
     assert max(errors) < 5e-3, errors
 
+
+@pytest.mark.parametrize("comm_sms, chunk_rows, slots", [(5, 7, 2), (1, 7, 1), (3, 2, 2)])
+def test_ring_pieces_dealt_to_rotating_workers_wrap_and_reduce_scatter(interp, comm_sms, chunk_rows, slots):
+    """The ring with the dealing rotating over the pieces (one launch per piece here, dealt as
+    in one launch over the ring): pieces of 7 rows x 24 = 168 elements (1 1/3 blocks) or 2 rows
+    (48: under a block), the owner's last piece shorter, 6 pieces through fewer slots, G above
+    and below a piece's blocks; each owner's READY joins its pieces across launches."""
+    kn = S.SmWorkersKnobs(comm_sms=comm_sms, slots=slots, block_bytes=256, chunk_rows=chunk_rows)
+    errors = _rs_calls(3, 15 if chunk_rows == 7 else 5, 24, 20, kn, calls=2)
+    assert max(errors) < 5e-3, errors
 
 def test_a_producer_without_a_credit_times_out_with_a_clear_error(interp):
     """One slot, two pieces: the second piece's producer waits for the slot's credit, which

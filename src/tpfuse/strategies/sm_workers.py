@@ -21,10 +21,12 @@ rank r of W (``peers`` = r+1, r+2, ... mod W)::
                      a[r rows] @ b -> r's own inbox[r];  wait READY from every peer;
                      c_shard = sum of inbox[0..W-1] in float32, rank order; DONE[r] on every peer
             workers: for each piece j: wait ready[s] >= u + 1 (IN_FLIGHT), push ring[s] into the
-                     owner's inbox[r] (peer memory); the last worker CTA then releases
-                     free[s] = u + 1 (FREE: "local source reusable") and, after an owner's last
-                     piece, READY[r] on the owner ("remote visible": a system-scope release
-                     that covers every worker CTA's stores)
+                     owner's inbox[r] (peer memory); the last worker CTA of the piece then
+                     releases free[s] = u + 1 (FREE: "local source reusable") and, once every
+                     piece of the owner is complete (a join counter: the CTAs skip pieces they
+                     have no block of, so pieces complete out of order), READY[r] on the owner
+                     ("remote visible": a system-scope release that covers every worker CTA's
+                     stores)
   gemm_ar   outputs up to ``knobs.ONE_SHOT_MAX_BYTES``: copy_engine's one-shot path;
             else the gemm_rs schedule over near-equal row chunks (M need not divide by W),
             each owner reduces its inbox into its gather slot (READY2 / DONE2 credits, as
@@ -308,7 +310,11 @@ def _launch(kernel, grid: tuple, *args, num_warps: int = 1, **constexprs) -> Non
 class Task:
     """One worker task (a row of the kernel's table; columns ``kernels.sm_workers.T_*``).
     ``dst`` is relative to the launch's ``dst_base`` (0: absolute).  Waits and publishes: an
-    int32 word's byte address (0: none) and its value ``const + per_gen * gen``."""
+    int32 word's byte address (0: none) and its value ``const + per_gen * gen``.  ``join``: the
+    index of a join counter in the launch's counters (after the tasks' own; -1: none) shared by
+    ``join_n`` tasks that all carry the same ``pub2``: it is published once, when the last of
+    them completes (the worker CTAs skip tasks they have no block of, so one task's completion
+    says nothing of the tasks before it)."""
 
     src: int
     dst: int
@@ -325,16 +331,19 @@ class Task:
     pub2: int = 0
     pub2_const: int = 0
     pub2_gen: int = 0
+    join: int = -1
+    join_n: int = 0
 
     def row(self) -> list[int]:
         return [self.src, self.dst, self.numel, self.wait, self.wait_const, self.wait_gen, self.what, self.peer,
-                self.chunk, self.pub1, self.pub1_const, self.pub1_gen, self.pub2, self.pub2_const, self.pub2_gen]
+                self.chunk, self.pub1, self.pub1_const, self.pub1_gen, self.pub2, self.pub2_const, self.pub2_gen,
+                self.join, self.join_n]
 
 
 @dataclass
 class Launch:
     """A worker launch's device tables (kept with the workspace): the tasks, one counter per
-    task (zero between launches), whether every source and destination is 16-byte aligned
+    task and one per join group (zero between launches), whether every source and destination is 16-byte aligned
     (then the whole blocks of every stripe are: a block is a power of two >= 256 bytes), and
     the tasks."""
 
@@ -355,7 +364,8 @@ def _launch_tables(ws: symm.Workspace, key: tuple, make_tasks) -> Launch:
         table = torch.tensor(rows, dtype=torch.int64, device=device).reshape(len(rows), K.TASK_COLUMNS.value)
         elem = torch.empty((), dtype=ws.spec.dtype).element_size()
         aligned = all(t.src % 16 == 0 and t.dst % 16 == 0 for t in tasks)   # whole blocks: BLOCK x elem is
-        return Launch(table, torch.zeros(max(1, len(tasks)), dtype=torch.int32, device=device), aligned, tasks)
+        counters = max([1, len(tasks)] + [t.join + 1 for t in tasks])   # the tasks', then the join groups'
+        return Launch(table, torch.zeros(counters, dtype=torch.int32, device=device), aligned, tasks)
 
     return _state(ws, ("launch",) + key, make)
 
@@ -593,14 +603,20 @@ class Ring:
         self.stalls = torch.zeros(2, dtype=torch.int64, device=dev)
         elem = self.buffer.element_size()
         tasks = []
+        per_owner = {o: sum(q.owner == o for q in self.pieces) for o in {q.owner for q in self.pieces}}
         for j, p in enumerate(self.pieces):
             lo, _ = bounds[p.owner]
             inbox = ws.data(p.owner, (slot_rows, n), offset=rank * slot_rows * n)
+            # the owner's READY covers all its pieces: with several, each carries it and a join
+            # counter (after the pieces' own, one per owner), and the piece completing last publishes it
+            several = per_owner[p.owner] > 1
             tasks.append(Task(src=_addr(self.slot(p.slot)), dst=_addr(inbox) + (p.lo - lo) * n * elem,
                               numel=(p.hi - p.lo) * n, wait=_addr(self.ready) + 4 * p.slot, wait_const=p.use + 1,
                               what=WAIT_SLOT_READY, peer=p.owner, chunk=j,
                               pub1=_addr(self.free) + 4 * p.slot, pub1_const=p.use + 1,
-                              pub2=_flag_addr(ws, "READY", p.owner, rank) if p.last else 0, pub2_gen=1))
+                              pub2=_flag_addr(ws, "READY", p.owner, rank) if p.last or several else 0, pub2_gen=1,
+                              join=len(self.pieces) + p.owner if several else -1,
+                              join_n=per_owner[p.owner] if several else 0))
         self.tasks = tasks
         self.own_rows = slice(*bounds[rank])
         # this rank's inbox slots in rank order (views of the rows it owns); its own is written directly
@@ -851,6 +867,9 @@ def summarize(tasks, task_stats: torch.Tensor, kn: SmWorkersKnobs, *, elem: int,
     ``chunks``: per task, its chunk, peer, bytes, ``wait_ns`` (its wait began -> the first
     worker CTA passed it), ``latency_ns`` (issue -> completion: the first CTA's loads -> the
     last CTA's stores and count), ``waited_ctas`` (CTAs whose wait found the flag not there);
+    all over the task's participating CTAs only, min(comm_sms, its blocks of ``block_bytes``):
+    the others skip it (tpfuse/kernels/sm_workers.py), so ``waited_ctas`` is at most that, and
+    a participant may reach the wait sooner, having skipped the tasks between;
     ``max_bytes_in_flight``: the most bytes of tasks in progress at once, at most what the
     workers can hold (``comm_sms x block_bytes``, also given as ``bytes_in_flight_bound``);
     ``producer_stalls`` / ``producer_stall_ns`` (RS, AR): the producer's credit waits that
