@@ -441,22 +441,28 @@ class Workspace:
         if direct is not None:
             directs[spec] = direct
 
-    def poison_on_error(self, *outputs: torch.Tensor) -> None:
+    def poison_on_error(self, *outputs: torch.Tensor, zero: torch.Tensor | None = None) -> None:
         """Enqueue: NaN into ``outputs`` (floating point, the workspace's dtype) if the workspace
         is broken -- a wait of this call or of an earlier one timed out.  Runs on every call that
         has no other kernel to fill its outputs (the reduce does it for gemm_rs); one launch per
-        two outputs."""
+        two outputs.  ``zero``: contiguous int32 words set to 0 in the first launch, broken or
+        not (fused ag_gemm's arrival words: one launch less per call than their own ``zero_``)."""
         from tpfuse.kernels.flags import poison_on_error_kernel
 
         todo = [t for t in outputs if t is not None and t.numel() and t.is_floating_point()]
+        if zero is not None and not todo:
+            zero.zero_()
+            zero = None
         block = 1024
         for i in range(0, len(todo), 2):
             out = todo[i]
             out2 = todo[i + 1] if i + 1 < len(todo) else out
             n2 = out2.numel() if i + 1 < len(todo) else 0
             grid = (min(_POISON_PROGRAMS, triton_cdiv(max(out.numel(), n2), block)),)
-            _run(poison_on_error_kernel, grid, (self.error, out, out.numel(), out2, n2), dict(BLOCK=block), 4,
-                 self.spec.device)
+            words, num_words = (self.error, 0) if zero is None else (zero, zero.numel())
+            zero = None
+            _run(poison_on_error_kernel, grid, (self.error, out, out.numel(), out2, n2, words, num_words),
+                 dict(BLOCK=block), 4, self.spec.device)
 
     def failed(self) -> bool:
         """True once a wait of this workspace timed out, as far as the host can see now (its

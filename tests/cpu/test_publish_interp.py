@@ -134,6 +134,23 @@ def test_a_broken_workspace_copies_and_publishes_nothing_and_returns_at_once(int
     assert me.gen.item() == 5 and words.tolist() == [1, 0] and me.publish_sync[0].item() == 0
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_nan_fill_resets_the_words_in_its_launch_broken_or_not(interp, broken):
+    """fused ag_gemm's end: the NaN fill's first launch also sets its ``zero`` words to 0 (the
+    arrival words of the next call), whatever the error word; the outputs are NaN only when broken."""
+    ws = fake_ranks(2, 4096, torch.float16, op="ag_gemm")[0]
+    if broken:
+        ws.error[abi.ERR_STATUS] = 1
+    words = torch.ones(1500, dtype=torch.int32)    # more than one block of the kernel
+    c, a_full, third = torch.zeros(3, 4, dtype=torch.float16), torch.zeros(5, dtype=torch.float16), torch.zeros(2)
+    steps.finish(ws, c, a_full, zero=words)
+    assert not words.any()
+    assert bool(c.isnan().all()) == broken and bool(a_full.isnan().all()) == broken
+    words.fill_(1)
+    ws.poison_on_error(c, a_full, third, zero=words)   # two launches: the words in the first
+    assert not words.any() and bool(third.isnan().all()) == broken
+
+
 @pytest.mark.parametrize("strategy", ["copy_engine", "fused"])
 def test_a_peer_that_never_returns_its_credit_makes_nan_outputs_then_the_next_call_raises(interp, monkeypatch,
                                                                                            strategy):

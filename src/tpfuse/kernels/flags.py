@@ -82,16 +82,21 @@ def signal_wait_kernel(gen_ptr, sig_table, num_sig, wait_table, peers_ptr, num_w
             stop = status != 0
 
 
-@triton.jit(do_not_specialize=["numel", "numel2"])
-def poison_on_error_kernel(err_ptr, out_ptr, numel, out2_ptr, numel2, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["numel", "numel2", "num_zero"])
+def poison_on_error_kernel(err_ptr, out_ptr, numel, out2_ptr, numel2, zero_ptr, num_zero, BLOCK: tl.constexpr):
     """Fill ``out`` (and ``out2``, same dtype, when ``numel2`` > 0) with NaN if the error word
     is set: the outputs of a call of a broken workspace -- the one that timed out and every
     call queued after it, eager or replayed -- are never plausible numbers.  A few programs
-    that, without an error, read one word and exit (grid-stride loop otherwise)."""
+    that, without an error, read one word and exit (grid-stride loop otherwise).  Whatever the
+    word: the int32 words ``zero[:num_zero]`` = 0 (fused ag_gemm's arrival words, reset for the
+    next call in this launch rather than by a ``zero_`` of their own)."""
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    for base in range(start, num_zero, step):
+        offs = base + tl.arange(0, BLOCK)
+        tl.store(zero_ptr + offs, tl.full((BLOCK,), 0, tl.int32), mask=offs < num_zero)
     if tl.load(err_ptr, volatile=True) != 0:
         nan = tl.full((BLOCK,), float("nan"), tl.float32)
-        step = tl.num_programs(0).to(tl.int64) * BLOCK
-        start = tl.program_id(0).to(tl.int64) * BLOCK
         for base in range(start, numel, step):
             offs = base + tl.arange(0, BLOCK)
             tl.store(out_ptr + offs, nan.to(out_ptr.dtype.element_ty), mask=offs < numel)

@@ -154,7 +154,9 @@ def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torc
     ws.poison_on_error(c)
 
 
-def finish(ws: symm.Workspace, out: torch.Tensor, out2: torch.Tensor | None = None) -> None:
+def finish(ws: symm.Workspace, out: torch.Tensor, out2: torch.Tensor | None = None, *,
+           zero: torch.Tensor | None = None) -> None:
     """End of a call whose outputs no reduce wrote: NaN into them if the workspace is broken
-    (one small launch; no host sync -- the host learns of the timeout at its next call)."""
-    ws.poison_on_error(out, out2)
+    (one small launch; no host sync -- the host learns of the timeout at its next call); in the
+    same launch, the int32 words ``zero`` = 0 whatever the workspace's state."""
+    ws.poison_on_error(out, out2, zero=zero)

@@ -21,8 +21,8 @@
   float32 in rank order), as does an M that W does not divide.
 
 The arrival words are this rank's own (one producer, one consumer, in stream order): they
-hold 1 while a call runs and are reset to 0 on the compute stream after the GEMM, before the
-next call's side stream can touch them; the epilogue hook's per-chunk words are published with 1
+hold 1 while a call runs and are reset to 0 on the compute stream after the GEMM (by the call's
+last launch, the NaN fill), before the next call's side stream can touch them; the epilogue hook's per-chunk words are published with 1
 and read by nobody (READY follows the launch).  So the hooks' generation is the constant 1, which
 a CUDA graph may replay; cross-rank flags keep the workspace's device-memory generations.
 
@@ -392,17 +392,19 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     _gemm("fused GEMM (waits per chunk)", chunk_m, a_full, b, out=c, tile_order="round",
           start_chunk=plan.start_chunk, wait=plan.wait, check=False, num_sms=sm_budget(dev, world_size, knobs),
           **_scale_kwargs(scale_full, scale_b, c.dtype))
-    arrived.zero_()   # after the GEMM (main stream), which ends only once every word was set
     steps.join(main, side, plan.joined)
     a_full.record_stream(side)
+    # NaN when broken (this call's wait or the GEMM's timed out, or an earlier one), and in the same
+    # launch the arrival words back at 0: after the GEMM (main stream), which ends only once every
+    # word was set, and after the join, so after the side stream's last write of one
     if not scaled:
-        steps.finish(ws, c, a_full)   # NaN when broken: this call's wait or the GEMM's timed out, or an earlier one
+        steps.finish(ws, c, a_full, zero=arrived)
         return c, a_full
     if rowwise:
         scale_full.record_stream(side)
-        ws.poison_on_error(c, a_full, scale_full)
+        ws.poison_on_error(c, a_full, scale_full, zero=arrived)
     else:
-        steps.finish(ws, c, a_full)
+        steps.finish(ws, c, a_full, zero=arrived)
     return c, a_full, scale_full
 
 
