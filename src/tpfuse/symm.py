@@ -73,6 +73,21 @@ _MIN_CAPACITY = 1 << 20            # bytes: small calls share one allocation ins
 WAIT_KINDS = watchdog.WAIT_KINDS
 WAIT_CREDIT, WAIT_READY, WAIT_CREDIT2, WAIT_READY2 = abi.WAIT_CREDIT, abi.WAIT_READY, abi.WAIT_CREDIT2, abi.WAIT_READY2
 _POISON_PROGRAMS = 64              # grid of the NaN fill (a grid-stride loop once it fills)
+# Grid of the publish kernel (Workspace.publish): one program per PUBLISH_BYTES_PER_PROGRAM bytes
+# of the shard, at most PUBLISH_MAX_PROGRAMS.  A program of 8 warps has one block of 4096
+# elements in flight per iteration (16 KiB when the shard's addresses and rows allow 4-byte
+# elements), so 32 KiB each is two iterations, enough to amortize its flag checks,
+# and a small shard (decode: a few hundred KiB) still spreads over enough programs to copy in a
+# few us instead of one CTA's ~20 GB/s.  The cap keeps the grid a minor share of the GPU: 64
+# CTAs of 8 warps are at most 1/8 of the H200's warp slots (they co-reside with other kernels,
+# no shared memory), leaving SMs for a same-device peer's copies and the fused GEMM's budget,
+# and at most 64 programs spin on a late credit.  The price: above a few MiB the copy runs at
+# the SM copy's rate (bench comm on the bed: 593 GB/s at 32 SMs), below what ``copy_`` takes
+# with the whole GPU -- a lead, not a measurement of this kernel.
+PUBLISH_BYTES_PER_PROGRAM = 32 << 10
+PUBLISH_MAX_PROGRAMS = 64
+_PUBLISH_BLOCK = 4096              # elements a program copies per iteration (16 KiB of 4-byte elements)
+_PUBLISH_WARPS = 8
 
 
 @functools.lru_cache(maxsize=1)
@@ -139,6 +154,8 @@ class Workspace:
         self.flags = [b[:FLAG_BYTES].view(torch.int32) for b in buffers]
         self.gen = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
+        # the publish kernel's [counter, one scratch word per program] (Workspace.publish)
+        self.publish_sync = torch.zeros(1 + PUBLISH_MAX_PROGRAMS, dtype=torch.int32, device=device)
         # the host-visible mirror of the error word; the word carries its address (abi.ERR_MIRROR)
         self.host = watchdog.HostRecord.allocate(device, op=spec.op, group=spec.group_name, rank=spec.rank,
                                                  timeout_s=timeout_s())
@@ -149,6 +166,7 @@ class Workspace:
         self._tables: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}
         self._views: dict[object, torch.Tensor] = {}
         self._fixed: dict[tuple, tuple] = {}      # Workspace._launch: fixed launches, prepared
+        self._publish: dict[tuple, list] = {}     # Workspace.publish: per table set, fixed arguments and launches
         self.state: dict[object, object] = {}   # what a strategy keeps with its buffers (never evicted)
         self._stream: torch.cuda.Stream | None = None
         self._wait_bound: tuple[int, bool] | None = None   # (spin bound, inline PTX), fixed at the first wait
@@ -272,13 +290,16 @@ class Workspace:
         return _OnStream(self.stream)
 
     # -- flag kernels -------------------------------------------------------------------------
-    def _launch(self, kernel, *args, fixed: tuple | None = None, **constexprs) -> None:
-        """One program of ``kernel``.  ``fixed``: a key naming these arguments, which are all the
-        workspace's own (generation, flag tables, error word, bounds): the launch is kept under
-        it, and :meth:`_fire` repeats it without building arguments or keys."""
-        direct = _run(kernel, (1,), args, constexprs, 1, self.spec.device)
+    def _launch(self, kernel, *args, fixed: tuple | None = None, grid: tuple = (1,), num_warps: int = 1,
+                **constexprs):
+        """``kernel`` on ``grid`` (one program of one warp unless told).  ``fixed``: a key naming
+        these arguments, which are all the workspace's own (generation, flag tables, error word,
+        bounds): the launch is kept under it, and :meth:`_fire` repeats it without building
+        arguments or keys.  Returns what :func:`_run` does."""
+        direct = _run(kernel, grid, args, constexprs, num_warps, self.spec.device)
         if fixed is not None and direct is not None:
             self._fixed[fixed] = (direct, (*args, *constexprs.values()), self.spec.device.index)
+        return direct
 
     def _fire(self, fixed: tuple) -> bool:
         """Repeat the launch kept under ``fixed`` (:meth:`_launch`); False where none is kept
@@ -344,22 +365,104 @@ class Workspace:
         self.calls += 1
         self.wait(credits, what, lag=1, advance=True)
 
-    def poison_on_error(self, *outputs: torch.Tensor) -> None:
+    def publish(self, credits: tuple[torch.Tensor, torch.Tensor], ready: tuple[torch.Tensor, torch.Tensor],
+                src: torch.Tensor, slot: torch.Tensor, dst2: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None, scale_slot: torch.Tensor | None = None,
+                scale_dst2: torch.Tensor | None = None, local: torch.Tensor | None = None, local_value: int = 1,
+                what: int = WAIT_CREDIT) -> None:
+        """:meth:`begin` (``credits``), ``slot`` <- ``src`` (and ``dst2`` <- ``src``; ``scale``
+        likewise into ``scale_slot``/``scale_dst2``), this rank's words at the int64 addresses of
+        ``local`` = ``local_value``, then :meth:`signal` of ``ready``: ONE launch
+        (tpfuse/kernels/flags.py ``publish_kernel``) instead of two flag kernels and up to four
+        copies.  ``src``/``scale``: 2-D with unit column stride (any row stride), copied as
+        bytes; destinations contiguous.  Broken: nothing is copied or signalled (the generation
+        still advances, the local words are still set: the outputs are NaN anyway)."""
+        from tpfuse.kernels.flags import publish_kernel
+
+        self.check(self.spec.op)
+        self.calls += 1
+        key = (id(credits[0]), id(ready[0]), None if local is None else id(local), what, slot.data_ptr(),
+               tuple(src.shape), src.dtype, dst2 is None, scale is None, None if scale_slot is None else scale_slot.data_ptr())
+        fixed = self._publish.get(key)
+        if fixed is None:
+            if len(self._publish) >= 64:
+                self._publish.clear()
+            rows, row_bytes = src.shape[0], src.shape[1] * src.element_size()
+            b_rows = b_bytes = 0
+            if scale is not None:
+                b_rows, b_bytes = scale.shape[0], scale.shape[1] * scale.element_size()
+            for d, like in ((slot, src), (dst2, src), (scale_slot, scale), (scale_dst2, scale)):
+                if d is not None and (not d.is_contiguous() or d.nbytes != like.nbytes):
+                    raise AssertionError(f"publish: destination {tuple(d.shape)} {d.dtype} for {tuple(like.shape)} {like.dtype}")
+            grid = (min(PUBLISH_MAX_PROGRAMS, max(1, triton_cdiv(rows * row_bytes + b_rows * b_bytes,
+                                                                   PUBLISH_BYTES_PER_PROGRAM))),)
+            if scale is not None and (scale_dst2 is None) != (dst2 is None):
+                raise AssertionError("publish: a second destination for the shard and its scale rows, or for neither")
+            bound, asm = self._bound()
+            table = local if local is not None else credits[0]   # num_local = 0: never read
+            fixed = self._publish[key] = [grid, (self.gen, self.publish_sync, self.error, credits[0], credits[1],
+                                                 credits[0].numel(), ready[0], ready[0].numel(), table,
+                                                 0 if local is None else local.numel(),
+                                                 local_value, bound, what, self.rank),
+                                          rows, row_bytes, b_rows, b_bytes, asm, {}]
+        grid, head, rows, row_bytes, b_rows, b_bytes, asm, directs = fixed
+        esize = src.element_size()
+        a_stride = src.stride(0) * esize
+        a_contig = rows <= 1 or a_stride == row_bytes
+        d2 = slot if dst2 is None else dst2
+        low = src.data_ptr() | slot.data_ptr() | d2.data_ptr()
+        a_aligned = a_contig and low % 16 == 0
+        low |= a_stride | row_bytes
+        a_elem = 4 if low % 4 == 0 else 2 if low % 2 == 0 else 1
+        if scale is None:
+            b_args = (src, 0, slot, slot, 0, 0)
+            b_contig = True
+        else:
+            b_stride = scale.stride(0) * scale.element_size()
+            b_contig = b_rows <= 1 or b_stride == b_bytes
+            b_args = (scale, b_stride, scale_slot, scale_slot if scale_dst2 is None else scale_dst2, b_rows, b_bytes)
+        args = head + (src, a_stride, slot, d2, rows, row_bytes) + b_args
+        constexprs = dict(BLOCK=_PUBLISH_BLOCK, A_ELEM=a_elem, A_CONTIG=a_contig, A_ALIGNED=a_aligned, B_CONTIG=b_contig,
+                          HAS_B=scale is not None, DST2=dst2 is not None, USE_ASM=asm)
+        # what the compiled variant depends on beyond the fixed arguments: the constexprs, the
+        # call's pointers' 16-byte alignment and its strides' integer width
+        spec = (a_elem, a_contig, a_aligned, b_contig, src.data_ptr() % 16 == 0, d2.data_ptr() % 16 == 0,
+                b_args[0].data_ptr() % 16 == 0, b_args[3].data_ptr() % 16 == 0,
+                a_stride < 2**31, b_args[1] < 2**31)
+        direct = directs.get(spec)
+        if direct is not None:
+            try:
+                direct((grid[0], 1, 1), torch._C._cuda_getCurrentRawStream(self.spec.device.index),
+                       (*args, *constexprs.values()))
+                return
+            except Exception:   # noqa: BLE001 - _run launches through the JIT (and warns if that fails too)
+                directs.clear()
+        direct = self._launch(publish_kernel, *args, grid=grid, num_warps=_PUBLISH_WARPS, **constexprs)
+        if direct is not None:
+            directs[spec] = direct
+
+    def poison_on_error(self, *outputs: torch.Tensor, zero: torch.Tensor | None = None) -> None:
         """Enqueue: NaN into ``outputs`` (floating point, the workspace's dtype) if the workspace
         is broken -- a wait of this call or of an earlier one timed out.  Runs on every call that
         has no other kernel to fill its outputs (the reduce does it for gemm_rs); one launch per
-        two outputs."""
+        two outputs.  ``zero``: contiguous int32 words set to 0 in the first launch, broken or
+        not (fused ag_gemm's arrival words: one launch less per call than their own ``zero_``)."""
         from tpfuse.kernels.flags import poison_on_error_kernel
 
         todo = [t for t in outputs if t is not None and t.numel() and t.is_floating_point()]
+        if zero is not None and not todo:
+            zero.zero_()
+            zero = None
         block = 1024
         for i in range(0, len(todo), 2):
             out = todo[i]
             out2 = todo[i + 1] if i + 1 < len(todo) else out
             n2 = out2.numel() if i + 1 < len(todo) else 0
             grid = (min(_POISON_PROGRAMS, triton_cdiv(max(out.numel(), n2), block)),)
-            _run(poison_on_error_kernel, grid, (self.error, out, out.numel(), out2, n2), dict(BLOCK=block), 4,
-                 self.spec.device)
+            words, num_words = (self.error, 0) if zero is None else (zero, zero.numel())
+            zero = None
+            _run(poison_on_error_kernel, grid, (self.error, out, out.numel(), out2, n2, words, num_words),
+                 dict(BLOCK=block), 4, self.spec.device)
 
     def failed(self) -> bool:
         """True once a wait of this workspace timed out, as far as the host can see now (its

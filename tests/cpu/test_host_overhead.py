@@ -76,7 +76,7 @@ def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
     launches = []
     monkeypatch.setattr(symm.Workspace, "_launch", lambda self, k, *a, **kw: launches.append(k.__name__))
     monkeypatch.setattr(symm.Workspace, "reduce", lambda self, *a, **kw: launches.append("reduce"))
-    monkeypatch.setattr(symm.Workspace, "poison_on_error", lambda self, *a: launches.append("poison"))
+    monkeypatch.setattr(symm.Workspace, "poison_on_error", lambda self, *a, **kw: launches.append("poison"))
     monkeypatch.setattr(tpfuse.gemm, "matmul", lambda *a, **kw: launches.append("gemm"))
     monkeypatch.setattr(fused, "_set_word", lambda words, i: None)
     monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 8)
@@ -202,7 +202,7 @@ def test_eager_symmetric_memory_calls_fork_streams_only_where_they_overlap(monke
     monkeypatch.setattr(symm.Workspace, "stream", property(lambda self: stream))
     monkeypatch.setattr(symm.Workspace, "_launch", lambda self, k, *a, **kw: ops.append(k.__name__))
     monkeypatch.setattr(symm.Workspace, "reduce", lambda self, *a, **kw: ops.append("reduce"))
-    monkeypatch.setattr(symm.Workspace, "poison_on_error", lambda self, *a: ops.append("poison"))
+    monkeypatch.setattr(symm.Workspace, "poison_on_error", lambda self, *a, **kw: ops.append("poison"))
     monkeypatch.setattr(tpfuse.gemm, "matmul", lambda *a, **kw: ops.append("gemm"))
     monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 8)
     monkeypatch.setattr(copy_engine, "ONE_SHOT_MAX_BYTES", 1024)   # [64, 16] fp16 outputs: two-shot
@@ -287,3 +287,92 @@ def test_busy_ahead_interleaved_rotates_and_takes_the_ratio_per_round(monkeypatc
     assert rows["ours"]["reference_host_us"] == rows["theirs"]["host_us"]
     with pytest.raises(ValueError, match="reference"):
         host.measure_busy_ahead_interleaved(fns, reference="nope")
+
+
+def ag_gemm_device_ops(monkeypatch, strategy: str, world_size: int, dtype=torch.float16) -> list[str]:
+    """The device operations one eager ag_gemm call of ``strategy`` issues on rank 0 of
+    ``world_size`` (its second call of the shape; launches faked, CUDA streams faked on the CPU):
+    every non-view aten op (allocations, copies, fills, matmuls), every kernel launch of the
+    workspace, the GEMM core's launch (one, whatever its TMA descriptors), every stream memory
+    write, event record, stream wait and ``record_stream``."""
+    import sys
+    import types
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from _symm_interp import fake_cuda_streams, fake_ranks
+
+    from tpfuse import symm
+    import tpfuse.gemm
+    from tpfuse.strategies import copy_engine, fused
+
+    fake_cuda_streams(monkeypatch)
+    ops = []
+
+    class Stream:
+        def wait_stream(self, s):
+            ops.append("wait_stream")
+
+        def wait_event(self, e):
+            ops.append("wait_event")
+
+    class Event:
+        def record(self, s=None):
+            ops.append("record")
+
+    class Aten(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func.overloadpacket not in (torch.ops.aten.detach,):
+                ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    stream = Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(symm.Workspace, "stream", property(lambda self: stream))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: ops.append("record_stream"), raising=False)
+    monkeypatch.setattr(symm.Workspace, "_launch", lambda self, k, *a, **kw: ops.append(k.__name__))
+    monkeypatch.setattr(symm.Workspace, "poison_on_error", lambda self, *a, **kw: ops.append("poison_on_error_kernel"))
+    monkeypatch.setattr(tpfuse.gemm, "matmul", lambda *a, **kw: ops.append("gemm"))
+    monkeypatch.setattr(fused, "_set_word", lambda words, i: ops.append("stream_write"), raising=False)
+    monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 8)
+    monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 1)
+    made = {}
+
+    def get_workspace(ctx, op, dtype, device, need):
+        if op not in made:
+            made[op] = fake_ranks(world_size, max(need, 1 << 16) * 2, dtype, op)[0]
+        return made[op]
+
+    monkeypatch.setattr(symm, "get_workspace", get_workspace)
+    ctx = types.SimpleNamespace(rank=0, world_size=world_size, group_name=f"ops{world_size}", group=None)
+    g = torch.Generator().manual_seed(0)
+    a_shard, b = torch.randn(16, 8, generator=g).to(dtype), torch.randn(8, 12, generator=g).to(dtype)
+    fn = {"copy_engine": copy_engine.ag_gemm, "fused": fused.ag_gemm}[strategy]
+    fn(a_shard, b, ctx)   # plans and tables built
+    ops.clear()
+    with Aten():
+        fn(a_shard, b, ctx)
+    return list(ops)
+
+
+# Device operations of one eager ag_gemm call (float16, one piece per rank), by strategy and W:
+# copy_engine 9 + 5 (W - 1), fused 11 + 3 (W - 1) -- 3 and 5 fewer than at 4557011 (copy_engine
+# 12 + 5 (W - 1), fused 16 + 3 (W - 1)): the publish step is one launch (both), and fused's
+# arrival words are reset by its NaN fill's launch (no zero_).
+AG_GEMM_OPS = {("copy_engine", 2): 14, ("copy_engine", 4): 24, ("fused", 2): 14, ("fused", 4): 20}
+
+
+@pytest.mark.parametrize("strategy, world_size", sorted(AG_GEMM_OPS))
+def test_eager_ag_gemm_device_operations_per_call(monkeypatch, strategy, world_size):
+    """Issue 34: every native operation of an eager call costs 10-20 us of host time on the bed's
+    host; the publish step (credit wait, copy into the slot, READY) and the copy of the shard into
+    a_full's own rows (fused: and its own arrival words) are ONE launch (publish_kernel)."""
+    pytest.importorskip("triton")
+    ops = ag_gemm_device_ops(monkeypatch, strategy, world_size)
+    assert ops.count("publish_kernel") == 1 and "wait_kernel" in ops, ops   # the peers' READY waits remain
+    assert ops.index("publish_kernel") < min(i for i, o in enumerate(ops) if o in ("gemm", "mm", "copy_")), ops
+    assert "stream_write" not in ops[:ops.index("publish_kernel") + 1], ops
+    assert "zero_" not in ops and ops[-1] == "poison_on_error_kernel", ops
+    assert len(ops) == AG_GEMM_OPS[strategy, world_size], ops

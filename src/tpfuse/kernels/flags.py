@@ -82,19 +82,161 @@ def signal_wait_kernel(gen_ptr, sig_table, num_sig, wait_table, peers_ptr, num_w
             stop = status != 0
 
 
-@triton.jit(do_not_specialize=["numel", "numel2"])
-def poison_on_error_kernel(err_ptr, out_ptr, numel, out2_ptr, numel2, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["numel", "numel2", "num_zero"])
+def poison_on_error_kernel(err_ptr, out_ptr, numel, out2_ptr, numel2, zero_ptr, num_zero, BLOCK: tl.constexpr):
     """Fill ``out`` (and ``out2``, same dtype, when ``numel2`` > 0) with NaN if the error word
     is set: the outputs of a call of a broken workspace -- the one that timed out and every
     call queued after it, eager or replayed -- are never plausible numbers.  A few programs
-    that, without an error, read one word and exit (grid-stride loop otherwise)."""
+    that, without an error, read one word and exit (grid-stride loop otherwise).  Whatever the
+    word: the int32 words ``zero[:num_zero]`` = 0 (fused ag_gemm's arrival words, reset for the
+    next call in this launch rather than by a ``zero_`` of their own)."""
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    for base in range(start, num_zero, step):
+        offs = base + tl.arange(0, BLOCK)
+        tl.store(zero_ptr + offs, tl.full((BLOCK,), 0, tl.int32), mask=offs < num_zero)
     if tl.load(err_ptr, volatile=True) != 0:
         nan = tl.full((BLOCK,), float("nan"), tl.float32)
-        step = tl.num_programs(0).to(tl.int64) * BLOCK
-        start = tl.program_id(0).to(tl.int64) * BLOCK
         for base in range(start, numel, step):
             offs = base + tl.arange(0, BLOCK)
             tl.store(out_ptr + offs, nan.to(out_ptr.dtype.element_ty), mask=offs < numel)
         for base in range(start, numel2, step):
             offs = base + tl.arange(0, BLOCK)
             tl.store(out2_ptr + offs, nan.to(out2_ptr.dtype.element_ty), mask=offs < numel2)
+
+
+# --- publish: begin + copy of the shard + READY in one launch (issue 34) -------------------------
+#
+# ag_gemm's first step (tpfuse/strategies/_symm_steps.py ``publish_shard``) was three launches and
+# one to three copies: the credit wait (``wait_kernel`` with ADVANCE), ``copy_`` into this rank's
+# slot (+ an fp8 shard's scale rows), ``signal_kernel`` of READY, then ``copy_`` into the gathered
+# output's own rows (+ scale rows) and, in fused, a stream write per own arrival word.  One grid
+# does it all:
+#
+#   every program:  gen = *gen_ptr + 1;  wait DONE credits >= gen - 1 (bounded; a timeout records
+#                   (what, peer, generation, seen, rank) exactly as wait_kernel does);  unless
+#                   broken: copy its stripe of the shard (and scale rows) into the slot and the
+#                   optional second destination;  CTA barrier;  counter += 1 (acq_rel, GPU scope)
+#   the last one:   counter = 0 (a CUDA graph replays the launch);  *gen_ptr = gen (the
+#                   generation advance of Workspace.begin: every program read the old value
+#                   before its increment, which the last one acquired);  the local words = value;
+#                   unless broken (error word read again): READY[i] = gen on every peer (release,
+#                   system scope: cumulative over every program's stores, which it acquired)
+#
+# The warps of a program spin independently and may leave a wait with different outcomes, and the
+# branches after a wait hold CTA barriers (record_error's CAS, the copy's barrier): so each
+# outcome is made the CTA's through a scratch word (:func:`_uniform`, as sm_workers' workers do).
+# Nothing waits for another program: the grid needs no co-residency.
+
+@triton.jit
+def _uniform(value, scratch_ptr):
+    """``value`` as one thread of the CTA holds it, in every thread (a store by one thread, a
+    barrier, a load, a barrier): see tpfuse/kernels/sm_workers.py ``_uniform``."""
+    tl.store(scratch_ptr, value)
+    tl.debug_barrier()
+    out = tl.load(scratch_ptr, volatile=True)
+    tl.debug_barrier()
+    return out
+
+
+@triton.jit
+def _copy_rows(src, src_stride, dst, dst2, rows, row_bytes, pid, num_programs, BLOCK: tl.constexpr,
+               ELEM: tl.constexpr, CONTIG: tl.constexpr, DST2: tl.constexpr, ALIGNED: tl.constexpr):
+    """This program's stripe of ``dst[r, :] = src[r, :]`` (and ``dst2``) for ``rows`` rows of
+    ``row_bytes`` bytes, copied as ELEM-byte integers (bit-exact whatever the dtype; the host
+    checked that every address, ``src_stride`` and ``row_bytes`` are ELEM multiples): ``dst`` and
+    ``dst2`` contiguous, ``src`` rows ``src_stride`` bytes apart (CONTIG: ``src_stride ==
+    row_bytes``, one flat run).  Blocks pid, pid + G, ... of BLOCK elements; with CONTIG whole
+    blocks unmasked (16-byte vectors when ALIGNED: every address a 16-byte multiple) and one
+    masked tail."""
+    if ELEM == 4:
+        ty = tl.int32
+    elif ELEM == 2:
+        ty = tl.int16
+    else:
+        ty = tl.int8
+    s = src.to(tl.pointer_type(ty))
+    d = dst.to(tl.pointer_type(ty))
+    d2 = dst2.to(tl.pointer_type(ty))
+    row = row_bytes // ELEM
+    n = rows.to(tl.int64) * row
+    if CONTIG:
+        whole = n // BLOCK
+        for blk in range(pid, whole, num_programs):
+            offs = tl.arange(0, BLOCK).to(tl.int64) + blk * BLOCK
+            ps = s + offs
+            pd = d + offs
+            pd2 = d2 + offs
+            if ALIGNED:
+                ps = tl.multiple_of(ps, 16)
+                pd = tl.multiple_of(pd, 16)
+                pd2 = tl.multiple_of(pd2, 16)
+            x = tl.load(ps)
+            tl.store(pd, x)
+            if DST2:
+                tl.store(pd2, x)
+        if pid == whole % num_programs:
+            offs = whole * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+            mask = offs < n
+            x = tl.load(s + offs, mask=mask)
+            tl.store(d + offs, x, mask=mask)
+            if DST2:
+                tl.store(d2 + offs, x, mask=mask)
+    else:
+        stride = src_stride // ELEM
+        blocks = (n + BLOCK - 1) // BLOCK
+        for blk in range(pid, blocks, num_programs):
+            offs = tl.arange(0, BLOCK).to(tl.int64) + blk * BLOCK
+            mask = offs < n
+            r = offs // row
+            x = tl.load(s + r * stride + (offs - r * row), mask=mask)
+            tl.store(d + offs, x, mask=mask)
+            if DST2:
+                tl.store(d2 + offs, x, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_credits", "num_ready", "num_local", "local_value", "timeout", "what", "rank",
+                               "a_stride", "a_rows", "a_row_bytes", "b_stride", "b_rows", "b_row_bytes"])
+def publish_kernel(gen_ptr, sync_ptr, err_ptr, credits_ptr, peers_ptr, num_credits, ready_ptr, num_ready,
+                   local_ptr, num_local, local_value, timeout, what, rank,
+                   a_src, a_stride, a_dst, a_dst2, a_rows, a_row_bytes,
+                   b_src, b_stride, b_dst, b_dst2, b_rows, b_row_bytes,
+                   BLOCK: tl.constexpr, A_ELEM: tl.constexpr, A_CONTIG: tl.constexpr, A_ALIGNED: tl.constexpr,
+                   B_CONTIG: tl.constexpr, HAS_B: tl.constexpr, DST2: tl.constexpr, USE_ASM: tl.constexpr):
+    """The publish step of ag_gemm in one grid (the comment above): credits, the copies of job
+    A (the shard, as A_ELEM-byte integers) and job B (HAS_B: its float32 scale rows) into their slots (and second destinations,
+    DST2), the generation advance, the local words and READY.  Tables: ``credits``/``peers``
+    (the DONE words waited on and the rank each concerns), ``ready`` (every peer's READY word
+    for this rank), ``local`` (this rank's words set to ``local_value``), int64 byte
+    addresses.  ``sync``: int32 [counter, one scratch word per program]."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    scratch = sync_ptr + 1 + pid
+    gen = tl.load(gen_ptr) + 1
+    target = gen - 1
+    stop = _uniform((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), scratch) != 0
+    for i in range(num_credits):
+        if not stop:
+            flag = tl.load(credits_ptr + i).to(tl.pointer_type(tl.int32))
+            status, seen = wait_geq(flag, target, timeout, err_ptr, USE_ASM)
+            status = _uniform(status, scratch)
+            if status == 1:
+                record_error(err_ptr, what, tl.load(peers_ptr + i).to(tl.int32), target, seen, rank, -1, -1, -1)
+            stop = status != 0
+    if not stop:   # broken (now or before): nothing is written where peers may still read
+        _copy_rows(a_src, a_stride, a_dst, a_dst2, a_rows, a_row_bytes, pid, num_programs, BLOCK, A_ELEM, A_CONTIG,
+                   DST2, A_ALIGNED)
+        if HAS_B:   # float32 scale rows: 4-byte elements
+            _copy_rows(b_src, b_stride, b_dst, b_dst2, b_rows, b_row_bytes, pid, num_programs, BLOCK, 4, B_CONTIG,
+                       DST2, False)
+    tl.debug_barrier()   # every thread's stores before the count (cumulativity)
+    old = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
+    if old == num_programs - 1:
+        tl.store(sync_ptr, 0)
+        tl.store(gen_ptr, gen)
+        for i in range(num_local):
+            tl.store(tl.load(local_ptr + i).to(tl.pointer_type(tl.int32)), local_value)
+        if _uniform((tl.load(err_ptr, volatile=True) == 0).to(tl.int32), scratch) != 0:
+            for i in range(num_ready):
+                flag = tl.load(ready_ptr + i).to(tl.pointer_type(tl.int32))
+                tl.atomic_xchg(flag, gen, sem="release", scope="sys")

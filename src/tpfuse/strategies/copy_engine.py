@@ -7,7 +7,8 @@ memory, credits, a side stream).  The process group carries only the rendezvous,
 gloo (the one-GPU bed).  Schedules, for rank r of W (``peers`` = r+1, r+2, ... mod W)::
 
   ag_gemm   compute: begin (credits: peers done reading r's slot of the last call)
-                     copy a_shard -> r's slot;  signal READY[r] on every peer
+                     copy a_shard -> r's slot and a_full[r];  signal READY[r] on every peer
+                     (one launch: _symm_steps.publish_shard)
                      c[r] = a_shard @ b;  then c[p] = a_full[p] @ b as each chunk p lands
             side:    for p in peers: wait READY[p];  a_full[p] <- p's slot;  event p
                      (before the last event) signal DONE[r] on every peer (credits back)
@@ -173,8 +174,11 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     ws = symm.get_workspace(ctx, "ag_gemm", a_shard.dtype, dev, need)
     plan = steps.cached(ws, ("copy_engine ag", m_shard, k, rowwise), lambda: _AgPlan(ws, m_shard, k, rowwise))
     main, side = ws.current_stream(), ws.stream
+    mine = slice(rank * m_shard, (rank + 1) * m_shard)
     breadcrumb("copy_engine ag_gemm: publishing the local shard")
-    steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out, scale_a if rowwise else None)
+    # into this rank's slot and a_full's own rows (and the scale rows) in the same launch
+    steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out, scale_a if rowwise else None,
+                        also=a_full[mine], scale_also=scale_full[mine] if rowwise else None)
     steps.join(side, main, plan.fork)
     last = plan.peers[-1]
     pulled = [a_full[rows] for rows in plan.rows]   # each peer's rows, sliced once per call
@@ -193,10 +197,6 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
                 # joins the whole side stream (no wait_stream at the end: two stream operations)
                 ws.signal(plan.done_out)
             event.record(side)
-    mine = slice(rank * m_shard, (rank + 1) * m_shard)
-    a_full[mine].copy_(a_shard)
-    if rowwise:
-        scale_full[mine].copy_(scale_a)
     with timeline.span("gemm", plan.own_label, device=dev, chunk=rank):
         _chunk_mm(a_shard, b, scaled, c[mine])
     for p, rows, chunk, scale_rows, event, labels in zip(plan.peers, plan.rows, pulled, scales, plan.events,

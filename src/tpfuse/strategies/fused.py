@@ -5,7 +5,9 @@
   *arrival* word = 1 by ``stream_write_value32``, a stream memory operation), while ONE
   persistent GEMM (``tpfuse.gemm.matmul`` with a wait hook, tile order "round" from this rank's
   chunk) starts on the local chunk and waits per tile only for the chunks its A rows touch.
-  SMs never move data.  Each shard may be cut into several pieces
+  SMs move only this rank's own shard: the publish launch (``_symm_steps.publish_shard``: credit
+  wait, the shard into this rank's slot and a_full's own rows, the own chunks' arrival words,
+  READY; one launch instead of six operations).  Each shard may be cut into several pieces
   (``FusedKnobs.chunks_per_rank``, else the planner's choice per shape): a chunk may then
   straddle two shards, and its word is set after the last copy touching it.
 * ``gemm_rs`` (producer-side fusion): ONE persistent GEMM in owner order ((rank + 1) first)
@@ -19,8 +21,8 @@
   float32 in rank order), as does an M that W does not divide.
 
 The arrival words are this rank's own (one producer, one consumer, in stream order): they
-hold 1 while a call runs and are reset to 0 on the compute stream after the GEMM, before the
-next call's side stream can touch them; the epilogue hook's per-chunk words are published with 1
+hold 1 while a call runs and are reset to 0 on the compute stream after the GEMM (by the call's
+last launch, the NaN fill), before the next call's side stream can touch them; the epilogue hook's per-chunk words are published with 1
 and read by nobody (READY follows the launch).  So the hooks' generation is the constant 1, which
 a CUDA graph may replay; cross-rank flags keep the workspace's device-memory generations.
 
@@ -297,6 +299,9 @@ class _AgPlan:
         self.mine = slice(rank * m_shard, (rank + 1) * m_shard)
         pieces = _ag_pieces(rank, world_size, m_shard, chunk_m)
         self.own_words = [chunk for src, _, _, chunk, last in pieces if src == rank and last]
+        # their addresses, for the publish launch that sets them (after the own rows' copy)
+        self.own_word_table = ws.pointer_table(("fused own words", id(arrived), tuple(self.own_words)),
+                                               [arrived[i] for i in self.own_words]) if self.own_words else None
         # (src, lo, hi, chunk, READY table or None when already waited, peer rows, peer scale rows
         # (fp8 row-wise) or None, last)
         self.pulls = []
@@ -364,12 +369,10 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     main, side = ws.current_stream(), ws.stream
     breadcrumb("fused ag_gemm: publishing the local shard")
     ws.host.chunk_owner = plan.chunk_owner   # names the peer if the GEMM's wait times out
-    steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out, scale_a if rowwise else None)
-    a_full[plan.mine].copy_(a_shard)
-    if rowwise:
-        scale_full[plan.mine].copy_(scale_a)
-    for chunk in plan.own_words:
-        _set_word(arrived, chunk)
+    # one launch: the slot, a_full's own rows (and scale rows), the own chunks' arrival words, READY
+    steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out, scale_a if rowwise else None,
+                        also=a_full[plan.mine], scale_also=scale_full[plan.mine] if rowwise else None,
+                        words=plan.own_word_table)
     # The pulls are issued before the GEMM is launched: a launch first, with the side stream's
     # kernels issued after it, timed out in the bed when their first call's JIT compile outlasted
     # the GEMM's bounded spins (docs/ops.md, tried and not kept).
@@ -389,17 +392,19 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     _gemm("fused GEMM (waits per chunk)", chunk_m, a_full, b, out=c, tile_order="round",
           start_chunk=plan.start_chunk, wait=plan.wait, check=False, num_sms=sm_budget(dev, world_size, knobs),
           **_scale_kwargs(scale_full, scale_b, c.dtype))
-    arrived.zero_()   # after the GEMM (main stream), which ends only once every word was set
     steps.join(main, side, plan.joined)
     a_full.record_stream(side)
+    # NaN when broken (this call's wait or the GEMM's timed out, or an earlier one), and in the same
+    # launch the arrival words back at 0: after the GEMM (main stream), which ends only once every
+    # word was set, and after the join, so after the side stream's last write of one
     if not scaled:
-        steps.finish(ws, c, a_full)   # NaN when broken: this call's wait or the GEMM's timed out, or an earlier one
+        steps.finish(ws, c, a_full, zero=arrived)
         return c, a_full
     if rowwise:
         scale_full.record_stream(side)
-        ws.poison_on_error(c, a_full, scale_full)
+        ws.poison_on_error(c, a_full, scale_full, zero=arrived)
     else:
-        steps.finish(ws, c, a_full)
+        steps.finish(ws, c, a_full, zero=arrived)
     return c, a_full, scale_full
 
 
