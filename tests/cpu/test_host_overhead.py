@@ -164,6 +164,30 @@ def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
     assert launches[1:3] == ["matmul", "slot_ready_kernel"], launches   # piece 0 straight after begin
 
 
+
+def _record_stream_ops(monkeypatch, symm) -> list:
+    """One fake stream for every stream (the current one and every workspace's side stream)
+    and fake events, recording ``wait_stream`` / ``wait_event`` / ``record`` into the returned
+    list, which the caller's other fakes append to as well."""
+    ops = []
+
+    class Stream:
+        def wait_stream(self, s):
+            ops.append("wait_stream")
+
+        def wait_event(self, e):
+            ops.append("wait_event")
+
+    class Event:
+        def record(self, s=None):
+            ops.append("record")
+
+    stream = Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(symm.Workspace, "stream", property(lambda self: stream))
+    return ops
+
 def test_eager_symmetric_memory_calls_fork_streams_only_where_they_overlap(monkeypatch):
     """The stream operations of one eager copy_engine/fused call (W = 2, launches faked): the
     two-shot gemm_ar's gather runs on the compute stream (a side stream there overlapped nothing
@@ -183,23 +207,7 @@ def test_eager_symmetric_memory_calls_fork_streams_only_where_they_overlap(monke
     from tpfuse.strategies import copy_engine, fused
 
     fake_cuda_streams(monkeypatch)
-    ops = []
-
-    class Stream:
-        def wait_stream(self, s):
-            ops.append("wait_stream")
-
-        def wait_event(self, e):
-            ops.append("wait_event")
-
-    class Event:
-        def record(self, s=None):
-            ops.append("record")
-
-    stream = Stream()
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(symm.Workspace, "stream", property(lambda self: stream))
+    ops = _record_stream_ops(monkeypatch, symm)
     monkeypatch.setattr(symm.Workspace, "_launch", lambda self, k, *a, **kw: ops.append(k.__name__))
     monkeypatch.setattr(symm.Workspace, "reduce", lambda self, *a, **kw: ops.append("reduce"))
     monkeypatch.setattr(symm.Workspace, "poison_on_error", lambda self, *a, **kw: ops.append("poison"))
@@ -308,18 +316,7 @@ def ag_gemm_device_ops(monkeypatch, strategy: str, world_size: int, dtype=torch.
     from tpfuse.strategies import copy_engine, fused
 
     fake_cuda_streams(monkeypatch)
-    ops = []
-
-    class Stream:
-        def wait_stream(self, s):
-            ops.append("wait_stream")
-
-        def wait_event(self, e):
-            ops.append("wait_event")
-
-    class Event:
-        def record(self, s=None):
-            ops.append("record")
+    ops = _record_stream_ops(monkeypatch, symm)
 
     class Aten(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -327,10 +324,6 @@ def ag_gemm_device_ops(monkeypatch, strategy: str, world_size: int, dtype=torch.
                 ops.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
-    stream = Stream()
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(symm.Workspace, "stream", property(lambda self: stream))
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: ops.append("record_stream"), raising=False)
     monkeypatch.setattr(symm.Workspace, "_launch", lambda self, k, *a, **kw: ops.append(k.__name__))
     monkeypatch.setattr(symm.Workspace, "poison_on_error", lambda self, *a, **kw: ops.append("poison_on_error_kernel"))

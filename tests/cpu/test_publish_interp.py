@@ -190,15 +190,9 @@ def test_publish_kernel_compiles_for_sm90_with_vector_copies_and_system_scope_or
     """The kernel as launched on the H200 (8 warps, blocks of 4096 4-byte elements): 16-byte vector loads and
     stores on the aligned flat path, the credits waited with ld.acquire.sys, the count an acq_rel
     GPU-scope add, READY a release.sys exchange; the strided path and the scale job compile too."""
-    import triton
+    from test_sm_workers_interp import _compile, skip_unless_sm90_ptx_of_triton_36
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("compiling needs Triton's compiler, not the interpreter")
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("Triton without its bundled ptxas")
-    if not triton.__version__.startswith("3.6."):   # the PTX patterns are what Triton 3.6 emits
-        pytest.skip(f"the PTX checks are pinned to Triton 3.6.x; this is {triton.__version__}")
-    from test_sm_workers_interp import _compile
+    skip_unless_sm90_ptx_of_triton_36()
 
     from tpfuse.gemm.offline import sass_of
     from tpfuse.kernels import flags

@@ -547,6 +547,19 @@ def test_summarize_derives_in_flight_bytes_queue_depth_and_the_tail_from_the_sta
 # --------------------------------------------------------------------------------------------
 # sm_90 compile (no GPU: Triton ships ptxas)
 # --------------------------------------------------------------------------------------------
+def skip_unless_sm90_ptx_of_triton_36() -> None:
+    """Skip a test that compiles for sm_90 and reads the PTX: not under the interpreter, only
+    with Triton's bundled ptxas, and only on Triton 3.6.x (whose PTX the patterns describe)."""
+    import triton
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("compiling needs Triton's compiler, not the interpreter")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("Triton without its bundled ptxas")
+    if not triton.__version__.startswith("3.6."):   # the PTX patterns are what Triton 3.6 emits
+        pytest.skip(f"the PTX checks are pinned to Triton 3.6.x; this is {triton.__version__}")
+
+
 def _compile(fn, args, constexprs, num_warps):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -564,14 +577,7 @@ def test_kernels_compile_for_sm90_with_vector_copies_and_system_scope_ordering()
     """The worker kernel as launched on the H200 (bf16, 16 KiB blocks, 8 warps): 16-byte vector
     loads and stores when aligned, the flag waited with ld.acquire.sys, the count an acq_rel
     GPU-scope add, the publishes release.sys exchanges; the ring kernels compile too."""
-    import triton
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("compiling needs Triton's compiler, not the interpreter")
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("Triton without its bundled ptxas")
-    if not triton.__version__.startswith("3.6."):   # the PTX patterns are what Triton 3.6 emits
-        pytest.skip(f"the PTX checks are pinned to Triton 3.6.x; this is {triton.__version__}")
+    skip_unless_sm90_ptx_of_triton_36()
     _drop_module()
     K = _kernels()
     i32, i64 = torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.int64)
