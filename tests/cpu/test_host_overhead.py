@@ -297,12 +297,15 @@ def test_busy_ahead_interleaved_rotates_and_takes_the_ratio_per_round(monkeypatc
         host.measure_busy_ahead_interleaved(fns, reference="nope")
 
 
-def ag_gemm_device_ops(monkeypatch, strategy: str, world_size: int, dtype=torch.float16) -> list[str]:
-    """The device operations one eager ag_gemm call of ``strategy`` issues on rank 0 of
+def device_ops(monkeypatch, op: str, strategy: str, world_size: int, dtype=torch.float16,
+               mode: str | None = None) -> list[str]:
+    """The device operations one eager ``op`` call of ``strategy`` issues on rank 0 of
     ``world_size`` (its second call of the shape; launches faked, CUDA streams faked on the CPU):
     every non-view aten op (allocations, copies, fills, matmuls), every kernel launch of the
-    workspace, the GEMM core's launch (one, whatever its TMA descriptors), every stream memory
-    write, event record, stream wait and ``record_stream``."""
+    workspace (each by its kernel's name, whatever method issues it), the GEMM core's launch
+    (one, whatever its TMA descriptors), every stream memory write, event record, stream wait and
+    ``record_stream``.  ag_gemm: a [16, 8] shard; gemm_rs/gemm_ar: a [64, 8] @ [8, 16] product
+    (gemm_ar ``mode`` "one_shot", or "two_shot": ONE_SHOT_MAX_BYTES lowered below its 2 KiB)."""
     import sys
     import types
 
@@ -325,12 +328,14 @@ def ag_gemm_device_ops(monkeypatch, strategy: str, world_size: int, dtype=torch.
             return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: ops.append("record_stream"), raising=False)
-    monkeypatch.setattr(symm.Workspace, "_launch", lambda self, k, *a, **kw: ops.append(k.__name__))
-    monkeypatch.setattr(symm.Workspace, "poison_on_error", lambda self, *a, **kw: ops.append("poison_on_error_kernel"))
+    # every workspace kernel (flag kernels, publish, reduce, NaN fill) launches through symm._run
+    monkeypatch.setattr(symm, "_run", lambda kernel, *a, **kw: ops.append(kernel.__name__))
     monkeypatch.setattr(tpfuse.gemm, "matmul", lambda *a, **kw: ops.append("gemm"))
     monkeypatch.setattr(fused, "_set_word", lambda words, i: ops.append("stream_write"), raising=False)
     monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 8)
     monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 1)
+    if mode is not None:
+        monkeypatch.setattr(copy_engine, "ONE_SHOT_MAX_BYTES", 1 << 20 if mode == "one_shot" else 1024)
     made = {}
 
     def get_workspace(ctx, op, dtype, device, need):
@@ -341,12 +346,18 @@ def ag_gemm_device_ops(monkeypatch, strategy: str, world_size: int, dtype=torch.
     monkeypatch.setattr(symm, "get_workspace", get_workspace)
     ctx = types.SimpleNamespace(rank=0, world_size=world_size, group_name=f"ops{world_size}", group=None)
     g = torch.Generator().manual_seed(0)
-    a_shard, b = torch.randn(16, 8, generator=g).to(dtype), torch.randn(8, 12, generator=g).to(dtype)
-    fn = {"copy_engine": copy_engine.ag_gemm, "fused": fused.ag_gemm}[strategy]
-    fn(a_shard, b, ctx)   # plans and tables built
+    module = {"copy_engine": copy_engine, "fused": fused}[strategy]
+    if op == "ag_gemm":
+        args = (torch.randn(16, 8, generator=g).to(dtype), torch.randn(8, 12, generator=g).to(dtype))
+    else:
+        args = (torch.randn(64, 8, generator=g).to(dtype), torch.randn(8, 16, generator=g).to(dtype))
+    fn = getattr(module, op)
+    if op == "gemm_ar":
+        assert copy_engine.ar_mode(64, 16, dtype.itemsize) == mode, mode
+    fn(*args, ctx)   # plans and tables built
     ops.clear()
     with Aten():
-        fn(a_shard, b, ctx)
+        fn(*args, ctx)
     return list(ops)
 
 
@@ -363,9 +374,31 @@ def test_eager_ag_gemm_device_operations_per_call(monkeypatch, strategy, world_s
     host; the publish step (credit wait, copy into the slot, READY) and the copy of the shard into
     a_full's own rows (fused: and its own arrival words) are ONE launch (publish_kernel)."""
     pytest.importorskip("triton")
-    ops = ag_gemm_device_ops(monkeypatch, strategy, world_size)
+    ops = device_ops(monkeypatch, "ag_gemm", strategy, world_size)
     assert ops.count("publish_kernel") == 1 and "wait_kernel" in ops, ops   # the peers' READY waits remain
     assert ops.index("publish_kernel") < min(i for i, o in enumerate(ops) if o in ("gemm", "mm", "copy_")), ops
     assert "stream_write" not in ops[:ops.index("publish_kernel") + 1], ops
     assert "zero_" not in ops and ops[-1] == "poison_on_error_kernel", ops
     assert len(ops) == AG_GEMM_OPS[strategy, world_size], ops
+
+
+# Device operations of one eager gemm_rs / gemm_ar call ([64, 8] @ [8, 16] float16), by op (gemm_ar:
+# and mode), strategy and W (fused one-shot gemm_ar is copy_engine's): copy_engine gemm_rs 8 + 6 (W - 1),
+# two-shot gemm_ar 14 + 8 (W - 1); fused gemm_rs 6, two-shot gemm_ar 12 + 2 (W - 1); one-shot gemm_ar 6.
+RS_AR_OPS = {
+    ("gemm_rs", None, "copy_engine", 2): 14, ("gemm_rs", None, "copy_engine", 4): 26,
+    ("gemm_rs", None, "fused", 2): 6, ("gemm_rs", None, "fused", 4): 6,
+    ("gemm_ar", "one_shot", "copy_engine", 2): 6, ("gemm_ar", "one_shot", "copy_engine", 4): 6,
+    ("gemm_ar", "one_shot", "fused", 2): 6, ("gemm_ar", "one_shot", "fused", 4): 6,
+    ("gemm_ar", "two_shot", "copy_engine", 2): 22, ("gemm_ar", "two_shot", "copy_engine", 4): 38,
+    ("gemm_ar", "two_shot", "fused", 2): 14, ("gemm_ar", "two_shot", "fused", 4): 18,
+}
+
+
+@pytest.mark.parametrize("op, mode, strategy, world_size", list(RS_AR_OPS))
+def test_eager_rs_ar_device_operations_per_call(monkeypatch, op, mode, strategy, world_size):
+    """Issue 34: the device operations of one eager gemm_rs / gemm_ar call (each 10-20 us of host
+    time on the bed's host), counted as the ag_gemm test counts them."""
+    pytest.importorskip("triton")
+    ops = device_ops(monkeypatch, op, strategy, world_size, mode=mode)
+    assert len(ops) == RS_AR_OPS[op, mode, strategy, world_size], (len(ops), ops)
