@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tpfuse import symm, timeline
+from tpfuse import dtypes, symm, timeline
 from tpfuse._dist import row_bounds  # noqa: F401  (the strategies' shared row split)
 
 
@@ -100,13 +100,13 @@ def two_shot_workspace(ctx, dtype: torch.dtype, device: torch.device, slot: int)
     gathered chunk (read by the peers, credit DONE2) in the second.  Fixed halves: a call of
     another shape never writes where a peer may still be reading the previous call's gathered
     chunk."""
-    element = torch.empty((), dtype=dtype).element_size()
+    element = dtypes.itemsize(dtype)   # not a tensor's element_size(): no allocation per call
     return symm.get_workspace(ctx, "gemm_ar", dtype, device, 2 * (ctx.world_size * slot + 8) * element)
 
 
 def two_shot_gather_offset(ws: symm.Workspace) -> int:
     """Element offset of the gather slot: the second half of the data region (16-byte aligned)."""
-    element = torch.empty((), dtype=ws.spec.dtype).element_size()
+    element = dtypes.itemsize(ws.spec.dtype)
     return (ws.spec.capacity // element // 2) // 8 * 8
 
 
