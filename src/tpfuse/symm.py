@@ -156,6 +156,8 @@ class Workspace:
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
         # the publish kernel's [counter, one scratch word per program] (Workspace.publish)
         self.publish_sync = torch.zeros(1 + PUBLISH_MAX_PROGRAMS, dtype=torch.int32, device=device)
+        # the reduce kernel's count of finished programs (its SIGNAL step; reset by its last program)
+        self.reduce_sync = torch.zeros(1, dtype=torch.int32, device=device)
         # the host-visible mirror of the error word; the word carries its address (abi.ERR_MIRROR)
         self.host = watchdog.HostRecord.allocate(device, op=spec.op, group=spec.group_name, rank=spec.rank,
                                                  timeout_s=timeout_s())
@@ -225,22 +227,34 @@ class Workspace:
             self._tables[("ptr", key)] = hit
         return hit
 
-    def reduce(self, key: object, sources: list[torch.Tensor], out: torch.Tensor) -> None:
+    def reduce(self, key: object, sources: list[torch.Tensor], out: torch.Tensor, *,
+               out2: torch.Tensor | None = None, signal: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Enqueue ``out = sum(sources)`` in float32, in list order, rounded once (every source a
-        ``[rows, cols]`` view with the same row stride and unit column stride)."""
+        ``[rows, cols]`` view with the same row stride and unit column stride; NaN when broken),
+        in the same launch also into ``out2`` (same shape and dtype, unit column stride) and, once
+        every program is done, :meth:`signal` of ``signal`` (tpfuse/kernels/reduce.py)."""
         from tpfuse.kernels.reduce import reduce_kernel
 
         rows, cols = out.shape
         if rows * cols == 0:
+            if signal is not None:
+                self.signal(signal)
             return
         stride = sources[0].stride(0)
         if any(s.shape != out.shape or s.stride() != (stride, 1) for s in sources) or out.stride(1) != 1:
             raise AssertionError("reduce: sources must be [rows, cols] views with one row stride")
+        if out2 is not None and (out2.shape != out.shape or out2.dtype != out.dtype or out2.stride(1) != 1):
+            raise AssertionError(f"reduce: second output {tuple(out2.shape)} {out2.dtype} for {tuple(out.shape)} {out.dtype}")
         table = self.pointer_table(key, sources)
         block_r, block_c = 4, 256
         grid = (triton_cdiv(rows, block_r) * triton_cdiv(cols, block_c),)
-        _run(reduce_kernel, grid, (table, len(sources), out, rows, cols, stride, out.stride(0), self.error),
-             dict(BLOCK_R=block_r, BLOCK_C=block_c), 4, self.spec.device)
+        sig = table if signal is None else signal[0]   # num_sig = 0 without SIGNAL: never read
+        dst2 = out if out2 is None else out2
+        _run(reduce_kernel, grid, (table, len(sources), out, rows, cols, stride, out.stride(0), self.error,
+                                   dst2, dst2.stride(0), self.gen, self.reduce_sync, sig,
+                                   0 if signal is None else sig.numel()),
+             dict(BLOCK_R=block_r, BLOCK_C=block_c, OUT2=out2 is not None, SIGNAL=signal is not None), 4,
+             self.spec.device)
 
     def incoming(self, region: str | tuple[str, ...], peers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``region[p]`` for each peer ``p``: what peers write and this rank waits on."""
@@ -345,17 +359,22 @@ class Workspace:
         if not self._fire(fixed) and addrs.numel():
             self._launch(signal_kernel, self.gen, addrs, addrs.numel(), self.error, fixed=fixed)
 
-    def signal_wait(self, signals: tuple[torch.Tensor, torch.Tensor], waits: tuple[torch.Tensor, torch.Tensor],
-                    what: int, *, lag: int = 0) -> None:
-        """:meth:`signal` of ``signals`` then :meth:`wait` of ``waits`` (no advance), one launch."""
+    def signal_wait(self, signals: tuple[torch.Tensor, torch.Tensor] | None, waits: tuple[torch.Tensor, torch.Tensor],
+                    what: int, *, lag: int = 0, then: tuple | None = None) -> None:
+        """:meth:`signal` of ``signals`` (None: none) then :meth:`wait` of ``waits`` (no advance)
+        and of ``then`` = (table, what, lag) if given, one launch."""
         from tpfuse.kernels.flags import signal_wait_kernel
 
-        fixed = ("signal_wait", id(signals[0]), id(waits[0]), what, lag)
+        sig = waits[0] if signals is None else signals[0]
+        fixed = ("signal_wait", None if signals is None else id(sig), id(waits[0]), what, lag,
+                 None if then is None else (id(then[0][0]), then[1], then[2]))
         if self._fire(fixed):
             return
         bound, asm = self._bound()
-        self._launch(signal_wait_kernel, self.gen, signals[0], signals[0].numel(), waits[0], waits[1],
-                     waits[0].numel(), lag, bound, self.error, what, self.rank, USE_ASM=asm, fixed=fixed)
+        w2, what2, lag2 = (waits, what, lag) if then is None else then
+        self._launch(signal_wait_kernel, self.gen, sig, 0 if signals is None else sig.numel(), waits[0], waits[1],
+                     waits[0].numel(), lag, bound, self.error, what, self.rank, w2[0], w2[1],
+                     0 if then is None else w2[0].numel(), lag2, what2, USE_ASM=asm, fixed=fixed)
 
     def begin(self, credits: tuple[torch.Tensor, torch.Tensor], what: int = WAIT_CREDIT) -> None:
         """First work of a call: refuse a broken workspace (raising what the host knows, no
@@ -441,18 +460,24 @@ class Workspace:
         if direct is not None:
             directs[spec] = direct
 
-    def poison_on_error(self, *outputs: torch.Tensor, zero: torch.Tensor | None = None) -> None:
+    def poison_on_error(self, *outputs: torch.Tensor, zero: torch.Tensor | None = None,
+                        signal: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Enqueue: NaN into ``outputs`` (floating point, the workspace's dtype) if the workspace
         is broken -- a wait of this call or of an earlier one timed out.  Runs on every call that
         has no other kernel to fill its outputs (the reduce does it for gemm_rs); one launch per
         two outputs.  ``zero``: contiguous int32 words set to 0 in the first launch, broken or
-        not (fused ag_gemm's arrival words: one launch less per call than their own ``zero_``)."""
+        not (fused ag_gemm's arrival words: one launch less per call than their own ``zero_``).
+        ``signal``: a flag table raised (:meth:`signal`, nothing when broken) in the first launch
+        (two-shot gemm_ar's DONE2 after its pulls: one launch less per call)."""
         from tpfuse.kernels.flags import poison_on_error_kernel
 
         todo = [t for t in outputs if t is not None and t.numel() and t.is_floating_point()]
-        if zero is not None and not todo:
-            zero.zero_()
-            zero = None
+        if not todo:
+            if zero is not None:
+                zero.zero_()
+            if signal is not None:
+                self.signal(signal)
+            return
         block = 1024
         for i in range(0, len(todo), 2):
             out = todo[i]
@@ -460,8 +485,10 @@ class Workspace:
             n2 = out2.numel() if i + 1 < len(todo) else 0
             grid = (min(_POISON_PROGRAMS, triton_cdiv(max(out.numel(), n2), block)),)
             words, num_words = (self.error, 0) if zero is None else (zero, zero.numel())
-            zero = None
-            _run(poison_on_error_kernel, grid, (self.error, out, out.numel(), out2, n2, words, num_words),
+            sig, num_sig = (self.error, 0) if signal is None else (signal[0], signal[0].numel())
+            zero = signal = None
+            _run(poison_on_error_kernel, grid, (self.error, out, out.numel(), out2, n2, words, num_words,
+                                                self.gen, sig, num_sig),
                  dict(BLOCK=block), 4, self.spec.device)
 
     def failed(self) -> bool:

@@ -124,10 +124,10 @@ def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
     for call in calls:
         call()
     assert launches.count("poison") + launches.count("reduce") >= len(calls)   # every output has its NaN fill
-    # fused gemm_rs: begin, GEMM, READY + wait in one launch, reduce (the NaN fill), DONE
+    # fused gemm_rs: begin, GEMM, READY + wait in one launch, reduce (the NaN fill; DONE in its launch)
     launches.clear()
     fused.gemm_rs(a, b, ctx)
-    assert launches == ["wait_kernel", "gemm", "signal_wait_kernel", "reduce", "signal_kernel"]
+    assert launches == ["wait_kernel", "gemm", "signal_wait_kernel", "reduce"]
     # sm_workers gemm_rs (16 peer rows in 4 pieces through 1 slot): begin, per piece a credit wait
     # (from the slot's 2nd use), its cuBLAS GEMM, ready and its worker launch (CPU: serialized), then
     # the READY wait, the reduce (the NaN fill), DONE
@@ -234,9 +234,10 @@ def test_eager_symmetric_memory_calls_fork_streams_only_where_they_overlap(monke
 
     for m in (copy_engine, fused):
         streams, seq = stream_ops(lambda: m.gemm_ar(a, b, ctx))
-        # after the reduce into the gather slot: DONE/READY2, the peer's READY2 wait, DONE2, the NaN fill
+        # the DONE2 and READY waits, the reduce into the gather slot and the own rows (DONE/READY2 in
+        # its launch), the peer's READY2 wait, the NaN fill (DONE2 in its launch)
         launches = [o for o in seq if o not in ("wait_stream", "wait_event", "record")]
-        assert launches[-4:] == ["signal_kernel", "wait_kernel", "signal_kernel", "poison"], seq
+        assert launches[-4:] == ["signal_wait_kernel", "reduce", "wait_kernel", "poison"], seq
         # copy_engine: phase 1's side stream forked through its first event, joined once at the end
         assert streams == ([] if m is fused else ["record", "wait_event"] * 2), (m.NAME, seq)
     assert stream_ops(lambda: copy_engine.gemm_rs(a, b, ctx))[0] == ["record", "wait_event"] * 2
@@ -383,17 +384,20 @@ def test_eager_ag_gemm_device_operations_per_call(monkeypatch, strategy, world_s
 
 
 # Device operations of one eager gemm_rs / gemm_ar call ([64, 8] @ [8, 16] float16), by op (gemm_ar:
-# and mode), strategy and W (fused one-shot gemm_ar is copy_engine's): copy_engine gemm_rs 8 + 6 (W - 1),
-# two-shot gemm_ar 12 + 8 (W - 1); fused gemm_rs 6, two-shot gemm_ar 10 + 2 (W - 1); one-shot gemm_ar 6
-# (two-shot: 2 fewer than at b0ff0d4, the element size of the workspace dtype no longer from a
-# scalar tensor made twice per call).
+# and mode), strategy and W (fused one-shot gemm_ar is copy_engine's): copy_engine gemm_rs 7 + 6 (W - 1),
+# two-shot gemm_ar 8 + 8 (W - 1); fused gemm_rs 5, two-shot gemm_ar 6 + 2 (W - 1); one-shot gemm_ar 5.
+# At b0ff0d4: copy_engine 8 + 6 (W - 1) and 14 + 8 (W - 1), fused 6 and 12 + 2 (W - 1), one-shot 6.
+# Since: the element size without a scalar tensor (two-shot, 2); DONE (two-shot: DONE and READY2)
+# raised by the reduce's last program (1); two-shot: the DONE2 and READY waits in one launch (1), the
+# owner's reduced rows stored into its output rows by the reduce (no copy_, 1), DONE2 raised by the
+# NaN fill's launch (1).
 RS_AR_OPS = {
-    ("gemm_rs", None, "copy_engine", 2): 14, ("gemm_rs", None, "copy_engine", 4): 26,
-    ("gemm_rs", None, "fused", 2): 6, ("gemm_rs", None, "fused", 4): 6,
-    ("gemm_ar", "one_shot", "copy_engine", 2): 6, ("gemm_ar", "one_shot", "copy_engine", 4): 6,
-    ("gemm_ar", "one_shot", "fused", 2): 6, ("gemm_ar", "one_shot", "fused", 4): 6,
-    ("gemm_ar", "two_shot", "copy_engine", 2): 20, ("gemm_ar", "two_shot", "copy_engine", 4): 36,
-    ("gemm_ar", "two_shot", "fused", 2): 12, ("gemm_ar", "two_shot", "fused", 4): 16,
+    ("gemm_rs", None, "copy_engine", 2): 13, ("gemm_rs", None, "copy_engine", 4): 25,
+    ("gemm_rs", None, "fused", 2): 5, ("gemm_rs", None, "fused", 4): 5,
+    ("gemm_ar", "one_shot", "copy_engine", 2): 5, ("gemm_ar", "one_shot", "copy_engine", 4): 5,
+    ("gemm_ar", "one_shot", "fused", 2): 5, ("gemm_ar", "one_shot", "fused", 4): 5,
+    ("gemm_ar", "two_shot", "copy_engine", 2): 16, ("gemm_ar", "two_shot", "copy_engine", 4): 32,
+    ("gemm_ar", "two_shot", "fused", 2): 8, ("gemm_ar", "two_shot", "fused", 4): 12,
 }
 
 
@@ -403,4 +407,10 @@ def test_eager_rs_ar_device_operations_per_call(monkeypatch, op, mode, strategy,
     time on the bed's host), counted as the ag_gemm test counts them."""
     pytest.importorskip("triton")
     ops = device_ops(monkeypatch, op, strategy, world_size, mode=mode)
+    # the flag steps after the reduce ride in its launch and (two-shot) in the NaN fill's, which is the
+    # last launch; the reduce is the NaN fill of gemm_rs / one-shot; one allocation (the output)
+    launches = [o for o in ops if o not in ("record", "wait_event")]
+    assert "signal_kernel" not in launches[launches.index("reduce_kernel"):], ops
+    assert launches[-1] == ("poison_on_error_kernel" if mode == "two_shot" else "reduce_kernel"), ops
+    assert ops.count("empty") == 1, ops
     assert len(ops) == RS_AR_OPS[op, mode, strategy, world_size], (len(ops), ops)

@@ -63,9 +63,12 @@ def signal_kernel(gen_ptr, table_ptr, num_flags, err_ptr):
 
 @triton.jit
 def signal_wait_kernel(gen_ptr, sig_table, num_sig, wait_table, peers_ptr, num_wait, lag, timeout, err_ptr,
-                       what, rank, USE_ASM: tl.constexpr):
-    """:func:`signal_kernel` over ``sig_table`` then :func:`wait_kernel` (no advance) over
-    ``wait_table``, in one launch: the two flag steps that follow each other on one stream."""
+                       what, rank, wait2_table, peers2_ptr, num_wait2, lag2, what2, USE_ASM: tl.constexpr):
+    """:func:`signal_kernel` over ``sig_table`` (``num_sig`` may be 0) then :func:`wait_kernel`
+    (no advance) over ``wait_table`` (``lag``, recorded as ``what``) and then over
+    ``wait2_table`` (``lag2``, ``what2``; ``num_wait2`` may be 0), in one launch: the flag steps
+    that follow each other on one stream (two-shot gemm_ar: READY out, the DONE2 credits and the
+    inbox's READY before its reduce)."""
     gen = tl.load(gen_ptr)
     stop = tl.load(err_ptr, volatile=True) != 0
     if not stop:
@@ -80,22 +83,40 @@ def signal_wait_kernel(gen_ptr, sig_table, num_sig, wait_table, peers_ptr, num_w
             if status == 1:
                 record_error(err_ptr, what, tl.load(peers_ptr + i).to(tl.int32), target, seen, rank, -1, -1, -1)
             stop = status != 0
+    target2 = gen - lag2
+    for i in range(num_wait2):
+        if not stop:
+            flag = tl.load(wait2_table + i).to(tl.pointer_type(tl.int32))
+            status, seen = wait_geq(flag, target2, timeout, err_ptr, USE_ASM)
+            if status == 1:
+                record_error(err_ptr, what2, tl.load(peers2_ptr + i).to(tl.int32), target2, seen, rank, -1, -1, -1)
+            stop = status != 0
 
 
-@triton.jit(do_not_specialize=["numel", "numel2", "num_zero"])
-def poison_on_error_kernel(err_ptr, out_ptr, numel, out2_ptr, numel2, zero_ptr, num_zero, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["numel", "numel2", "num_zero", "num_sig"])
+def poison_on_error_kernel(err_ptr, out_ptr, numel, out2_ptr, numel2, zero_ptr, num_zero, gen_ptr, sig_table, num_sig,
+                           BLOCK: tl.constexpr):
     """Fill ``out`` (and ``out2``, same dtype, when ``numel2`` > 0) with NaN if the error word
     is set: the outputs of a call of a broken workspace -- the one that timed out and every
     call queued after it, eager or replayed -- are never plausible numbers.  A few programs
     that, without an error, read one word and exit (grid-stride loop otherwise).  Whatever the
     word: the int32 words ``zero[:num_zero]`` = 0 (fused ag_gemm's arrival words, reset for the
-    next call in this launch rather than by a ``zero_`` of their own)."""
+    next call in this launch rather than by a ``zero_`` of their own).  Unless the word is set,
+    program 0 first writes ``*gen_ptr`` into every word of ``sig_table`` (``num_sig`` may be 0;
+    release, system scope: :func:`signal_kernel` in this launch -- two-shot gemm_ar's DONE2
+    after its pulls, which precede the launch on its stream)."""
     step = tl.num_programs(0).to(tl.int64) * BLOCK
     start = tl.program_id(0).to(tl.int64) * BLOCK
     for base in range(start, num_zero, step):
         offs = base + tl.arange(0, BLOCK)
         tl.store(zero_ptr + offs, tl.full((BLOCK,), 0, tl.int32), mask=offs < num_zero)
-    if tl.load(err_ptr, volatile=True) != 0:
+    broken = tl.load(err_ptr, volatile=True) != 0
+    if not broken and tl.program_id(0) == 0:
+        gen = tl.load(gen_ptr)
+        for i in range(num_sig):
+            flag = tl.load(sig_table + i).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(flag, gen, sem="release", scope="sys")
+    if broken:
         nan = tl.full((BLOCK,), float("nan"), tl.float32)
         for base in range(start, numel, step):
             offs = base + tl.arange(0, BLOCK)

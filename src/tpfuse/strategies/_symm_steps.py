@@ -111,9 +111,10 @@ def two_shot_gather_offset(ws: symm.Workspace) -> int:
 
 
 def reduce_inbox(ws: symm.Workspace, key: tuple, peer_ranks: list[int], sources: list[torch.Tensor],
-                 out: torch.Tensor, *, signal_first=None) -> None:
+                 out: torch.Tensor, *, signal_first=None, signal_after=None) -> None:
     """Wait for every peer's READY (after raising ``signal_first``, a flag table, in the same
-    launch), then ``out`` = the float32 sum of ``sources`` in rank order (NaN when broken)."""
+    launch), then ``out`` = the float32 sum of ``sources`` in rank order (NaN when broken), and
+    raise ``signal_after`` (a flag table: the DONE credits) in the reduce's launch."""
     ready = ws.incoming("READY", peer_ranks)
     with timeline.span("wait", "READY all", device=out.device):
         if signal_first is not None:
@@ -121,26 +122,26 @@ def reduce_inbox(ws: symm.Workspace, key: tuple, peer_ranks: list[int], sources:
         else:
             ws.wait(ready, symm.WAIT_READY)
     with timeline.span("reduce", "reduce", device=out.device):
-        ws.reduce(key, sources, out)
+        ws.reduce(key, sources, out, signal=signal_after)
 
 
 def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torch.Tensor],
                    bounds: list[tuple[int, int]], gathered, c: torch.Tensor, *, signal_first=None) -> None:
     """Phase 2 of the two-shot gemm_ar: once every peer has pulled the last call's reduced
-    chunk (DONE2, lag 1) and this rank's inbox is full (READY), reduce the inbox into this
-    rank's gather slot ``gathered(rank)``, free the inbox (DONE) and announce the chunk (READY2)
-    in one launch, and pull every peer's reduced chunk into ``c`` (compute stream).  Ends with
-    the NaN fill of ``c`` (the pulls copy whatever a broken peer left)."""
+    chunk (DONE2, lag 1) and this rank's inbox is full (READY) -- one launch, after raising
+    ``signal_first`` in it --, reduce the inbox into this rank's gather slot ``gathered(rank)``
+    and its rows of ``c``, free the inbox (DONE) and announce the chunk (READY2), all in the
+    reduce's launch; pull every peer's reduced chunk into ``c`` (compute stream).  Ends with the
+    NaN fill of ``c`` (the pulls copy whatever a broken peer left), which raises DONE2 (the pulls
+    are done) in its launch."""
     rank = ws.rank
-    if signal_first is not None:
-        ws.signal_wait(signal_first, ws.incoming("DONE2", peer_ranks), symm.WAIT_CREDIT2, lag=1)
-    else:
-        ws.wait(ws.incoming("DONE2", peer_ranks), symm.WAIT_CREDIT2, lag=1)
-    mine = gathered(rank)
-    reduce_inbox(ws, ("ar2",) + tuple(c.shape), peer_ranks, sources, mine)
-    ws.signal(ws.outgoing(("DONE", "READY2"), peer_ranks))
+    with timeline.span("wait", "DONE2 + READY all", device=c.device):
+        ws.signal_wait(signal_first, ws.incoming("DONE2", peer_ranks), symm.WAIT_CREDIT2, lag=1,
+                       then=(ws.incoming("READY", peer_ranks), symm.WAIT_READY, 0))
     lo, hi = bounds[rank]
-    c[lo:hi].copy_(mine)
+    with timeline.span("reduce", "reduce", device=c.device):
+        ws.reduce(("ar2",) + tuple(c.shape), sources, gathered(rank), out2=c[lo:hi],
+                  signal=ws.outgoing(("DONE", "READY2"), peer_ranks))
     # The pulls run on the compute stream: it would wait for a side stream right after them and
     # nothing else runs meanwhile, so forking and joining one cost two stream operations (and a
     # record_stream) per call for no overlap.
@@ -150,8 +151,7 @@ def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torc
         plo, phi = bounds[p]
         with timeline.span("copy", f"pull {p}", device=c.device, chunk=p):
             c[plo:phi].copy_(gathered(p))
-    ws.signal(ws.outgoing("DONE2", peer_ranks))
-    ws.poison_on_error(c)
+    ws.poison_on_error(c, signal=ws.outgoing("DONE2", peer_ranks))
 
 
 def finish(ws: symm.Workspace, out: torch.Tensor, out2: torch.Tensor | None = None, *,

@@ -306,8 +306,8 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     ws.begin(plan.credits)
     main = ws.current_stream()
     sources = _scatter_partials(a, b, ws, plan, main, scaled)
-    steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard)   # NaN when broken
-    ws.signal(plan.done_out)
+    # NaN when broken; DONE to every peer in the reduce's launch
+    steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard, signal_after=plan.done_out)
     steps.join(main, ws.stream, plan.joined)
     return _rounded(c_shard, result_dtype)
 
@@ -339,8 +339,8 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
         ws.begin(ws.incoming("DONE", peers))
         with timeline.span("gemm", "GEMM", device=a.device):
             _chunk_mm(a, b, scaled, sources[rank])
-        steps.reduce_inbox(ws, ("ar1", m, n), peers, sources, c, signal_first=ws.outgoing("READY", peers))
-        ws.signal(ws.outgoing("DONE", peers))
+        steps.reduce_inbox(ws, ("ar1", m, n), peers, sources, c, signal_first=ws.outgoing("READY", peers),
+                           signal_after=ws.outgoing("DONE", peers))
         return _rounded(c, result_dtype)
 
     bounds = steps.row_bounds(m, world_size)

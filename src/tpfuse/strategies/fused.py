@@ -468,8 +468,9 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     ws.begin(plan.credits)
     sources = _fused_partials(a, b, ws, plan, knobs, scales)
     # READY to every owner and the wait for every peer's READY: one launch; the reduce is the NaN fill
-    steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard, signal_first=plan.ready_out)
-    ws.signal(plan.done_out)
+    # and DONE in the reduce's launch
+    steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard, signal_first=plan.ready_out,
+                       signal_after=plan.done_out)
     return c_shard if scales is None else c_shard.to(out_dtype or acc_dtype)
 
 
