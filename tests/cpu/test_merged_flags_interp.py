@@ -10,7 +10,8 @@ TRITON_INTERPRET=1 on fake ranks (CPU tensors stand in for the ranks' symmetric 
 Each: healthy (flags = the generation, outputs as before, the reduce's counter back at 0 so a
 graph replay finds it so), broken (outputs NaN, nothing signalled), and for the waits a timeout
 that names the peer and the wait it was.  The strategies' own calls with a dead peer (NaN, then
-TimeoutError naming it) are tests/cpu/test_async_errors.py's."""
+TimeoutError naming it) are tests/cpu/test_async_errors.py's; the sm_90 compile of the three kernels
+is checked as tests/cpu/test_publish_interp.py checks the publish kernel's."""
 from __future__ import annotations
 
 import pytest
@@ -18,14 +19,16 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the interpreter tests need it")
 
+import re  # noqa: E402
+
 from tpfuse import symm  # noqa: E402
 from tpfuse.kernels import abi  # noqa: E402
 
 from _symm_interp import fake_ranks, interpreted  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter():
+@pytest.fixture
+def interp():
     with interpreted():
         yield
 
@@ -46,7 +49,7 @@ def _sources(ws, rows, cols, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("rows, cols", [(5, 300), (9, 40)])   # several programs: the last one signals
-def test_the_reduce_writes_both_outputs_then_its_last_program_signals_and_resets_its_counter(rows, cols):
+def test_the_reduce_writes_both_outputs_then_its_last_program_signals_and_resets_its_counter(interp, rows, cols):
     ws = fake_ranks(3, 1 << 14, torch.float32)
     sources, expect = _sources(ws, rows, cols)
     gathered = torch.full((rows, cols), float("nan"))
@@ -61,7 +64,7 @@ def test_the_reduce_writes_both_outputs_then_its_last_program_signals_and_resets
         assert ws[0].reduce_sync.item() == 0 and ws[0].error[abi.ERR_STATUS].item() == 0
 
 
-def test_a_broken_reduce_fills_both_outputs_with_nan_and_signals_nothing():
+def test_a_broken_reduce_fills_both_outputs_with_nan_and_signals_nothing(interp):
     ws = fake_ranks(2, 1 << 14, torch.float32)
     sources, _ = _sources(ws, 6, 70)
     ws[0].error[0] = 1
@@ -72,7 +75,7 @@ def test_a_broken_reduce_fills_both_outputs_with_nan_and_signals_nothing():
     assert _flag(ws, 1, "DONE", 0) == 0 and _flag(ws, 1, "READY2", 0) == 0 and ws[0].reduce_sync.item() == 0
 
 
-def test_an_empty_reduce_still_signals():
+def test_an_empty_reduce_still_signals(interp):
     ws = fake_ranks(2, 4096, torch.float32)
     ws[0].gen.fill_(2)
     ws[0].reduce(("t", 0, 4), [ws[0].data(r, (0, 4)) for r in range(2)], torch.empty(0, 4),
@@ -80,7 +83,7 @@ def test_an_empty_reduce_still_signals():
     assert _flag(ws, 1, "DONE", 0) == 2
 
 
-def test_signal_then_two_waits_in_one_launch():
+def test_signal_then_two_waits_in_one_launch(interp):
     ws = fake_ranks(3, 4096, torch.float32)
     for w in ws:
         w.gen.fill_(5)
@@ -98,7 +101,7 @@ def test_signal_then_two_waits_in_one_launch():
 
 
 @pytest.mark.parametrize("missing", ["DONE2", "READY"])
-def test_either_wait_of_the_launch_times_out_naming_the_peer_and_the_wait(missing):
+def test_either_wait_of_the_launch_times_out_naming_the_peer_and_the_wait(interp, missing):
     ws = fake_ranks(3, 4096, torch.float32)
     ws[0].gen.fill_(5)
     for p in (1, 2):
@@ -115,7 +118,7 @@ def test_either_wait_of_the_launch_times_out_naming_the_peer_and_the_wait(missin
         ws[0].check("gemm_ar")
 
 
-def test_a_broken_signal_wait_signals_nothing_and_returns_at_once():
+def test_a_broken_signal_wait_signals_nothing_and_returns_at_once(interp):
     ws = fake_ranks(2, 4096, torch.float32)
     ws[0].error[0] = 1
     ws[0].gen.fill_(5)
@@ -126,7 +129,7 @@ def test_a_broken_signal_wait_signals_nothing_and_returns_at_once():
 
 
 @pytest.mark.parametrize("broken", [False, True])
-def test_the_nan_fill_raises_its_signal_unless_broken(broken):
+def test_the_nan_fill_raises_its_signal_unless_broken(interp, broken):
     ws = fake_ranks(3, 4096, torch.float32)
     ws[0].gen.fill_(7)
     if broken:
@@ -138,3 +141,30 @@ def test_the_nan_fill_raises_its_signal_unless_broken(broken):
     # no floating output: the signal alone (its own launch)
     ws[0].poison_on_error(signal=ws[0].outgoing("DONE2", [1]))
     assert _flag(ws, 1, "DONE2", 0) == (0 if broken else 7)
+
+
+def test_the_three_kernels_compile_for_sm90_with_their_ordering():
+    """As launched on the H200: the reduce with OUT2 and SIGNAL (4 warps) counts its programs with an
+    acq_rel GPU-scope add and signals with release.sys exchanges; the two-wait signal_wait waits with
+    ld.acquire.sys; the NaN fill signals with a release.sys exchange."""
+    from test_sm_workers_interp import _compile, skip_unless_sm90_ptx_of_triton_36
+
+    skip_unless_sm90_ptx_of_triton_36()
+
+    from tpfuse.kernels import flags
+    from tpfuse.kernels.reduce import reduce_kernel
+
+    i32, i64, f16 = (torch.empty(4, dtype=d) for d in (torch.int32, torch.int64, torch.float16))
+    args = dict(table_ptr=i64, num_src=2, out_ptr=f16, rows=4, cols=8, src_stride=8, out_stride=8, err_ptr=i32,
+                out2_ptr=f16, out2_stride=8, gen_ptr=i32, sync_ptr=i32, sig_table=i64, num_sig=2)
+    ptx = _compile(reduce_kernel, args, dict(BLOCK_R=4, BLOCK_C=256, OUT2=True, SIGNAL=True), 4).asm["ptx"]
+    assert re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx) and re.search(r"atom\.global\.sys\.release\.exch", ptx)
+    assert "bar.sync" in ptx
+    args = dict(gen_ptr=i32, sig_table=i64, num_sig=1, wait_table=i64, peers_ptr=i64, num_wait=1, lag=1, timeout=1,
+                err_ptr=i32, what=3, rank=0, wait2_table=i64, peers2_ptr=i64, num_wait2=1, lag2=0, what2=2)
+    ptx = _compile(flags.signal_wait_kernel, args, dict(USE_ASM=True), 1).asm["ptx"]
+    assert len(re.findall(r"ld\.global\.acquire\.sys", ptx)) >= 2 and re.search(r"atom\.global\.sys\.release\.exch", ptx)
+    args = dict(err_ptr=i32, out_ptr=f16, numel=4, out2_ptr=f16, numel2=4, zero_ptr=i32, num_zero=0, gen_ptr=i32,
+                sig_table=i64, num_sig=1)
+    ptx = _compile(flags.poison_on_error_kernel, args, dict(BLOCK=1024), 4).asm["ptx"]
+    assert re.search(r"atom\.global\.sys\.release\.exch", ptx)
