@@ -158,6 +158,9 @@ class Workspace:
         self.publish_sync = torch.zeros(1 + PUBLISH_MAX_PROGRAMS, dtype=torch.int32, device=device)
         # the reduce kernel's count of finished programs (its SIGNAL step; reset by its last program)
         self.reduce_sync = torch.zeros(1, dtype=torch.int32, device=device)
+        # the int64 flag table the NaN fill is given when it raises none: its launches then have one
+        # specialization with a signal or without (the one _allocate compiles ahead)
+        self._no_signal = torch.zeros(1, dtype=torch.int64, device=device)
         # the host-visible mirror of the error word; the word carries its address (abi.ERR_MIRROR)
         self.host = watchdog.HostRecord.allocate(device, op=spec.op, group=spec.group_name, rank=spec.rank,
                                                  timeout_s=timeout_s())
@@ -485,7 +488,7 @@ class Workspace:
             n2 = out2.numel() if i + 1 < len(todo) else 0
             grid = (min(_POISON_PROGRAMS, triton_cdiv(max(out.numel(), n2), block)),)
             words, num_words = (self.error, 0) if zero is None else (zero, zero.numel())
-            sig, num_sig = (self.error, 0) if signal is None else (signal[0], signal[0].numel())
+            sig, num_sig = (self._no_signal, 0) if signal is None else (signal[0], signal[0].numel())
             zero = signal = None
             _run(poison_on_error_kernel, grid, (self.error, out, out.numel(), out2, n2, words, num_words,
                                                 self.gen, sig, num_sig),
