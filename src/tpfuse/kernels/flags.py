@@ -75,22 +75,22 @@ def signal_wait_kernel(gen_ptr, sig_table, num_sig, wait_table, peers_ptr, num_w
         for i in range(num_sig):
             flag = tl.load(sig_table + i).to(tl.pointer_type(tl.int32))
             tl.atomic_xchg(flag, gen, sem="release", scope="sys")
-    target = gen - lag
-    for i in range(num_wait):
+    stop = _wait_table(wait_table, peers_ptr, num_wait, gen - lag, timeout, err_ptr, what, rank, stop, USE_ASM)
+    _wait_table(wait2_table, peers2_ptr, num_wait2, gen - lag2, timeout, err_ptr, what2, rank, stop, USE_ASM)
+
+
+@triton.jit
+def _wait_table(table, peers_ptr, num, target, timeout, err_ptr, what, rank, stop, USE_ASM: tl.constexpr):
+    """Wait until every flag of ``table[:num]`` reaches ``target`` (bounded), unless ``stop``; a
+    timeout is recorded as ``what`` naming the flag's peer and ends the waits.  Returns ``stop``."""
+    for i in range(num):
         if not stop:
-            flag = tl.load(wait_table + i).to(tl.pointer_type(tl.int32))
+            flag = tl.load(table + i).to(tl.pointer_type(tl.int32))
             status, seen = wait_geq(flag, target, timeout, err_ptr, USE_ASM)
             if status == 1:
                 record_error(err_ptr, what, tl.load(peers_ptr + i).to(tl.int32), target, seen, rank, -1, -1, -1)
             stop = status != 0
-    target2 = gen - lag2
-    for i in range(num_wait2):
-        if not stop:
-            flag = tl.load(wait2_table + i).to(tl.pointer_type(tl.int32))
-            status, seen = wait_geq(flag, target2, timeout, err_ptr, USE_ASM)
-            if status == 1:
-                record_error(err_ptr, what2, tl.load(peers2_ptr + i).to(tl.int32), target2, seen, rank, -1, -1, -1)
-            stop = status != 0
+    return stop
 
 
 @triton.jit(do_not_specialize=["numel", "numel2", "num_zero", "num_sig"])
