@@ -260,6 +260,27 @@ def scatter_partials(g: Graph, c: Ctx, bounds: list[tuple[int, int]], path: str 
     """copy_engine's phase 1 of gemm_rs/gemm_ar: per owner from rank + 1, a cuBLAS GEMM of its
     rows, then (side stream) the copy into the owner's inbox and READY to it; the own rows last.
     Returns rank -> the tasks the rank's reduce waits for (READY from every peer; its own GEMM)."""
+    def send(r: int, p: int) -> int:
+        rows = bounds[p][1] - bounds[p][0]
+        gt = g.add(r, "gemm", "gemm", c.gemm(rows), label=f"GEMM {p}", chunk=p, launch=True)
+        st = g.add(r, "comm", "comm", c.xfer(rows * c.n * c.elt, path), deps=(gt,), label=f"push {p}",
+                   chunk=p, launch=True)
+        sig = g.flag(r, "comm", f"READY {p}")
+        g.pairs.append((r, gt, st))
+        return sig
+
+    def own_rows(r: int) -> int:
+        return g.add(r, "gemm", "gemm", c.gemm(bounds[r][1] - bounds[r][0]), label=f"GEMM {r}", chunk=r,
+                     launch=True)
+
+    return _partials_by_owner(g, c, send, own_rows)
+
+
+def _partials_by_owner(g: Graph, c: Ctx, send, own_rows) -> dict[int, list[int]]:
+    """What the phase-1 schedules of gemm_rs/gemm_ar share: per rank, "begin", then for every
+    owner p from rank + 1 on ``send(r, p)`` (its tasks; returns the READY task raised on p),
+    then ``own_rows(r)`` (the own rows' GEMM task).  Returns rank -> the tasks the rank's reduce
+    waits for: READY from every peer, then its own GEMM."""
     w = c.w
     incoming: dict[int, list[int]] = {r: [] for r in range(w)}
     sent: list[int] = []
@@ -268,16 +289,10 @@ def scatter_partials(g: Graph, c: Ctx, bounds: list[tuple[int, int]], path: str 
         g.flag(r, "gemm", "begin")
         for d in range(1, w):
             p = (r + d) % w
-            rows = bounds[p][1] - bounds[p][0]
-            gt = g.add(r, "gemm", "gemm", c.gemm(rows), label=f"GEMM {p}", chunk=p, launch=True)
-            st = g.add(r, "comm", "comm", c.xfer(rows * c.n * c.elt, path), deps=(gt,), label=f"push {p}",
-                       chunk=p, launch=True)
-            sig = g.flag(r, "comm", f"READY {p}")
+            sig = send(r, p)
             incoming[p].append(sig)
             sent.append(sig)
-            g.pairs.append((r, gt, st))
-        own[r] = g.add(r, "gemm", "gemm", c.gemm(bounds[r][1] - bounds[r][0]), label=f"GEMM {r}", chunk=r,
-                       launch=True)
+        own[r] = own_rows(r)
     # symmetric: the partials every peer sends rank 0 are rank 0's own sends, rotated
     return {r: (sent if g.symmetric else incoming[r]) + [own[r]] for r in g.ranks}
 
@@ -407,34 +422,30 @@ def staged_partials(g: Graph, c: Ctx, bounds: list[tuple[int, int]], *, move: Mo
     for (READY from every peer; its own GEMM), as :func:`scatter_partials`."""
     if slots < 1:
         raise ValueError(f"slots: {slots} must be >= 1")
-    w = c.w
-    incoming: dict[int, list[int]] = {r: [] for r in range(w)}
-    sent: list[int] = []
-    own = {}
-    for r in g.ranks:
-        g.flag(r, "gemm", "begin")
-        pushes: list[int] = []
-        for d in range(1, w):
-            p = (r + d) % w
-            lo, hi = bounds[p]
-            step = max(1, hi - lo if chunk_rows is None else chunk_rows)
-            cuts = list(range(lo, hi, step)) or [lo]
-            for x, start in enumerate(cuts):
-                j = len(pushes)
-                rows = min(hi, start + step) - start
-                if j >= slots:
-                    g.flag(r, "gemm", f"credit {j}", deps=(pushes[j - slots],))
-                gt = g.add(r, "gemm", "gemm", c.gemm(rows, num_sms=producer_sms), label=f"GEMM {p}.{x}", chunk=p,
-                           launch=True)
-                ready = g.flag(r, "gemm", f"ready {j}")
-                pushes.append(g.add(r, "comm", "comm", move(rows * c.n * c.elt), deps=(ready,),
-                                    label=f"push {p}.{x}", chunk=p, launch=j == 0))
-                g.pairs.append((r, gt, pushes[-1]))
-            sig = g.add(r, "comm", "flag", 0.0, label=f"READY {p}")
-            incoming[p].append(sig)
-            sent.append(sig)
-        own[r] = g.add(r, "gemm", "gemm", c.gemm(bounds[r][1] - bounds[r][0], num_sms=producer_sms),
-                       label=f"GEMM {r}", chunk=r, launch=True)
+    pushes: list[int] = []   # this rank's pushes, in ring order (emptied after each rank)
+
+    def send(r: int, p: int) -> int:
+        lo, hi = bounds[p]
+        step = max(1, hi - lo if chunk_rows is None else chunk_rows)
+        cuts = list(range(lo, hi, step)) or [lo]
+        for x, start in enumerate(cuts):
+            j = len(pushes)
+            rows = min(hi, start + step) - start
+            if j >= slots:
+                g.flag(r, "gemm", f"credit {j}", deps=(pushes[j - slots],))
+            gt = g.add(r, "gemm", "gemm", c.gemm(rows, num_sms=producer_sms), label=f"GEMM {p}.{x}", chunk=p,
+                       launch=True)
+            ready = g.flag(r, "gemm", f"ready {j}")
+            pushes.append(g.add(r, "comm", "comm", move(rows * c.n * c.elt), deps=(ready,),
+                                label=f"push {p}.{x}", chunk=p, launch=j == 0))
+            g.pairs.append((r, gt, pushes[-1]))
+        return g.add(r, "comm", "flag", 0.0, label=f"READY {p}")
+
+    def own_rows(r: int) -> int:
+        own = g.add(r, "gemm", "gemm", c.gemm(bounds[r][1] - bounds[r][0], num_sms=producer_sms),
+                    label=f"GEMM {r}", chunk=r, launch=True)
         g.flag(r, "gemm", "reset words", deps=tuple(pushes[-1:]))   # the compute stream waits for the workers
-    # symmetric: the partials every peer sends rank 0 are rank 0's own sends, rotated
-    return {r: (sent if g.symmetric else incoming[r]) + [own[r]] for r in g.ranks}
+        pushes.clear()
+        return own
+
+    return _partials_by_owner(g, c, send, own_rows)
