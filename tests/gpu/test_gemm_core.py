@@ -656,7 +656,9 @@ def test_fp8_gluon_epilogue_hook_per_chunk_matches_the_plain_call_bitwise(mode, 
     a, b, sa, sb = _fp8_operands(m, k, n, E4M3, E4M3, mode, seed=5)
     plain = gc.matmul(a, b, config=FP8_BIG, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
     assert not torch.isnan(plain).any()   # its accuracy: test_fp8_against_scaled_mm, test_fp8_mixes_and_out_dtypes
-    dests = [torch.full((chunk_m, n), float("nan"), dtype=out_dtype, device="cuda") for _ in range(m // chunk_m)]
+    # separate destinations 8 rows apart: not one stacked block (which would take one descriptor)
+    gapped = torch.empty((m // chunk_m * (chunk_m + 8), n), dtype=out_dtype, device="cuda")
+    dests = [gapped[q * (chunk_m + 8):q * (chunk_m + 8) + chunk_m] for q in range(m // chunk_m)]
     signals = torch.zeros(m // chunk_m, dtype=torch.int32, device="cuda")
     for generation in (1, 2):   # the JIT launch, then the direct one
         for d in dests:
@@ -666,7 +668,9 @@ def test_fp8_gluon_epilogue_hook_per_chunk_matches_the_plain_call_bitwise(mode, 
                   out_dtype=out_dtype)
         plan = gc.last_plan()
         assert plan.kernel == "gemm_ws_kernel" and plan.epi_tma == m // chunk_m, plan.explain()
-        assert plan.tile_shape == ((128, 128) if out_dtype == torch.float32 else (128, 256)), plan.explain()
+        # float32 needs 128-wide tiles (shared memory); bf16 takes them where they fill the waves better
+        assert plan.tile_shape == (128, 128) or out_dtype != torch.float32 and plan.tile_shape == (128, 256), \
+            plan.explain()
         torch.cuda.synchronize()
         assert signals.tolist() == [generation] * (m // chunk_m)
         assert torch.equal(torch.cat(dests), plain)
