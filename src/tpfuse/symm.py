@@ -81,13 +81,22 @@ _POISON_PROGRAMS = 64              # grid of the NaN fill (a grid-stride loop on
 # few us instead of one CTA's ~20 GB/s.  The cap keeps the grid a minor share of the GPU: 64
 # CTAs of 8 warps are at most 1/8 of the H200's warp slots (they co-reside with other kernels,
 # no shared memory), leaving SMs for a same-device peer's copies and the fused GEMM's budget,
-# and at most 64 programs spin on a late credit.  The price: above a few MiB the copy runs at
+# and at most 64 programs spin on a late credit.  On a GPU the group's processes share
+# (:func:`shared_gpu`, the one-GPU bed) each takes PUBLISH_MAX_PROGRAMS // W: at W = 4, four
+# grids of 64 spinning on credits starved the same-device copies those credits wait for (the
+# bed's host bench timed out at 64 programs each and ran at 16 and at 4).  The price: above a few MiB the copy runs at
 # the SM copy's rate (bench comm on the bed: 593 GB/s at 32 SMs), below what ``copy_`` takes
 # with the whole GPU -- a lead, not a measurement of this kernel.
 PUBLISH_BYTES_PER_PROGRAM = 32 << 10
 PUBLISH_MAX_PROGRAMS = 64
 _PUBLISH_BLOCK = 4096              # elements a program copies per iteration (16 KiB of 4-byte elements)
 _PUBLISH_WARPS = 8
+
+
+def shared_gpu() -> bool:
+    """Whether the group's processes may share one GPU (the one-GPU bed: PyTorch's
+    ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``): spinning grids then divide the SMs."""
+    return os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1"
 
 
 @functools.lru_cache(maxsize=1)
@@ -416,8 +425,8 @@ class Workspace:
             for d, like in ((slot, src), (dst2, src), (scale_slot, scale), (scale_dst2, scale)):
                 if d is not None and (not d.is_contiguous() or d.nbytes != like.nbytes):
                     raise AssertionError(f"publish: destination {tuple(d.shape)} {d.dtype} for {tuple(like.shape)} {like.dtype}")
-            grid = (min(PUBLISH_MAX_PROGRAMS, max(1, triton_cdiv(rows * row_bytes + b_rows * b_bytes,
-                                                                   PUBLISH_BYTES_PER_PROGRAM))),)
+            cap = max(1, PUBLISH_MAX_PROGRAMS // self.world_size) if shared_gpu() else PUBLISH_MAX_PROGRAMS
+            grid = (min(cap, max(1, triton_cdiv(rows * row_bytes + b_rows * b_bytes, PUBLISH_BYTES_PER_PROGRAM))),)
             if scale is not None and (scale_dst2 is None) != (dst2 is None):
                 raise AssertionError("publish: a second destination for the shard and its scale rows, or for neither")
             bound, asm = self._bound()

@@ -70,6 +70,24 @@ def test_publish_copies_into_the_slot_and_a_second_destination_then_signals_ever
     assert next(iter(me._publish.values()))[0][0] > 1
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_publish_grid_is_divided_among_ranks_that_share_one_gpu(interp, monkeypatch, shared):
+    """A shard big enough for PUBLISH_MAX_PROGRAMS programs: all of them on a GPU of its own;
+    PUBLISH_MAX_PROGRAMS // W each where the W ranks share one GPU (the bed: four grids of 64
+    spinning on credits starved the copies those credits wait for), and the copy still whole."""
+    monkeypatch.setattr(symm, "PUBLISH_MAX_PROGRAMS", 8)
+    if shared:
+        monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+    else:
+        monkeypatch.delenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", raising=False)
+    ws = fake_ranks(4, 8192, torch.float16, op="ag_gemm")
+    me, peers = ws[0], steps.peers(0, 4)
+    shard = torch.randn(16, 12).half()                       # 384 bytes: 8 programs of 48 bytes
+    steps.publish_shard(me, shard, me.incoming("DONE", peers), me.outgoing("READY", peers))
+    assert torch.equal(me.data(0, (16, 12)), shard) and [_ready(ws, p, 0) for p in peers] == [1, 1, 1]
+    assert next(iter(me._publish.values()))[0] == ((2,) if shared else (8,))
+
+
 def test_publish_moves_fp8_bytes_and_strided_scale_rows(interp):
     """An fp8 shard (bytes, whatever the values) and its row-wise scale rows from a strided view
     into the slot layout of tpfuse/strategies/_symm_steps.py and into the second destinations."""

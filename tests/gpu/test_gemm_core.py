@@ -651,10 +651,12 @@ def test_fp8_stream_k_and_hooks_match_the_plain_call_bitwise():
 def test_fp8_gluon_epilogue_hook_per_chunk_matches_the_plain_call_bitwise(mode, out_dtype):
     # gemm_rs's case: fp8 into float32 partials, one destination per chunk (per-chunk TMA
     # descriptors), the Gluon kernel's store warp counting and publishing; float32 takes
-    # 128-wide tiles (ws_choice). Bitwise the plain call's 128x256 tiles.
+    # 128-wide tiles (ws_choice). Bitwise the plain call's 128x256 tiles (K-steps of 128 both).
     m, k, n, chunk_m = 1024, 2048, 1024, 256
     a, b, sa, sb = _fp8_operands(m, k, n, E4M3, E4M3, mode, seed=5)
-    plain = gc.matmul(a, b, config=FP8_BIG, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    # the plain call: 128x256 tiles; a float32 one's staging buffer leaves shared memory for 2 stages
+    plain_cfg = FP8_BIG if out_dtype != torch.float32 else dataclasses.replace(FP8_BIG, num_stages=2)
+    plain = gc.matmul(a, b, config=plain_cfg, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
     assert not torch.isnan(plain).any()   # its accuracy: test_fp8_against_scaled_mm, test_fp8_mixes_and_out_dtypes
     # separate destinations 8 rows apart: not one stacked block (which would take one descriptor)
     gapped = torch.empty((m // chunk_m * (chunk_m + 8), n), dtype=out_dtype, device="cuda")

@@ -47,7 +47,6 @@ must leave SMs free.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -109,10 +108,6 @@ class FusedKnobs:
 KNOBS = FusedKnobs
 
 
-def _shared_gpu() -> bool:
-    return os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1"
-
-
 def _check_knobs(knobs) -> FusedKnobs:
     if knobs is None:
         return FusedKnobs()
@@ -148,7 +143,7 @@ def _device_sm_budget(device: torch.device, world_size: int) -> int:
     """:func:`model_sm_budget` of ``device`` (its SM count and the process's shared-GPU setting,
     read once: both sit on every call)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return model_sm_budget(sms, world_size, shared_gpu=_shared_gpu())
+    return model_sm_budget(sms, world_size, shared_gpu=symm.shared_gpu())
 
 
 def piece_candidates(m_shard: int) -> tuple[int, ...]:

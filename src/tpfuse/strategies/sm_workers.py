@@ -240,12 +240,6 @@ def _cuda(device: torch.device) -> bool:
     return device.type == "cuda" and not symm._interpreting()
 
 
-def _shared_gpu() -> bool:
-    import os
-
-    return os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1"
-
-
 def _sm_count(device: torch.device) -> int:
     from tpfuse.gemm.device import num_sms
 
@@ -254,7 +248,7 @@ def _sm_count(device: torch.device) -> int:
 
 def _knobs(knobs: SmWorkersKnobs | None, world_size: int, device: torch.device) -> SmWorkersKnobs:
     if knobs is None:
-        return default_knobs(world_size, _sm_count(device), shared_gpu=_shared_gpu())
+        return default_knobs(world_size, _sm_count(device), shared_gpu=symm.shared_gpu())
     if not isinstance(knobs, SmWorkersKnobs):
         raise TypeError(f"knobs: expected a tpfuse.strategies.sm_workers.SmWorkersKnobs, got {type(knobs).__name__}")
     return knobs
@@ -502,7 +496,7 @@ def ag_pull_and_gemm(a_shard: torch.Tensor, b: torch.Tensor, ws: symm.Workspace,
         ws.signal(plan.done_out)
     programs = None
     if dev.type == "cuda":
-        programs = gemm_programs(_sm_count(dev), world_size, kn.comm_sms, shared_gpu=_shared_gpu())
+        programs = gemm_programs(_sm_count(dev), world_size, kn.comm_sms, shared_gpu=symm.shared_gpu())
     with timeline.span("gemm", "GEMM (waits per chunk)", device=dev):
         matmul(a_full, b, out=c, tile_order="round", start_chunk=plan.start_chunk, wait=plan.wait, check=False,
                num_sms=programs)
