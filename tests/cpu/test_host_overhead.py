@@ -414,3 +414,31 @@ def test_eager_rs_ar_device_operations_per_call(monkeypatch, op, mode, strategy,
     assert launches[-1] == ("poison_on_error_kernel" if mode == "two_shot" else "reduce_kernel"), ops
     assert ops.count("empty") == 1, ops
     assert len(ops) == RS_AR_OPS[op, mode, strategy, world_size], (len(ops), ops)
+
+
+# What the built code issues that the simulator charges as host calls: every launch, copy, GEMM and
+# stream write (not allocations, events, stream waits or record_stream, which it leaves in the fixed
+# per-call dispatch).
+_NOT_ISSUES = ("empty", "record", "wait_event", "record_stream")
+
+
+@pytest.mark.parametrize("op, mode, strategy, world_size",
+                         [("ag_gemm", None, s, w) for s, w in sorted(AG_GEMM_OPS)] + list(RS_AR_OPS))
+def test_the_model_issues_what_the_code_launches(monkeypatch, op, mode, strategy, world_size):
+    """Issue 34.5 (the model follows): the simulator's eager host calls of one op call on rank 0
+    (tpfuse/model/steps.py, without the dispatch) are the built code's launches, one for one in
+    number, for the shapes of :func:`device_ops` (one piece per rank, as it fakes)."""
+    pytest.importorskip("triton")
+    from tpfuse.model.hardware import get_profile
+    from tpfuse.strategies import simulate
+
+    ops = device_ops(monkeypatch, op, strategy, world_size, mode=mode)
+    launches = [o for o in ops if o not in _NOT_ISSUES]
+    if op == "ag_gemm":
+        shape = dict(m=16 * world_size, n=12, k=8, num_chunks=world_size)
+    else:
+        shape = dict(m=64, n=16, k=8)
+    res = simulate(op, strategy, world_size=world_size, dtype="fp16", hw=get_profile("h200"), **shape)
+    issued = [t.label.removeprefix("issue ") for t in res.tasks if t.rank == 0 and t.engine == "host"]
+    assert issued[0] == "dispatch", issued
+    assert len(issued) - 1 == len(launches), (issued, launches)

@@ -172,10 +172,11 @@ class Graph:
         self.tasks.append(Task(tid, rank, "host", "host", max(0.0, ms), (), label))
         return tid
 
-    def flag(self, rank: int, engine: str, label: str, deps=()) -> int:
+    def flag(self, rank: int, engine: str, label: str, deps=(), launch: bool = True) -> int:
         """A flag kernel or stream write (signal, wait, arrival word, memset of words): a host
-        call, no device time of its own."""
-        return self.add(rank, engine, "flag", 0.0, deps=deps, label=label, launch=True)
+        call (``launch=False``: a step inside the previous launch, no call of its own), no
+        device time of its own."""
+        return self.add(rank, engine, "flag", 0.0, deps=deps, label=label, launch=launch)
 
     def run(self) -> None:
         """Event-driven replay: each engine runs its queue in order; a task starts at

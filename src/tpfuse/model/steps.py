@@ -170,25 +170,27 @@ def ring_all_reduce(g: Graph, c: Ctx) -> None:
                                  deps=(prev, finals[r]), label=f"ag {src}", chunk=src)
 
 
-def publish(g: Graph, c: Ctx, shard_rows: list[int]) -> dict[int, int]:
-    """AG over symmetric memory (copy_engine, fused): begin (credits), this rank's shard into its own
-    slot, READY to every peer, all on the compute stream.  Returns rank -> its READY task."""
+def publish(g: Graph, c: Ctx, shard_rows: list[int], *, gathered: bool = False) -> dict[int, int]:
+    """AG over symmetric memory: ONE launch on the compute stream (``flags.publish_kernel``) that
+    waits for the credits, copies this rank's shard into its own slot -- and, ``gathered``
+    (copy_engine, fused), into the gathered output's own rows (one read, two writes) -- and
+    raises READY on every peer.  Returns rank -> that launch (READY is raised at its end)."""
     ready = {}
     for r in g.ranks:
-        g.flag(r, "gemm", "begin")
-        g.add(r, "gemm", "copy", cost.copy_time_ms(shard_rows[r] * c.k * c.elt, c.hw), label="publish",
-              chunk=r, launch=True)
-        ready[r] = g.flag(r, "gemm", "READY")
+        nbytes = shard_rows[r] * c.k * c.elt
+        ready[r] = g.add(r, "gemm", "copy", cost.reduce_time_ms((3 if gathered else 2) * nbytes, c.hw),
+                         label="publish", chunk=r, launch=True)
     return ready
 
 
 def pull_then_gemm_per_chunk(g: Graph, c: Ctx, path: str = "ce") -> None:
-    """copy_engine ag_gemm: the side stream waits for each peer's READY and pulls its shard,
-    nearest peer first (r+1, r+2, ...); the compute stream copies the local shard into the
-    gathered buffer, runs its GEMM, then one cuBLAS GEMM per shard as it lands."""
+    """copy_engine ag_gemm: the publish launch (the local shard into the gathered buffer too),
+    then the side stream waits for each peer's READY and pulls its shard, nearest peer first
+    (r+1, r+2, ...); the compute stream runs the local GEMM, then one cuBLAS GEMM per shard as
+    it lands; the call ends with the NaN fill's launch."""
     w = c.w
     shard_rows = c.shard_rows()
-    ready = publish(g, c, shard_rows)
+    ready = publish(g, c, shard_rows, gathered=True)
     for r in g.ranks:
         peers = [(r + d) % w for d in range(1, w)]
         arrived = {}
@@ -199,13 +201,12 @@ def pull_then_gemm_per_chunk(g: Graph, c: Ctx, path: str = "ce") -> None:
             arrived[p] = g.add(r, "comm", "comm", c.xfer(shard_rows[p] * c.k * c.elt, path), label=f"pull {p}",
                                chunk=p, launch=True)
         g.flag(r, "comm", "DONE")
-        g.add(r, "gemm", "copy", cost.copy_time_ms(shard_rows[r] * c.k * c.elt, c.hw), label="local shard",
-              chunk=r, launch=True)
         g.add(r, "gemm", "gemm", c.gemm(shard_rows[r]), label=f"GEMM {r}", chunk=r, launch=True)
         for p in peers:
             t = g.add(r, "gemm", "gemm", c.gemm(shard_rows[p]), deps=(arrived[p],), label=f"GEMM {p}", chunk=p,
                       launch=True)
             g.pairs.append((r, arrived[p], t))
+        g.flag(r, "gemm", "NaN fill")
 
 
 def pull_pieces_into_one_gemm(g: Graph, c: Ctx, path: str = "ce", move: Move | None = None,
@@ -213,8 +214,11 @@ def pull_pieces_into_one_gemm(g: Graph, c: Ctx, path: str = "ce", move: Move | N
     """fused ag_gemm: the side stream pulls every peer's shard as copy_engine does, in
     ``num_chunks / W`` pieces, each followed by its arrival word; ONE persistent GEMM launch
     visits its M-tiles in round order from the local chunk, each band waiting for the pieces
-    its rows touch.  ``move``: a piece's transfer time (None: ``path``'s); ``workers``: one
-    worker launch does every READY wait, pull and arrival word (sm_workers: one host call)."""
+    its rows touch.  ``move``: a piece's transfer time (None: ``path``'s); ``workers``
+    (sm_workers): one worker launch does every READY wait, pull and arrival word (one host
+    call), and the local shard and its arrival words are launches of their own, the words'
+    reset and the NaN fill two more at the end; without, the publish launch writes the local
+    shard into the gathered buffer and sets its words, and the NaN fill's launch resets them."""
     w = c.w
     move = move or (lambda nbytes: c.xfer(nbytes, path))
     shard_rows = c.shard_rows()
@@ -223,12 +227,14 @@ def pull_pieces_into_one_gemm(g: Graph, c: Ctx, path: str = "ce", move: Move | N
     bounds = row_bounds(sizes)
     total = bounds[-1][1]
     core = cost.core_gemm_time_ms(total, c.n, c.k, c.dtype, c.hw, hook="wait", num_sms=c.gemm_sms)
-    ready = publish(g, c, shard_rows)
+    ready = publish(g, c, shard_rows, gathered=not workers)
     for r in g.ranks:
         me = c.layout_rank(g, r)
-        g.add(r, "gemm", "copy", cost.copy_time_ms(shard_rows[me] * c.k * c.elt, c.hw), label="local shard",
-              chunk=me, launch=True)
-        after = g.flag(r, "gemm", f"arrived {me}")  # side.wait_stream(main) follows it
+        after = ready[r]  # side.wait_stream(main) follows it
+        if workers:
+            g.add(r, "gemm", "copy", cost.copy_time_ms(shard_rows[me] * c.k * c.elt, c.hw), label="local shard",
+                  chunk=me, launch=True)
+            after = g.flag(r, "gemm", f"arrived {me}")
         arrived: dict[int, int] = {}
         first = True   # with workers: the one launch
         for d in range(1, w):
@@ -253,7 +259,11 @@ def pull_pieces_into_one_gemm(g: Graph, c: Ctx, path: str = "ce", move: Move | N
                 if i in arrived and i not in consumed:  # the piece's first consumer (for the backlog)
                     consumed.add(i)
                     g.pairs.append((r, arrived[i], t))
-        g.flag(r, "gemm", "reset words")
+        if workers:
+            g.flag(r, "gemm", "reset words")
+            g.flag(r, "gemm", "NaN fill")
+        else:
+            g.flag(r, "gemm", "NaN fill + reset words")
 
 
 def scatter_partials(g: Graph, c: Ctx, bounds: list[tuple[int, int]], path: str = "ce") -> dict[int, list[int]]:
@@ -301,8 +311,9 @@ def epilogue_store_partials(g: Graph, c: Ctx, bounds: list[tuple[int, int]]) -> 
     """fused's phase 1 of gemm_rs/gemm_ar: ONE persistent GEMM launch in owner order (rank + 1
     first, own rows last) whose epilogue stores every finished band's rows into their owners'
     inboxes (SM stores over the link, egress in order, overlapping the later bands' compute);
-    the launch ends when its stores have; then READY to every owner.  Returns rank -> the
-    tasks the rank's reduce waits for (READY from every peer)."""
+    the launch ends when its stores have; then READY to every owner (the launch that waits for
+    the peers' READY next: the caller's ``ready_first``).  Returns rank -> the tasks the rank's
+    reduce waits for (READY from every peer)."""
     w = c.w
     total = bounds[-1][1]
     core = cost.core_gemm_time_ms(total, c.n, c.k, c.dtype, c.hw, hook="epilogue", num_sms=c.gemm_sms)
@@ -327,38 +338,44 @@ def epilogue_store_partials(g: Graph, c: Ctx, bounds: list[tuple[int, int]]) -> 
                         g.pairs.append((r, t, stores[-1]))
                 lo = phi
         g.add(r, "gemm", "flag", 0.0, deps=tuple(stores), label="GEMM end (stores drained)")
-        g.flag(r, "gemm", "reset words")
         ready[r] = g.flag(r, "gemm", "READY")
     return {r: list(ready.values()) if g.symmetric else [ready[q] for q in range(w) if q != r]
             for r in g.ranks}
 
 
-def reduce_owned(g: Graph, c: Ctx, waits: dict[int, list[int]], rows: dict[int, int], label: str) -> dict[int, int]:
-    """The owner's side: wait READY from every peer, then the fp32 reduce kernel over its W
-    inbox slots (reads W x rows x N of the op's dtype, writes rows x N), then DONE."""
+def reduce_owned(g: Graph, c: Ctx, waits: dict[int, list[int]], rows: dict[int, int], label: str, *,
+                 ready_first: bool = False, done_in_reduce: bool = True) -> dict[int, int]:
+    """The owner's side: wait READY from every peer (``ready_first``: in the launch that raised
+    this rank's READY, no call of its own), then the fp32 reduce kernel over its W inbox slots
+    (reads W x rows x N of the op's dtype, writes rows x N), which raises DONE in its launch
+    (``done_in_reduce``; else a flag launch of its own after it)."""
     out = {}
     for r in g.ranks:
-        g.flag(r, "gemm", "wait READY", deps=tuple(waits[r]))
+        g.flag(r, "gemm", "wait READY", deps=tuple(waits[r]), launch=not ready_first)
         out[r] = g.add(r, "gemm", "reduce", cost.reduce_time_ms((c.w + 1) * rows[r] * c.n * c.elt, c.hw),
                        label=label, chunk=r, launch=True)
-        g.flag(r, "gemm", "DONE")
+        if not done_in_reduce:
+            g.flag(r, "gemm", "DONE")
     return out
 
 
-def reduce_scatter(g: Graph, c: Ctx, partials: Partials) -> None:
+def reduce_scatter(g: Graph, c: Ctx, partials: Partials, *, ready_first: bool = False,
+                   done_in_reduce: bool = True) -> None:
     """gemm_rs over symmetric memory: ``partials`` sends every owner its rows (copy_engine's
     :func:`scatter_partials`, fused's :func:`epilogue_store_partials`), then every owner
-    reduces its inbox (:func:`reduce_owned`)."""
+    reduces its inbox (:func:`reduce_owned`, with ``ready_first`` and ``done_in_reduce``)."""
     shard_rows = c.shard_rows()
     waits = partials(g, c, row_bounds(shard_rows))
-    reduce_owned(g, c, waits, {r: shard_rows[c.layout_rank(g, r)] for r in g.ranks}, "reduce")
+    reduce_owned(g, c, waits, {r: shard_rows[c.layout_rank(g, r)] for r in g.ranks}, "reduce",
+                 ready_first=ready_first, done_in_reduce=done_in_reduce)
 
 
 def one_shot_all_reduce(g: Graph, c: Ctx) -> None:
     """gemm_ar one-shot over symmetric memory (copy_engine; fused for small outputs)."""
     w = c.w
-    # copy_engine one-shot: the whole partial into the own slot, READY, then every rank
-    # reduces all W partials read in place from the peers' slots (rank order)
+    # copy_engine one-shot: the whole partial into the own slot, then READY and the wait for the
+    # peers' in one launch, then every rank reduces all W partials read in place from the peers'
+    # slots (rank order), DONE in the reduce's launch
     ready = {}
     for r in g.ranks:
         g.flag(r, "gemm", "begin")
@@ -366,47 +383,64 @@ def one_shot_all_reduce(g: Graph, c: Ctx) -> None:
         ready[r] = g.flag(r, "gemm", "READY")
     nbytes = c.m * c.n * c.elt
     for r in g.ranks:
-        g.flag(r, "gemm", "wait READY", deps=tuple(ready[g.peer(q)] for q in range(w) if q != r))
+        g.flag(r, "gemm", "wait READY", deps=tuple(ready[g.peer(q)] for q in range(w) if q != r), launch=False)
         g.add(r, "gemm", "reduce", cost.peer_reduce_time_ms((w + 1) * nbytes, (w - 1) * nbytes, c.hw),
               label="reduce (peers in place)", launch=True)
-        g.flag(r, "gemm", "DONE")
 
 
 def two_shot_all_reduce(g: Graph, c: Ctx, partials: Partials, path: str = "ce", move: Move | None = None,
-                        workers: bool = False) -> None:
+                        workers: bool = False, ready_first: bool = False) -> None:
     """gemm_ar two-shot over symmetric memory: ``partials`` (as :func:`reduce_scatter`), then
     every rank gathers the reduced chunks (``path``: who moves them, or ``move``: a chunk's
-    transfer time; ``workers``: one worker launch waits for and pulls every chunk)."""
+    transfer time).
+
+    copy_engine and fused (``tpfuse/strategies/_symm_steps.py`` ``gather_reduced``): one launch
+    waits for the DONE2 credits of the last call and the peers' READY (``ready_first``: the
+    launch that raised this rank's READY); the reduce writes the owner's sum into its gather
+    slot and its rows of the output and raises DONE and READY2 in its launch; the compute stream
+    then waits for and pulls each peer's chunk; the NaN fill's launch raises DONE2.
+    ``workers`` (sm_workers): the credit wait, the READY wait and the reduce (into the gather
+    slot) are launches of their own, DONE and READY2 one more, the own rows a copy; one worker
+    launch (side stream) waits for and pulls every chunk, then DONE2, then the NaN fill."""
     w = c.w
     move = move or (lambda nbytes: c.xfer(nbytes, path))
-    # two-shot: reduce-scatter over near-equal row chunks (copy_engine's or fused's phase 1),
-    # the owner's sum into its gather slot, READY2; every rank pulls every chunk (side stream)
     sizes = [c.shard_rows()[0]] * w if c.even else split_rows(c.m, w)
     bounds = row_bounds(sizes)
     waits = partials(g, c, bounds)
     ready2 = {}
-    local = {}
+    after = {}
     for r in g.ranks:
         me = c.layout_rank(g, r)
-        g.flag(r, "gemm", "wait READY", deps=tuple(waits[r]))
-        g.flag(r, "gemm", "wait DONE2 (last call)")
-        g.add(r, "gemm", "reduce", cost.reduce_time_ms((w + 1) * sizes[me] * c.n * c.elt, c.hw),
-              label="reduce", chunk=me, launch=True)
-        g.flag(r, "gemm", "DONE")
-        ready2[r] = g.flag(r, "gemm", "READY2")
-        local[r] = g.add(r, "gemm", "copy", cost.copy_time_ms(sizes[me] * c.n * c.elt, c.hw), label="own chunk",
-                         chunk=me, launch=True)
+        rows_bytes = sizes[me] * c.n * c.elt
+        if workers:
+            g.flag(r, "gemm", "wait DONE2 (last call)")
+            g.flag(r, "gemm", "wait READY", deps=tuple(waits[r]))
+            g.add(r, "gemm", "reduce", cost.reduce_time_ms((w + 1) * rows_bytes, c.hw), label="reduce", chunk=me,
+                  launch=True)
+            ready2[r] = g.flag(r, "gemm", "DONE + READY2")
+            after[r] = g.add(r, "gemm", "copy", cost.copy_time_ms(rows_bytes, c.hw), label="own chunk", chunk=me,
+                             launch=True)
+        else:
+            g.flag(r, "gemm", "wait DONE2 (last call)", launch=not ready_first)
+            g.flag(r, "gemm", "wait READY", deps=tuple(waits[r]), launch=False)
+            ready2[r] = g.add(r, "gemm", "reduce", cost.reduce_time_ms((w + 2) * rows_bytes, c.hw),
+                              label="reduce (+ own rows, DONE, READY2)", chunk=me, launch=True)
     for r in g.ranks:
         me = c.layout_rank(g, r)
-        after = local[r]  # side.wait_stream(main)
+        engine = "comm" if workers else "gemm"
+        dep = after.get(r)  # workers: side.wait_stream(main)
         for d in range(1, w):
             p = (me + d) % w
-            g.add(r, "comm", "flag", 0.0, deps=(after, ready2[g.peer(p)]), label=f"wait READY2 {p}",
+            g.add(r, engine, "flag", 0.0, deps=(dep, ready2[g.peer(p)]), label=f"wait READY2 {p}",
                   launch=d == 1 or not workers)
-            after = None
-            g.add(r, "comm", "comm", move(sizes[p] * c.n * c.elt), label=f"gather {p}",
+            dep = None
+            g.add(r, engine, "comm", move(sizes[p] * c.n * c.elt), label=f"gather {p}",
                   chunk=p, launch=not workers)
-        g.flag(r, "comm", "DONE2")
+        if workers:
+            g.flag(r, "comm", "DONE2")
+            g.flag(r, "gemm", "NaN fill")
+        else:
+            g.flag(r, "gemm", "NaN fill + DONE2")
 
 
 def staged_partials(g: Graph, c: Ctx, bounds: list[tuple[int, int]], *, move: Move, slots: int,

@@ -507,11 +507,13 @@ def _schedule(g, c) -> None:
     if c.op == "ag_gemm":
         model_steps.pull_pieces_into_one_gemm(g, c)
     elif c.op == "gemm_rs":
-        model_steps.reduce_scatter(g, c, model_steps.epilogue_store_partials)
+        model_steps.reduce_scatter(g, c, model_steps.epilogue_store_partials, ready_first=True)
     elif copy_engine.ar_one_shot(c.m, c.n, c.elt):
         model_steps.one_shot_all_reduce(g, c)      # copy_engine's one-shot, as gemm_ar runs it
     else:   # the epilogue hook needs chunks of one height: an uneven M runs copy_engine's two-shot
-        model_steps.two_shot_all_reduce(g, c, model_steps.epilogue_store_partials if c.m % c.w == 0 else model_steps.scatter_partials)
+        even = c.m % c.w == 0
+        model_steps.two_shot_all_reduce(g, c, model_steps.epilogue_store_partials if even else model_steps.scatter_partials,
+                                        ready_first=even)
 
 
 def _schedule_chunks(op: str, *, m: int, n: int, k: int, world_size: int, dtype: str, hw: HardwareProfile,

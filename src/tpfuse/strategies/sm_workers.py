@@ -938,7 +938,7 @@ def _schedule(g, c) -> None:
     if c.op == "ag_gemm":
         model_steps.pull_pieces_into_one_gemm(g, c, move=move, workers=True)
     elif c.op == "gemm_rs":
-        model_steps.reduce_scatter(g, c, staged)
+        model_steps.reduce_scatter(g, c, staged, done_in_reduce=False)
     elif copy_engine.ar_one_shot(c.m, c.n, c.elt):
         model_steps.one_shot_all_reduce(g, c)      # copy_engine's one-shot, as gemm_ar runs it
     else:
