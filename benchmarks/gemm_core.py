@@ -341,7 +341,22 @@ def main(argv=None):
                         "(8B-fc1-train$: not 8B-fc1-train_chunk)")
     p.add_argument("--eager-tuning", dest="tune_graphs", action="store_false",
                    help="time tuning candidates with eager launches (default: CUDA-graph replays)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="no timing: combine result files of partial runs (e.g. --only in two device calls) "
+                        "into one in --out/--name (default: the dtype's name), summary recomputed; no GPU needed")
     args = p.parse_args(argv)
+    if args.merge:
+        merged = merge(args.merge)
+        fp8 = merged["meta"]["dtype"] == "fp8"
+        name = args.name or ("gemm_core_fp8_h200.json" if fp8 else "gemm_core_h200.json")
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / name).write_text(json.dumps(merged, indent=1))
+        print_table(merged["rows"], merged["summary"])
+        missing = merged["meta"]["missing"]
+        print(f"wrote {out_dir / name}: {len(merged['rows'])} rows from {len(args.merge)} runs"
+              + (f"; missing {len(missing)}: {', '.join(missing)}" if missing else "; complete"))
+        return
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gemm_core.py needs a CUDA GPU")
     import triton
@@ -387,6 +402,57 @@ def main(argv=None):
         (out_dir / args.name).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
         (out_dir / args.name.replace(".json", "_tuning_log.json")).write_text(json.dumps(log, indent=0))
     print_table(rows, summarize(rows))
+
+
+def expected_rows(dtype: str, scaling: str = "tensor,row") -> list[str]:
+    """Row names a complete run of ``dtype`` (a ``--dtype`` value) writes, in its order."""
+    suffixes = [f"-{x}wise" for x in scaling.split(",") if x] if dtype == "fp8" else [""]
+    return [s.name + x for s in shapes(False) for x in suffixes]
+
+
+def merge(paths: list[str]) -> dict:
+    """One result file from the files of partial runs (``--only`` shares of the shapes, e.g. in
+    two device calls): their rows in the benchmark's order, the summary recomputed, ``meta.runs``
+    each input's date, command and commit (where its meta has one), ``meta.complete`` and
+    ``meta.missing`` against a full run of the dtype.  Refuses (``ValueError``) inputs of
+    another dtype, GPU, torch or Triton than the first, and a row present in two inputs."""
+    if not paths:
+        raise ValueError("merge: no files given")
+    loaded = []
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+            meta, rows = data["meta"], data["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"merge: {path} is not a result file of this benchmark ({type(e).__name__}: {e})") from None
+        loaded.append((path, meta, rows))
+    first = loaded[0][1]
+    for path, meta, _ in loaded[1:]:
+        for key in ("dtype", "gpu", "torch", "triton", "world_size"):
+            if meta.get(key) != first.get(key):
+                raise ValueError(f"merge: {path} has {key}={meta.get(key)!r}, {loaded[0][0]} has "
+                                 f"{first.get(key)!r}: only runs of one setup combine")
+    by_name: dict[str, dict] = {}
+    origin: dict[str, str] = {}
+    for path, _, rows in loaded:
+        for row in rows:
+            if row["name"] in by_name:
+                raise ValueError(f"merge: row {row['name']!r} is in both {origin[row['name']]} and {path}; "
+                                 f"drop it from one (each shape is timed once)")
+            by_name[row["name"]] = row
+            origin[row["name"]] = path
+    expected = expected_rows(first["dtype"])
+    order = {name: i for i, name in enumerate(expected)}
+    rows = sorted(by_name.values(), key=lambda r: (order.get(r["name"], len(order)), r["name"]))
+    meta = {key: first[key] for key in ("gpu", "num_gpus", "torch", "triton", "dtype", "world_size", "timing")
+            if key in first}
+    meta.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command="python " + " ".join(["benchmarks/gemm_core.py", "--merge", *paths]),
+                runs=[{key: meta_i[key] for key in ("date", "command", "commit", "host_us_per_call") if key in meta_i}
+                      | {"rows": len(rows_i)} for _, meta_i, rows_i in loaded],
+                missing=[name for name in expected if name not in by_name])
+    meta["complete"] = not meta["missing"]
+    return {"meta": meta, "summary": summarize(rows), "rows": rows}
 
 
 def summarize(rows):
