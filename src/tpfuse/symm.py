@@ -84,9 +84,10 @@ _POISON_PROGRAMS = 64              # grid of the NaN fill (a grid-stride loop on
 # and at most 64 programs spin on a late credit.  On a GPU the group's processes share
 # (:func:`shared_gpu`, the one-GPU bed) each takes PUBLISH_MAX_PROGRAMS // W: at W = 4, four
 # grids of 64 spinning on credits starved the same-device copies those credits wait for (the
-# bed's host bench timed out at 64 programs each and ran at 16 and at 4).  The price: above a few MiB the copy runs at
-# the SM copy's rate (bench comm on the bed: 593 GB/s at 32 SMs), below what ``copy_`` takes
-# with the whole GPU -- a lead, not a measurement of this kernel.
+# bed's host bench timed out at 64 programs each and ran at 16 and at 4).  The price: above a
+# few MiB the copy runs at the SM copy's rate (bench comm on one H200: 395-593 GB/s at 32 SMs in
+# two runs), below what ``copy_`` takes with the whole GPU -- a lead, not a measurement of this
+# kernel.
 PUBLISH_BYTES_PER_PROGRAM = 32 << 10
 PUBLISH_MAX_PROGRAMS = 64
 _PUBLISH_BLOCK = 4096              # elements a program copies per iteration (16 KiB of 4-byte elements)
