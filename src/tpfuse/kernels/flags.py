@@ -23,7 +23,7 @@ device memory and in the host-visible mirror.
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.signals import record_error, wait_geq
+from tpfuse.kernels.signals import cta_uniform, record_error, wait_geq
 
 
 @triton.jit
@@ -146,19 +146,8 @@ def poison_on_error_kernel(err_ptr, out_ptr, numel, out2_ptr, numel2, zero_ptr, 
 #
 # The warps of a program spin independently and may leave a wait with different outcomes, and the
 # branches after a wait hold CTA barriers (record_error's CAS, the copy's barrier): so each
-# outcome is made the CTA's through a scratch word (:func:`_uniform`, as sm_workers' workers do).
+# outcome is made the CTA's through a scratch word (signals.cta_uniform, as sm_workers' workers do).
 # Nothing waits for another program: the grid needs no co-residency.
-
-@triton.jit
-def _uniform(value, scratch_ptr):
-    """``value`` as one thread of the CTA holds it, in every thread (a store by one thread, a
-    barrier, a load, a barrier): see tpfuse/kernels/sm_workers.py ``_uniform``."""
-    tl.store(scratch_ptr, value)
-    tl.debug_barrier()
-    out = tl.load(scratch_ptr, volatile=True)
-    tl.debug_barrier()
-    return out
-
 
 @triton.jit
 def _copy_rows(src, src_stride, dst, dst2, rows, row_bytes, pid, num_programs, BLOCK: tl.constexpr,
@@ -235,12 +224,12 @@ def publish_kernel(gen_ptr, sync_ptr, err_ptr, credits_ptr, peers_ptr, num_credi
     scratch = sync_ptr + 1 + pid
     gen = tl.load(gen_ptr) + 1
     target = gen - 1
-    stop = _uniform((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), scratch) != 0
+    stop = cta_uniform((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), scratch) != 0
     for i in range(num_credits):
         if not stop:
             flag = tl.load(credits_ptr + i).to(tl.pointer_type(tl.int32))
             status, seen = wait_geq(flag, target, timeout, err_ptr, USE_ASM)
-            status = _uniform(status, scratch)
+            status = cta_uniform(status, scratch)
             if status == 1:
                 record_error(err_ptr, what, tl.load(peers_ptr + i).to(tl.int32), target, seen, rank, -1, -1, -1)
             stop = status != 0
@@ -257,7 +246,7 @@ def publish_kernel(gen_ptr, sync_ptr, err_ptr, credits_ptr, peers_ptr, num_credi
         tl.store(gen_ptr, gen)
         for i in range(num_local):
             tl.store(tl.load(local_ptr + i).to(tl.pointer_type(tl.int32)), local_value)
-        if _uniform((tl.load(err_ptr, volatile=True) == 0).to(tl.int32), scratch) != 0:
+        if cta_uniform((tl.load(err_ptr, volatile=True) == 0).to(tl.int32), scratch) != 0:
             for i in range(num_ready):
                 flag = tl.load(ready_ptr + i).to(tl.pointer_type(tl.int32))
                 tl.atomic_xchg(flag, gen, sem="release", scope="sys")

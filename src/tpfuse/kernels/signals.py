@@ -169,6 +169,21 @@ def cta_barrier(USE_ASM: tl.constexpr):
     cta_barrier_if(1, USE_ASM)
 
 
+@triton.jit
+def cta_uniform(value, scratch_ptr):
+    """``value`` as one thread of the CTA holds it, in every thread: the warps of a CTA spin on a
+    flag independently and may leave the spin with different outcomes (one sees the flag just as
+    another times out, or sees another program's error); the branches after it hold CTA
+    barriers, which every thread must reach.  ``scratch_ptr``: an int32 word of this program's
+    own.  (A scalar store is made by one thread; the barrier orders it before every thread's
+    load, and the load before the next store.)"""
+    tl.store(scratch_ptr, value)
+    tl.debug_barrier()
+    out = tl.load(scratch_ptr, volatile=True)
+    tl.debug_barrier()
+    return out
+
+
 # EPI_COUNT=3 (tpfuse/kernels/gemm.py): a chunk's counter holds its count of stored tiles, plus
 # HANDOFF once the chunk's poller has stopped polling it (at most once per launch).
 HANDOFF = tl.constexpr(abi.HANDOFF)

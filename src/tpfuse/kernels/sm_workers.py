@@ -75,7 +75,7 @@ Both do nothing once the error word is set.
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.signals import ld_acquire_sys, now_ns, record_error, wait_geq
+from tpfuse.kernels.signals import cta_uniform, ld_acquire_sys, now_ns, record_error, wait_geq
 
 # Columns of the int64 task table (the host side, tpfuse/strategies/sm_workers.py, reads the
 # ``.value`` of these: one definition for both sides).
@@ -140,20 +140,6 @@ def _publish_if(row_ptr, COL: tl.constexpr, gen):
         tl.atomic_xchg(addr.to(tl.pointer_type(tl.int32)), value, sem="release", scope="sys")
 
 
-@triton.jit
-def _uniform(value, scratch_ptr):
-    """``value`` as one thread of the CTA holds it, in every thread: the warps of a worker CTA
-    spin on a flag independently and may leave the spin with different outcomes (one sees the
-    flag just as another times out, or sees another program's error); the branches after it
-    hold CTA barriers, which every thread must reach.  (A scalar store is made by one thread;
-    the barrier orders it before every thread's load, and the load before the next store.)"""
-    tl.store(scratch_ptr, value)
-    tl.debug_barrier()
-    out = tl.load(scratch_ptr, volatile=True)
-    tl.debug_barrier()
-    return out
-
-
 @triton.jit(do_not_specialize=["task_lo", "task_hi", "dst_base", "timeout", "rank"])
 def worker_kernel(tasks_ptr, task_lo, task_hi, dst_base, gen_ptr, counters_ptr, err_ptr, stats_ptr,
                   scratch_ptr, timeout, rank, ELEM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
@@ -161,7 +147,7 @@ def worker_kernel(tasks_ptr, task_lo, task_hi, dst_base, gen_ptr, counters_ptr, 
     """Tasks ``[task_lo, task_hi)`` of the table (module docstring); destinations are
     ``dst_base`` + the table's (a byte address: the call's fresh output, or 0); elements are
     copied as ELEM-bit integers (bit-exact whatever the dtype).  ``scratch``: one int32 per
-    program (:func:`_uniform`).  ``counters``: one int32 per task, then the join groups'."""
+    program (signals.cta_uniform).  ``counters``: one int32 per task, then the join groups'."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     if ELEM == 16:
@@ -172,7 +158,7 @@ def worker_kernel(tasks_ptr, task_lo, task_hi, dst_base, gen_ptr, counters_ptr, 
         ty = tl.int8
     scratch = scratch_ptr + pid
     gen = tl.load(gen_ptr).to(tl.int64)
-    stop = _uniform((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), scratch) != 0
+    stop = cta_uniform((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), scratch) != 0
     first = tl.full((), 0, tl.int64)   # first(t): the table's blocks before t, mod G
     for u in range(0, task_lo):
         first = (first + _blocks(tasks_ptr + u * TASK_COLUMNS, BLOCK)) % num_programs
@@ -194,7 +180,7 @@ def worker_kernel(tasks_ptr, task_lo, task_hi, dst_base, gen_ptr, counters_ptr, 
                     flag_ptr = flag.to(tl.pointer_type(tl.int32))
                     waited = (ld_acquire_sys(flag_ptr, USE_ASM) < target).to(tl.int64)
                     status, seen = wait_geq(flag_ptr, target, timeout, err_ptr, USE_ASM)
-                status = _uniform(status, scratch)
+                status = cta_uniform(status, scratch)
                 if status == 1:
                     record_error(err_ptr, tl.load(row + T_WHAT).to(tl.int32), tl.load(row + T_PEER).to(tl.int32),
                                  target, seen, rank, tl.load(row + T_CHUNK).to(tl.int32), -1, pid)
