@@ -182,6 +182,7 @@ class Workspace:
         self._views: dict[object, torch.Tensor] = {}
         self._fixed: dict[tuple, tuple] = {}      # Workspace._launch: fixed launches, prepared
         self._publish: dict[tuple, list] = {}     # Workspace.publish: per table set, fixed arguments and launches
+        self._kept: dict[tuple, object] = {}      # Workspace._launch_kept: reduce / NaN fill launches by call key
         self.state: dict[object, object] = {}   # what a strategy keeps with its buffers (never evicted)
         self._stream: torch.cuda.Stream | None = None
         self._wait_bound: tuple[int, bool] | None = None   # (spin bound, inline PTX), fixed at the first wait
@@ -263,11 +264,32 @@ class Workspace:
         grid = (triton_cdiv(rows, block_r) * triton_cdiv(cols, block_c),)
         sig = table if signal is None else signal[0]   # num_sig = 0 without SIGNAL: never read
         dst2 = out if out2 is None else out2
-        _run(reduce_kernel, grid, (table, len(sources), out, rows, cols, stride, out.stride(0), self.error,
-                                   dst2, dst2.stride(0), self.gen, self.reduce_sync, sig,
-                                   0 if signal is None else sig.numel()),
-             dict(BLOCK_R=block_r, BLOCK_C=block_c, OUT2=out2 is not None, SIGNAL=signal is not None), 4,
-             self.spec.device)
+        args = (table, len(sources), out, rows, cols, stride, out.stride(0), self.error, dst2, dst2.stride(0),
+                self.gen, self.reduce_sync, sig, 0 if signal is None else sig.numel())
+        # the tables' (int64) and the outputs' alignment, the outputs' dtype, the integers
+        kept = ("reduce", table.data_ptr() % 16 == 0, sig.data_ptr() % 16 == 0, out.dtype, out.data_ptr() % 16 == 0, dst2.data_ptr() % 16 == 0,
+                rows, cols, stride, out.stride(0), dst2.stride(0), out2 is None, signal is None)
+        self._launch_kept(kept, reduce_kernel, grid, args,
+                          dict(BLOCK_R=block_r, BLOCK_C=block_c, OUT2=out2 is not None, SIGNAL=signal is not None), 4)
+
+    def _launch_kept(self, kept: tuple, kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int) -> None:
+        """:func:`_run` of ``kernel``, whose launch for call key ``kept`` is kept after the first:
+        ``kept`` must hold everything the JIT specializes on that the workspace does not fix (the
+        call's tensors by dtype and 16-byte alignment, the integers by value), so
+        later launches skip :func:`_spec_key`'s walk over every argument."""
+        hit = self._kept.get(kept)
+        if hit is not None:
+            try:
+                hit(grid + (1,) * (3 - len(grid)), torch._C._cuda_getCurrentRawStream(self.spec.device.index),
+                    (*args, *constexprs.values()))
+                return
+            except Exception:   # noqa: BLE001 - _run launches through the JIT (and warns if that fails too)
+                self._kept.clear()
+        direct = _run(kernel, grid, args, constexprs, num_warps, self.spec.device)
+        if direct is not None:
+            if len(self._kept) >= 256:
+                self._kept.clear()
+            self._kept[kept] = direct
 
     def incoming(self, region: str | tuple[str, ...], peers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``region[p]`` for each peer ``p``: what peers write and this rank waits on."""
@@ -500,9 +522,11 @@ class Workspace:
             words, num_words = (self.error, 0) if zero is None else (zero, zero.numel())
             sig, num_sig = (self._no_signal, 0) if signal is None else (signal[0], signal[0].numel())
             zero = signal = None
-            _run(poison_on_error_kernel, grid, (self.error, out, out.numel(), out2, n2, words, num_words,
-                                                self.gen, sig, num_sig),
-                 dict(BLOCK=block), 4, self.spec.device)
+            numel = out.numel()
+            kept = ("poison", words.dtype, words.data_ptr() % 16 == 0, sig.data_ptr() % 16 == 0, out.dtype, out2.dtype, out.data_ptr() % 16 == 0,
+                    out2.data_ptr() % 16 == 0, numel, n2, num_words, num_sig)
+            self._launch_kept(kept, poison_on_error_kernel, grid, (self.error, out, numel, out2, n2, words, num_words,
+                                                                  self.gen, sig, num_sig), dict(BLOCK=block), 4)
 
     def failed(self) -> bool:
         """True once a wait of this workspace timed out, as far as the host can see now (its

@@ -102,6 +102,41 @@ KERNELS = [("gemm_kernel", BIG, False), ("gemm_kernel", FLAT, False)] + ([("gemm
 KERNEL_IDS = [f"{k}-{'flat' if c.flatten else 'nested'}" for k, c, _ in KERNELS]
 
 
+@pytest.mark.skipif(not WS_GPU, reason="the Gluon kernel runs on sm_90")
+@pytest.mark.parametrize("hook", ["wait", "epilogue"])
+def test_gluon_launches_with_expanded_descriptors_match_the_jit_launch_bitwise(hook):
+    # The first call of a specialization launches through Triton's JIT (descriptor objects); the
+    # later ones call the C launcher with the descriptors expanded by tpfuse (tpfuse/_direct.py,
+    # launch_tma) where this Triton's expansion is the one read there: same bits, fresh outputs.
+    from tpfuse import _direct
+
+    a, b, ref = _operands(4 * 512, 1024, 1536, torch.bfloat16, "weight_t", seed=7)
+    signal = torch.full((4,), 5, dtype=torch.int32, device="cuda")
+    outs = []
+    before = gc.launch_counts()
+    for _ in range(3):
+        if hook == "wait":
+            out = torch.full((4 * 512, 1536), float("nan"), device="cuda", dtype=torch.bfloat16)
+            gc.matmul(a, b, out=out, config=BIG, tile_order="round", start_chunk=1,
+                      wait=gc.WaitSpec(signal, 5, 512, timeout_ns=2_000_000_000))
+        else:
+            out = torch.full((4 * 512 + 8, 1536), float("nan"), device="cuda", dtype=torch.bfloat16)
+            dests = [out[c * 512:(c + 1) * 512] for c in range(4)]
+            gc.matmul(a, b, config=BIG, tile_order="owner", start_chunk=2, chunk_m=512,
+                      epilogue=gc.EpilogueSpec.from_tensors(dests, signal, 6, 512))
+        assert _took("gemm_ws_kernel"), gc.last_plan().explain()
+        outs.append(out)
+    torch.cuda.synchronize()
+    _assert_close(outs[0][:4 * 512], ref, torch.bfloat16)
+    assert all(torch.equal(o[:4 * 512], outs[0][:4 * 512]) for o in outs[1:])
+    delta = {k: gc.launch_counts().get(k, 0) - before.get(k, 0) for k in ("direct", "direct_tma")}
+    assert delta["direct"] >= 2, delta
+    if _direct.tma_expansion_known():
+        assert delta["direct_tma"] >= 2, delta
+    else:
+        assert delta["direct_tma"] == 0, delta
+
+
 def _took(kernel):
     """The latest matmul ran ``kernel`` (its public LaunchPlan says so)."""
     return gc.last_plan().kernel == kernel

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from .._direct import launch_tma
 from ..kernels import _types, abi
 from . import cache
 from .config import DEFAULT_OPTIONS, GemmConfig, GemmOptions, default_config, stream_k_tiles
@@ -160,8 +161,10 @@ def last_plan() -> Optional[LaunchPlan]:
 def launch_counts() -> dict:
     """Launches so far by path: ``"jit"`` (through Triton's JIT: the first of a specialization,
     or every one with ``GemmOptions(direct_launch=False)``), ``"direct"`` (the cached compiled
-    kernel called directly), ``"interpreter"`` (TRITON_INTERPRET=1), and ``"compiled"`` (distinct
-    compiled kernels the JIT launches returned). A copy; compare two calls' counts."""
+    kernel called directly; ``"direct_tma"`` counts those of them that took the Gluon kernel's
+    descriptors expanded by tpfuse, no descriptor objects built: tpfuse/_direct.py, launch_tma),
+    ``"interpreter"`` (TRITON_INTERPRET=1), and ``"compiled"`` (distinct compiled kernels the JIT
+    launches returned). A copy; compare two calls' counts."""
     return dict(_LAUNCHES)
 
 
@@ -605,6 +608,11 @@ def _gluon_descriptor(t, shape, strides, block):
     return TensorDescriptor(t, list(shape), list(strides), list(block), _shared_layout(tuple(block), _types.tl_name(t.dtype)))
 
 
+def _desc_triple(desc) -> tuple:
+    """(address, shape, strides) of a Gluon descriptor (for tpfuse._direct.launch_tma)."""
+    return desc.base.data_ptr(), desc.shape, desc.strides
+
+
 def _stream_k_buffers(plan: LaunchPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 workspace ``[programs, 2, BLOCK_M, BLOCK_N]`` and int32 ``[num_tiles]`` tile
     counters for a stream-K launch on the current stream, cached and grown as needed.
@@ -715,19 +723,13 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, cou
     group_m, stages, grid = plan.config.GROUP_M, plan.ws_stages, plan.grid[0]
     chunk_m, num_chunks, start_chunk = plan.chunk_m, plan.num_chunks, plan.start_chunk
     b_kmajor = plan.b_kmajor
-    a_desc = _gluon_descriptor(a, (m, k), (a.stride(0), 1), (bm, bk))
-    if b_kmajor:
-        b_desc = _gluon_descriptor(b.t(), (n, k), (b.stride(1), 1), (bn, bk))
-    else:
-        b_desc = _gluon_descriptor(b, (k, n), (b.stride(0), 1), (bk, bn))
     epilogue = len(dests) > 0
     if epilogue:
         epi = list(epi_descs)
         epi_tma = abi.EPI_TMA_STACKED if stacked else len(epi)
-        c_desc = epi[0]
     else:
-        c_desc = _gluon_descriptor(out, (m, n), (out.stride(0), 1), (bm, bn))
         epi, epi_tma = [], 0
+    num_epi = len(epi)
     epi = epi + [None] * (abi.MAX_TMA_DESTS - len(epi))
     tile_order_idx = TILE_ORDERS.index(plan.tile_order)
     wait = wait_signal is not None
@@ -738,15 +740,48 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, cou
     # specialized but for their width and dtype), so a cached compiled kernel fits this call
     c0 = dests[0] if epilogue else out
     mode_a, mode_b = plan.scale_a, plan.scale_b
-    spec = ("gemm_ws", a.device, a.dtype, b.dtype, c0.dtype, mode_a, mode_b, m, n, k, a.stride(), b.stride(),
-            c0.stride(), bm, bn, bk,
-            group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, sum(d is not None for d in epi),
-            wait, record, tuple(-2**31 <= x < 2**31 for x in ints),
-            tuple(None if t is None else t.dtype for t in (wait_signal, err, counters, signal_ptrs)))
-    full = [a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
-            wait_timeout_ns, err, counters, signal_ptrs, generation, *epi, tile_records, scale_a, scale_b,
-            bm, bn, bk, group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, wait, record,
-            mode_a, mode_b, abi.WS_NUM_WARPS]
+    hooks = (wait_signal, err, counters, signal_ptrs)
+    # the plan fixes the rest of the key below (shapes, strides, dtypes, blocks, order): per plan,
+    # it is built once for each of these
+    local = (epilogue, epi_tma, num_epi, wait, record, c0.stride(), tuple(-2**31 <= x < 2**31 for x in ints),
+             tuple(None if t is None else t.dtype for t in hooks))
+    specs = plan.__dict__.get("_ws_specs")   # frozen dataclass: not a field
+    if specs is None:
+        specs = plan.__dict__.setdefault("_ws_specs", {})
+    spec = specs.get(local)
+    if spec is None:
+        spec = specs[local] = (
+            "gemm_ws", a.device, a.dtype, b.dtype, c0.dtype, mode_a, mode_b, m, n, k, a.stride(), b.stride(),
+            c0.stride(), bm, bn, bk, group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, num_epi,
+            wait, record, local[6], local[7])
+    head = [None, None, None, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
+            wait_timeout_ns, err, counters, signal_ptrs, generation]
+    tail = [tile_records, scale_a, scale_b, bm, bn, bk, group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma,
+            wait, record, mode_a, mode_b, abi.WS_NUM_WARPS]
+    # The short path: the compiled kernel called with its descriptors expanded here (address,
+    # shape, strides), no descriptor objects built (tpfuse/_direct.py, launch_tma)
+    direct = _COMPILED.get(spec) if plan.options.direct_launch and not _DIRECT_BROKEN[0] else None
+    if direct is not None and direct.tma is not None:
+        descs = {0: (a.data_ptr(), (m, k), (a.stride(0), 1)),
+                 1: (b.data_ptr(), (n, k), (b.stride(1), 1)) if b_kmajor else (b.data_ptr(), (k, n), (b.stride(0), 1))}
+        if epilogue:
+            descs[2] = _desc_triple(epi[0])
+            for q in range(num_epi):
+                descs[len(head) + q] = _desc_triple(epi[q])
+        else:
+            descs[2] = (out.data_ptr(), (m, n), (out.stride(0), 1))
+        if launch_tma(direct, (grid, 1, 1), torch._C._cuda_getCurrentRawStream(a.device.index),
+                      head + epi + tail, descs):
+            _LAUNCHES["direct"] += 1
+            _LAUNCHES["direct_tma"] += 1
+            return
+    a_desc = _gluon_descriptor(a, (m, k), (a.stride(0), 1), (bm, bk))
+    if b_kmajor:
+        b_desc = _gluon_descriptor(b.t(), (n, k), (b.stride(1), 1), (bn, bk))
+    else:
+        b_desc = _gluon_descriptor(b, (k, n), (b.stride(0), 1), (bk, bn))
+    c_desc = epi[0] if epilogue else _gluon_descriptor(out, (m, n), (out.stride(0), 1), (bm, bn))
+    full = [a_desc, b_desc, c_desc] + head[3:] + epi + tail
     _launch_cached(spec, (grid, 1, 1), full, a.device, lambda: gemm_ws_kernel[(grid, )](
         a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen, wait_timeout_ns,
         err, counters, signal_ptrs, generation, *epi, tile_records, scale_a, scale_b,

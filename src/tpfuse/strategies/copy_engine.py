@@ -204,9 +204,12 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
         main.wait_event(event)
         with timeline.span("gemm", labels[2], device=dev, chunk=p):
             _chunk_mm(chunk, b, scaled, c[rows], scale_rows)
-    a_full.record_stream(side)
+    # No record_stream of a_full / scale_full (the side stream wrote them): the compute stream
+    # has waited for the last event, which follows all of the side stream's work of this call,
+    # so the caching allocator may hand their blocks out again on this stream as soon as they
+    # are freed.  A record_stream kept each block until the GPU passed that event: with the host
+    # running ahead, every call then took a fresh block from the driver (issue 34.4).
     if rowwise:
-        scale_full.record_stream(side)
         ws.poison_on_error(c, a_full, scale_full)   # NaN when broken
     else:
         steps.finish(ws, c, a_full)
@@ -240,11 +243,18 @@ class _ScatterPlan:
 
 
 def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _ScatterPlan,
-                      main: torch.cuda.Stream, scaled: tuple | None = None) -> list[torch.Tensor]:
+                      main: torch.cuda.Stream, keep: list, scaled: tuple | None = None) -> list[torch.Tensor]:
     """Phase 1 of gemm_rs/gemm_ar: the partial of every owner's rows into that owner's inbox
     slot for this rank (peers through the side stream, owner order from rank + 1; ``main``: the
     current stream); returns this rank's inbox slots in rank order (views of the rows it owns).
-    ``scaled`` (fp8): (scale_a, scale_b); the partials are then float32 (the workspace's dtype)."""
+    ``scaled`` (fp8): (scale_a, scale_b); the partials are then float32 (the workspace's dtype).
+
+    The peers' partials (allocated on ``main``, read by the side stream's copies) are appended
+    to ``keep``: the caller holds them until the compute stream has joined the side stream, so
+    the caching allocator cannot hand their blocks to later work on ``main`` before the copies
+    ran.  (``record_stream`` did the same by keeping each block until the GPU passed the side
+    stream's use of it: with the host running ahead, every call then took fresh blocks from the
+    driver.)"""
     side = ws.stream
     dev = a.device
     rowwise = scaled is not None and scaled[0].dim() == 2
@@ -268,7 +278,7 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan
             with timeline.span("copy", labels[1], device=dev, chunk=p):
                 dest.copy_(part)
             ws.signal(ready)
-        part.record_stream(side)
+        keep.append(part)
     with timeline.span("gemm", plan.own_label, device=dev, chunk=ws.rank):
         product(plan.own_rows, plan.own)
     return plan.sources
@@ -305,10 +315,12 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     breadcrumb("copy_engine gemm_rs: computing partials")
     ws.begin(plan.credits)
     main = ws.current_stream()
-    sources = _scatter_partials(a, b, ws, plan, main, scaled)
+    parts: list[torch.Tensor] = []
+    sources = _scatter_partials(a, b, ws, plan, main, parts, scaled)
     # NaN when broken; DONE to every peer in the reduce's launch
     steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard, signal_after=plan.done_out)
     steps.join(main, ws.stream, plan.joined)
+    del parts   # freed after the join: the side stream's copies of them come first on the GPU
     return _rounded(c_shard, result_dtype)
 
 
@@ -354,9 +366,11 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     breadcrumb("copy_engine gemm_ar (two-shot): computing partials")
     ws.begin(plan.credits)
     main = ws.current_stream()
-    sources = _scatter_partials(a, b, ws, plan, main, scaled)
+    parts: list[torch.Tensor] = []
+    sources = _scatter_partials(a, b, ws, plan, main, parts, scaled)
     steps.gather_reduced(ws, plan.peers, sources, bounds, views.__getitem__, c)   # NaN when broken
     steps.join(main, ws.stream, plan.joined)   # the side stream's pushes joined back
+    del parts   # freed after the join (see _scatter_partials)
     return _rounded(c, result_dtype)
 
 

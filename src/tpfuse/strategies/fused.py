@@ -106,11 +106,12 @@ class FusedKnobs:
 
 
 KNOBS = FusedKnobs
+_NO_KNOBS = FusedKnobs()   # what knobs=None means (one object: built and hashed on every call otherwise)
 
 
 def _check_knobs(knobs) -> FusedKnobs:
     if knobs is None:
-        return FusedKnobs()
+        return _NO_KNOBS
     if not isinstance(knobs, FusedKnobs):
         raise TypeError(f"knobs: expected a tpfuse.strategies.fused.FusedKnobs, got {type(knobs).__name__}")
     return knobs
@@ -309,7 +310,7 @@ class _AgPlan:
             waited.add(src)
             scale_rows = steps.ag_scale_slot(ws, src, m_shard, k)[lo - base:hi - base] if rowwise else None
             self.pulls.append((src, lo, hi, chunk, ready, ws.data(src, (m_shard, k))[lo - base:hi - base],
-                               scale_rows, last))
+                               scale_rows, last, (f"READY {src}", f"pull {src} rows {lo}:{hi}")))
         # The tiles wait a little longer than the side stream's flag waits: when a peer is dead
         # both would time out together, and only the flag wait knows which peer it was (the
         # GEMM's wait for chunk 0 won the record on the H200 bed at W = 4 and named rank 0, not
@@ -373,11 +374,11 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     # the GEMM's bounded spins (docs/ops.md, tried and not kept).
     steps.join(side, main, plan.fork)
     with ws.on_stream():
-        for src, lo, hi, chunk, ready, rows, scale_rows, last in plan.pulls:
+        for src, lo, hi, chunk, ready, rows, scale_rows, last, labels in plan.pulls:
             if ready is not None:
-                with timeline.span("wait", f"READY {src}", device=dev, chunk=chunk):
+                with timeline.span("wait", labels[0], device=dev, chunk=chunk):
                     ws.wait(ready, symm.WAIT_READY)
-            with timeline.span("copy", f"pull {src} rows {lo}:{hi}", device=dev, chunk=chunk):
+            with timeline.span("copy", labels[1], device=dev, chunk=chunk):
                 a_full[lo:hi].copy_(rows)
                 if scale_rows is not None:   # before the arrival word: the tiles' epilogues read them
                     scale_full[lo:hi].copy_(scale_rows)
@@ -388,7 +389,8 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
           start_chunk=plan.start_chunk, wait=plan.wait, check=False, num_sms=sm_budget(dev, world_size, knobs),
           **_scale_kwargs(scale_full, scale_b, c.dtype))
     steps.join(main, side, plan.joined)
-    a_full.record_stream(side)
+    # no record_stream of a_full / scale_full: the join above follows all of the side stream's
+    # work of this call (copy_engine.ag_gemm says why that matters on the host)
     # NaN when broken (this call's wait or the GEMM's timed out, or an earlier one), and in the same
     # launch the arrival words back at 0: after the GEMM (main stream), which ends only once every
     # word was set, and after the join, so after the side stream's last write of one
@@ -396,7 +398,6 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
         steps.finish(ws, c, a_full, zero=arrived)
         return c, a_full
     if rowwise:
-        scale_full.record_stream(side)
         ws.poison_on_error(c, a_full, scale_full, zero=arrived)
     else:
         steps.finish(ws, c, a_full, zero=arrived)
