@@ -96,10 +96,10 @@ class Direct:
 # that walks every argument of every launch and expands each host TensorDescriptor into the
 # 128-byte CUtensorMap the driver takes, then its shape and strides.  For the Gluon GEMM (about
 # 40 arguments, three to five descriptors) that walk and the descriptor objects the caller must
-# build for it cost more host time than the rest of the launch.  :meth:`Direct.launch_tma` takes
-# the descriptors as (tensor, shape, strides) and calls the C launcher with them expanded the
-# same way -- only where this Triton's wrapper and expansion are the ones read here (their
-# source, whitespace-normalized), else the caller keeps Triton's own path.
+# build for it cost more host time than the rest of the launch.  :func:`launch_tma` takes the
+# descriptors as (address, shape, strides) and calls the C launcher with them expanded the same
+# way -- only where this Triton's wrapper and expansion are the ones read here (their source,
+# whitespace-normalized), else the caller keeps Triton's own path.
 
 # what wrap_handle_tensordesc's inner function does with a descriptor argument (3.5 and 3.6 at least)
 _WRAP_CALL = "final_args.extend(make_tensordesc_arg(arg, tensordesc_meta[tensordesc_idx]))"
