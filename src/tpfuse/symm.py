@@ -273,7 +273,7 @@ class Workspace:
                           dict(BLOCK_R=block_r, BLOCK_C=block_c, OUT2=out2 is not None, SIGNAL=signal is not None), 4)
 
     def _launch_kept(self, kept: tuple, kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int) -> None:
-        """:func:`_run` of ``kernel``, whose launch for call key ``kept`` is kept after the first:
+        """:meth:`_launch` of ``kernel``, whose launch for call key ``kept`` is kept after the first:
         ``kept`` must hold everything the JIT specializes on that the workspace does not fix (the
         call's tensors by dtype and 16-byte alignment, the integers by value), so
         later launches skip :func:`_spec_key`'s walk over every argument."""
@@ -285,7 +285,7 @@ class Workspace:
                 return
             except Exception:   # noqa: BLE001 - _run launches through the JIT (and warns if that fails too)
                 self._kept.clear()
-        direct = _run(kernel, grid, args, constexprs, num_warps, self.spec.device)
+        direct = self._launch(kernel, *args, grid=grid, num_warps=num_warps, **constexprs)
         if direct is not None:
             if len(self._kept) >= 256:
                 self._kept.clear()
@@ -458,8 +458,8 @@ class Workspace:
                                                  credits[0].numel(), ready[0], ready[0].numel(), table,
                                                  0 if local is None else local.numel(),
                                                  local_value, bound, what, self.rank),
-                                          rows, row_bytes, b_rows, b_bytes, asm, {}]
-        grid, head, rows, row_bytes, b_rows, b_bytes, asm, directs = fixed
+                                          rows, row_bytes, b_rows, b_bytes, asm]
+        grid, head, rows, row_bytes, b_rows, b_bytes, asm = fixed
         esize = src.element_size()
         a_stride = src.stride(0) * esize
         a_contig = rows <= 1 or a_stride == row_bytes
@@ -483,17 +483,7 @@ class Workspace:
         spec = (a_elem, a_contig, a_aligned, b_contig, src.data_ptr() % 16 == 0, d2.data_ptr() % 16 == 0,
                 b_args[0].data_ptr() % 16 == 0, b_args[3].data_ptr() % 16 == 0,
                 a_stride < 2**31, b_args[1] < 2**31)
-        direct = directs.get(spec)
-        if direct is not None:
-            try:
-                direct((grid[0], 1, 1), torch._C._cuda_getCurrentRawStream(self.spec.device.index),
-                       (*args, *constexprs.values()))
-                return
-            except Exception:   # noqa: BLE001 - _run launches through the JIT (and warns if that fails too)
-                directs.clear()
-        direct = self._launch(publish_kernel, *args, grid=grid, num_warps=_PUBLISH_WARPS, **constexprs)
-        if direct is not None:
-            directs[spec] = direct
+        self._launch_kept(("publish", key, spec), publish_kernel, grid, args, constexprs, _PUBLISH_WARPS)
 
     def poison_on_error(self, *outputs: torch.Tensor, zero: torch.Tensor | None = None,
                         signal: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
