@@ -423,19 +423,21 @@ class Workspace:
                 src: torch.Tensor, slot: torch.Tensor, dst2: torch.Tensor | None = None,
                 scale: torch.Tensor | None = None, scale_slot: torch.Tensor | None = None,
                 scale_dst2: torch.Tensor | None = None, local: torch.Tensor | None = None, local_value: int = 1,
-                what: int = WAIT_CREDIT) -> None:
+                what: int = WAIT_CREDIT, wait_in: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """:meth:`begin` (``credits``), ``slot`` <- ``src`` (and ``dst2`` <- ``src``; ``scale``
         likewise into ``scale_slot``/``scale_dst2``), this rank's words at the int64 addresses of
-        ``local`` = ``local_value``, then :meth:`signal` of ``ready``: ONE launch
-        (tpfuse/kernels/flags.py ``publish_kernel``) instead of two flag kernels and up to four
+        ``local`` = ``local_value``, :meth:`signal` of ``ready``, then :meth:`wait` of
+        ``wait_in`` if given (the peers' READY: recorded as ``WAIT_READY``): ONE launch
+        (tpfuse/kernels/flags.py ``publish_kernel``) instead of up to four flag kernels and four
         copies.  ``src``/``scale``: 2-D with unit column stride (any row stride), copied as
-        bytes; destinations contiguous.  Broken: nothing is copied or signalled (the generation
-        still advances, the local words are still set: the outputs are NaN anyway)."""
+        bytes; destinations contiguous.  Broken: nothing is copied, signalled or waited for (the
+        generation still advances, the local words are still set: the outputs are NaN anyway)."""
         from tpfuse.kernels.flags import publish_kernel
 
         self.check(self.spec.op)
         self.calls += 1
-        key = (id(credits[0]), id(ready[0]), None if local is None else id(local), what, slot.data_ptr(),
+        key = (id(credits[0]), id(ready[0]), None if local is None else id(local), what,
+               None if wait_in is None else id(wait_in[0]), slot.data_ptr(),
                tuple(src.shape), src.dtype, dst2 is None, scale is None, None if scale_slot is None else scale_slot.data_ptr())
         fixed = self._publish.get(key)
         if fixed is None:
@@ -454,10 +456,12 @@ class Workspace:
                 raise AssertionError("publish: a second destination for the shard and its scale rows, or for neither")
             bound, asm = self._bound()
             table = local if local is not None else credits[0]   # num_local = 0: never read
+            waits = credits if wait_in is None else wait_in       # num_in = 0: never read
             fixed = self._publish[key] = [grid, (self.gen, self.publish_sync, self.error, credits[0], credits[1],
                                                  credits[0].numel(), ready[0], ready[0].numel(), table,
                                                  0 if local is None else local.numel(),
-                                                 local_value, bound, what, self.rank),
+                                                 local_value, bound, what, self.rank, waits[0], waits[1],
+                                                 0 if wait_in is None else wait_in[0].numel(), WAIT_READY),
                                           rows, row_bytes, b_rows, b_bytes, asm]
         grid, head, rows, row_bytes, b_rows, b_bytes, asm = fixed
         esize = src.element_size()

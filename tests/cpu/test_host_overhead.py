@@ -193,8 +193,9 @@ def test_eager_symmetric_memory_calls_fork_streams_only_where_they_overlap(monke
     two-shot gemm_ar's gather runs on the compute stream (a side stream there overlapped nothing
     and cost a fork and a join), copy_engine's gemm_rs and two-shot gemm_ar fork through their
     first chunk's event (no fork of their own) and join once, and copy_engine's ag_gemm joins through
-    its last chunk's event (recorded after DONE).  A fork or join is ``wait_stream``'s record and
-    wait, through an event the plan keeps."""
+    its last chunk's event (DONE rides in the NaN fill after it; the READY waits in the publish
+    launch before the fork).  A fork or join is ``wait_stream``'s record and wait, through an
+    event the plan keeps."""
     import sys
     import types
 
@@ -243,8 +244,8 @@ def test_eager_symmetric_memory_calls_fork_streams_only_where_they_overlap(monke
     assert stream_ops(lambda: copy_engine.gemm_rs(a, b, ctx))[0] == ["record", "wait_event"] * 2
     streams, seq = stream_ops(lambda: copy_engine.ag_gemm(a_shard, b, ctx))
     assert streams == ["record", "wait_event"] * 2, seq   # the fork, then the chunk's event
-    fork = seq.index("wait_event")
-    assert seq.index("signal_kernel", fork) < seq.index("record", fork), seq   # DONE, then the event
+    assert seq.index("publish_kernel") < seq.index("record") and seq[-1] == "poison", seq
+    assert "wait_kernel" not in seq and "signal_kernel" not in seq, seq   # READY in publish, DONE in the NaN fill
 
 
 def test_busy_ahead_interleaved_rotates_and_takes_the_ratio_per_round(monkeypatch):
@@ -363,22 +364,25 @@ def device_ops(monkeypatch, op: str, strategy: str, world_size: int, dtype=torch
 
 
 # Device operations of one eager ag_gemm call (float16, one piece per rank), by strategy and W:
-# copy_engine 8 + 5 (W - 1), fused 10 + 3 (W - 1) -- 4 and 6 fewer than at 4557011 (copy_engine
-# 12 + 5 (W - 1), fused 16 + 3 (W - 1)): the publish step is one launch (both), fused's arrival
-# words are reset by its NaN fill's launch (no zero_), and no record_stream of the gathered A (the
-# compute stream joins the side stream first; a record_stream made the allocator take a fresh
-# block for every call while the GPU ran behind).
-AG_GEMM_OPS = {("copy_engine", 2): 13, ("copy_engine", 4): 23, ("fused", 2): 13, ("fused", 4): 19}
+# copy_engine 7 + 4 (W - 1), fused 9 + 2 (W - 1) -- at 19915c1 8 + 5 (W - 1) and 10 + 3 (W - 1),
+# at 4557011 12 + 5 (W - 1) and 16 + 3 (W - 1): the publish step is one launch (both) that also
+# waits for every peer's READY (no flag wait per peer), DONE is raised by the NaN fill's launch
+# (no signal of its own), fused's arrival words are reset by that launch too (no zero_), and no
+# record_stream of the gathered A (the compute stream joins the side stream first; a
+# record_stream made the allocator take a fresh block for every call while the GPU ran behind).
+AG_GEMM_OPS = {("copy_engine", 2): 11, ("copy_engine", 4): 19, ("fused", 2): 11, ("fused", 4): 15}
 
 
 @pytest.mark.parametrize("strategy, world_size", sorted(AG_GEMM_OPS))
 def test_eager_ag_gemm_device_operations_per_call(monkeypatch, strategy, world_size):
     """Issue 34: every native operation of an eager call costs 10-20 us of host time on the bed's
-    host; the publish step (credit wait, copy into the slot, READY) and the copy of the shard into
-    a_full's own rows (fused: and its own arrival words) are ONE launch (publish_kernel)."""
+    host; the publish step (credit wait, copy into the slot, READY out, the peers' READY in) and
+    the copy of the shard into a_full's own rows (fused: and its own arrival words) are ONE launch
+    (publish_kernel); DONE rides in the NaN fill's launch."""
     pytest.importorskip("triton")
     ops = device_ops(monkeypatch, "ag_gemm", strategy, world_size)
-    assert ops.count("publish_kernel") == 1 and "wait_kernel" in ops, ops   # the peers' READY waits remain
+    assert ops.count("publish_kernel") == 1, ops
+    assert "wait_kernel" not in ops and "signal_kernel" not in ops, ops   # READY in publish, DONE in the NaN fill
     assert ops.index("publish_kernel") < min(i for i, o in enumerate(ops) if o in ("gemm", "mm", "copy_")), ops
     assert "stream_write" not in ops[:ops.index("publish_kernel") + 1], ops
     assert "zero_" not in ops and ops[-1] == "poison_on_error_kernel", ops

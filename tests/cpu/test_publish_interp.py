@@ -130,6 +130,67 @@ def test_a_missing_credit_times_out_naming_the_peer_and_publishes_nothing(interp
         me.check("ag_gemm")
 
 
+def test_publish_waits_for_every_peers_ready_in_its_launch(interp):
+    """copy_engine and fused ag_gemm (``wait_ready``): after raising READY, the launch waits for
+    every peer's READY to this rank.  Rank 0 of 3 at its first call: both peers' READY there
+    -> healthy, nothing recorded; at its second call rank 2's READY stays at 1 -> the launch
+    (its copy and READY out done) records (READY, peer 2, generation 2, seen 1, rank 0), the
+    host raises a TimeoutError naming rank 2 without a device read, and the counter is reset."""
+    ws = fake_ranks(3, 4096, torch.float16, op="ag_gemm")
+    me, peers = ws[0], [1, 2]
+    credits, ready, ready_in = me.incoming("DONE", peers), me.outgoing("READY", peers), me.incoming("READY", peers)
+    shard = torch.ones(4, 8, dtype=torch.float16)
+    for p in peers:
+        ws[0].flags[0][symm.flag_index("READY", p, 3)] = 1
+    steps.publish_shard(me, shard, credits, ready, wait_ready=ready_in)
+    assert me.error[abi.ERR_STATUS].item() == 0 and not me.host.failed()
+    assert [_ready(ws, p, 0) for p in peers] == [1, 1] and me.gen.item() == 1
+    for p in peers:
+        _give_credit(ws, 0, p, 1)
+    ws[0].flags[0][symm.flag_index("READY", 1, 3)] = 2     # rank 1 published call 2; rank 2 did not
+    steps.publish_shard(me, 2 * shard, credits, ready, wait_ready=ready_in)
+    err = me.error.tolist()
+    assert err[abi.ERR_STATUS] == 1 and err[abi.ERR_WHAT] == abi.WAIT_READY and err[abi.ERR_PEER] == 2
+    assert (err[abi.ERR_GENERATION], err[abi.ERR_SEEN], err[abi.ERR_RANK]) == (2, 1, 0)
+    assert torch.equal(me.data(0, (4, 8)), 2 * shard) and [_ready(ws, p, 0) for p in peers] == [2, 2]
+    assert me.publish_sync[0].item() == 0
+    with pytest.raises(TimeoutError, match=r"rank 0 waited .* for rank 2"):
+        me.check("ag_gemm")
+
+
+@pytest.mark.parametrize("strategy", ["copy_engine", "fused"])
+def test_a_peer_that_never_publishes_makes_nan_outputs_then_the_next_call_raises(interp, monkeypatch, strategy):
+    """The strategy's own ag_gemm on rank 0 of 2 (streams faked): rank 1 returns every credit
+    but never raises READY.  The publish launch times out on it: the call's outputs are NaN
+    (the pulls ran after the launch and copied whatever the slot held), no DONE goes back to
+    rank 1; the next call raises a TimeoutError naming rank 1."""
+    from tpfuse.strategies import copy_engine, fused
+
+    fake_cuda_streams(monkeypatch)
+    monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 2)
+    monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 1)
+    monkeypatch.setattr(fused, "_set_word", lambda words, i: words.__setitem__(i, 1))   # the stream memory op
+    made, checking = dead_peer_workspaces(monkeypatch)
+    ctx = types.SimpleNamespace(rank=0, world_size=2, group_name="noready", group=None)
+    fn = {"copy_engine": copy_engine, "fused": fused}[strategy].ag_gemm
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(16, 16, generator=g).half(), torch.randn(16, 24, generator=g).half()
+    symm.release_workspaces()
+    try:
+        ws = symm.get_workspace(ctx, "ag_gemm", a.dtype, a.device, 16)
+        ws.flags[0][symm.flag_index("DONE", 1, 2)] = 100     # every credit back, READY never
+        out = fn(a, b, ctx)
+        assert all(x.isnan().all() for x in out), f"{strategy}: outputs of a call whose READY wait timed out"
+        assert ws.error[abi.ERR_WHAT].item() == abi.WAIT_READY and ws.error[abi.ERR_PEER].item() == 1
+        assert ws.flags[1][symm.flag_index("DONE", 0, 2)].item() == 0    # no credit for a slot never read
+        assert made["ag_gemm"] is ws
+        checking[0] = True
+        with pytest.raises(TimeoutError, match=r"rank 0 waited more than .* for rank 1"):
+            fn(a, b, ctx)
+    finally:
+        symm.release_workspaces()
+
+
 def test_a_broken_workspace_copies_and_publishes_nothing_and_returns_at_once(interp):
     """The error word already set (an earlier timeout): the launch does not spin, records
     nothing more, copies nothing, raises READY nowhere; it still advances the generation and sets
@@ -218,6 +279,7 @@ def test_publish_kernel_compiles_for_sm90_with_vector_copies_and_system_scope_or
     i32, i64, f16 = (torch.empty(4, dtype=d) for d in (torch.int32, torch.int64, torch.float16))
     args = dict(gen_ptr=i32, sync_ptr=i32, err_ptr=i32, credits_ptr=i64, peers_ptr=i64, num_credits=1,
                 ready_ptr=i64, num_ready=1, local_ptr=i64, num_local=0, local_value=1, timeout=1, what=1, rank=0,
+                in_ptr=i64, in_peers_ptr=i64, num_in=1, what_in=2,
                 a_src=f16, a_stride=32, a_dst=f16, a_dst2=f16, a_rows=4, a_row_bytes=32,
                 b_src=i32, b_stride=4, b_dst=i32, b_dst2=i32, b_rows=4, b_row_bytes=4)
     for a_contig, has_b, dst2 in ((True, False, True), (False, False, True), (True, True, False)):
@@ -226,10 +288,13 @@ def test_publish_kernel_compiles_for_sm90_with_vector_copies_and_system_scope_or
         ptx = kern.asm["ptx"]
         v4 = len(re.findall(r"ld\.global(\.\w+)*\.v4", ptx)), len(re.findall(r"st\.global(\.\w+)*\.v4", ptx))
         assert (v4[0] > 0 and v4[1] > 0) == a_contig, v4   # the strided path: element by element
-        assert re.search(r"ld\.global\.acquire\.sys", ptx) and "globaltimer" in ptx
+        # the credits' and the peers' READY waits: each an acquire at system scope, timed
+        assert len(re.findall(r"ld\.global\.acquire\.sys", ptx)) >= 2 and "globaltimer" in ptx
         assert re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx)
-        # READY, and signals.record_error's release of the host mirror's status
-        assert len(re.findall(r"atom\.global\.sys\.release\.exch", ptx)) == 2
+        # READY, and signals.record_error's release of the host mirror's status (after each wait)
+        assert len(re.findall(r"atom\.global\.sys\.release\.exch", ptx)) == 3
         assert re.search(r"atom\.global\.acq_rel\.sys\.cas", ptx)   # record_error's CAS on the error word
         _, res = sass_of(kern.asm["cubin"])
-        assert "LOCAL:0" in res and "STACK:0" in res, res      # no register spills (the cubin: ptxas ran)
+        # no register spills (the cubin: ptxas ran); a stack frame of at most 16 bytes: with the second
+        # spin loop (the peers' READY) ptxas keeps convergence-barrier state there, not registers
+        assert "LOCAL:0" in res and int(re.search(r"STACK:(\d+)", res).group(1)) <= 16, res

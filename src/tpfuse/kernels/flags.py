@@ -142,7 +142,10 @@ def poison_on_error_kernel(err_ptr, out_ptr, numel, out2_ptr, numel2, zero_ptr, 
 #                   generation advance of Workspace.begin: every program read the old value
 #                   before its increment, which the last one acquired);  the local words = value;
 #                   unless broken (error word read again): READY[i] = gen on every peer (release,
-#                   system scope: cumulative over every program's stores, which it acquired)
+#                   system scope: cumulative over every program's stores, which it acquired),
+#                   then (copy_engine, fused) wait for every peer's READY to this rank (bounded,
+#                   recorded as WAIT_READY naming the peer): the side stream's pulls that follow
+#                   the launch need no flag kernel of their own
 #
 # The warps of a program spin independently and may leave a wait with different outcomes, and the
 # branches after a wait hold CTA barriers (record_error's CAS, the copy's barrier): so each
@@ -206,19 +209,23 @@ def _copy_rows(src, src_stride, dst, dst2, rows, row_bytes, pid, num_programs, B
 
 
 @triton.jit(do_not_specialize=["num_credits", "num_ready", "num_local", "local_value", "timeout", "what", "rank",
-                               "a_stride", "a_rows", "a_row_bytes", "b_stride", "b_rows", "b_row_bytes"])
+                               "num_in", "what_in", "a_stride", "a_rows", "a_row_bytes", "b_stride", "b_rows",
+                               "b_row_bytes"])
 def publish_kernel(gen_ptr, sync_ptr, err_ptr, credits_ptr, peers_ptr, num_credits, ready_ptr, num_ready,
-                   local_ptr, num_local, local_value, timeout, what, rank,
+                   local_ptr, num_local, local_value, timeout, what, rank, in_ptr, in_peers_ptr, num_in, what_in,
                    a_src, a_stride, a_dst, a_dst2, a_rows, a_row_bytes,
                    b_src, b_stride, b_dst, b_dst2, b_rows, b_row_bytes,
                    BLOCK: tl.constexpr, A_ELEM: tl.constexpr, A_CONTIG: tl.constexpr, A_ALIGNED: tl.constexpr,
                    B_CONTIG: tl.constexpr, HAS_B: tl.constexpr, DST2: tl.constexpr, USE_ASM: tl.constexpr):
     """The publish step of ag_gemm in one grid (the comment above): credits, the copies of job
     A (the shard, as A_ELEM-byte integers) and job B (HAS_B: its float32 scale rows) into their slots (and second destinations,
-    DST2), the generation advance, the local words and READY.  Tables: ``credits``/``peers``
-    (the DONE words waited on and the rank each concerns), ``ready`` (every peer's READY word
-    for this rank), ``local`` (this rank's words set to ``local_value``), int64 byte
-    addresses.  ``sync``: int32 [counter, one scratch word per program]."""
+    DST2), the generation advance, the local words and READY; then the last program waits
+    until every word of ``in`` (``num_in`` may be 0: the peers' READY for this rank) reaches
+    the call's generation, recording a timeout as ``what_in`` naming ``in_peers[i]``.  Tables:
+    ``credits``/``peers`` (the DONE words waited on and the rank each concerns), ``ready``
+    (every peer's READY word for this rank), ``local`` (this rank's words set to
+    ``local_value``), ``in``/``in_peers``, int64 byte addresses.  ``sync``: int32 [counter,
+    one scratch word per program]."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     scratch = sync_ptr + 1 + pid
@@ -241,7 +248,8 @@ def publish_kernel(gen_ptr, sync_ptr, err_ptr, credits_ptr, peers_ptr, num_credi
                        DST2, False)
     tl.debug_barrier()   # every thread's stores before the count (cumulativity)
     old = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
-    if old == num_programs - 1:
+    last = old == num_programs - 1
+    if last:
         tl.store(sync_ptr, 0)
         tl.store(gen_ptr, gen)
         for i in range(num_local):
@@ -250,3 +258,16 @@ def publish_kernel(gen_ptr, sync_ptr, err_ptr, credits_ptr, peers_ptr, num_credi
             for i in range(num_ready):
                 flag = tl.load(ready_ptr + i).to(tl.pointer_type(tl.int32))
                 tl.atomic_xchg(flag, gen, sem="release", scope="sys")
+    # The last program then waits for the peers' READY of this call: what follows the launch on
+    # its stream (the pulls from their slots) may read their shards.  Broken, each wait returns
+    # at once (wait_geq reads the error word).  Out of the branch above: nested in it, the loop's
+    # CTA barriers cost ptxas a stack frame for its convergence barriers.
+    stop = False
+    for i in range(tl.where(last, num_in, 0)):
+        if not stop:
+            flag = tl.load(in_ptr + i).to(tl.pointer_type(tl.int32))
+            status, seen = wait_geq(flag, gen, timeout, err_ptr, USE_ASM)
+            status = cta_uniform(status, scratch)
+            if status == 1:
+                record_error(err_ptr, what_in, tl.load(in_peers_ptr + i).to(tl.int32), gen, seen, rank, -1, -1, -1)
+            stop = status != 0

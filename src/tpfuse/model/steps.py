@@ -170,43 +170,48 @@ def ring_all_reduce(g: Graph, c: Ctx) -> None:
                                  deps=(prev, finals[r]), label=f"ag {src}", chunk=src)
 
 
-def publish(g: Graph, c: Ctx, shard_rows: list[int], *, gathered: bool = False) -> dict[int, int]:
+def publish(g: Graph, c: Ctx, shard_rows: list[int], *, gathered: bool = False,
+            wait_all: bool = False) -> dict[int, int]:
     """AG over symmetric memory: ONE launch on the compute stream (``flags.publish_kernel``) that
     waits for the credits, copies this rank's shard into its own slot -- and, ``gathered``
     (copy_engine, fused), into the gathered output's own rows (one read, two writes) -- and
-    raises READY on every peer.  Returns rank -> that launch (READY is raised at its end)."""
+    raises READY on every peer; ``wait_all`` (copy_engine, fused): then, in the same launch,
+    waits for every peer's READY.  Returns rank -> the task after which the rank's pulls may
+    start: that wait (``wait_all``), else the launch (READY is raised at its end; the pulls
+    wait for the peer's own)."""
     ready = {}
     for r in g.ranks:
         nbytes = shard_rows[r] * c.k * c.elt
         ready[r] = g.add(r, "gemm", "copy", cost.reduce_time_ms((3 if gathered else 2) * nbytes, c.hw),
                          label="publish", chunk=r, launch=True)
-    return ready
+    if not wait_all:
+        return ready
+    return {r: g.flag(r, "gemm", "wait READY all", deps=tuple(ready[q] for q in g.ranks), launch=False)
+            for r in g.ranks}
 
 
 def pull_then_gemm_per_chunk(g: Graph, c: Ctx, path: str = "ce") -> None:
-    """copy_engine ag_gemm: the publish launch (the local shard into the gathered buffer too),
-    then the side stream waits for each peer's READY and pulls its shard, nearest peer first
-    (r+1, r+2, ...); the compute stream runs the local GEMM, then one cuBLAS GEMM per shard as
-    it lands; the call ends with the NaN fill's launch."""
+    """copy_engine ag_gemm: the publish launch (the local shard into the gathered buffer too;
+    then the wait for every peer's READY), then the side stream pulls each peer's shard,
+    nearest peer first (r+1, r+2, ...); the compute stream runs the local GEMM, then one cuBLAS
+    GEMM per shard as it lands; the call ends with the NaN fill's launch, which returns DONE."""
     w = c.w
     shard_rows = c.shard_rows()
-    ready = publish(g, c, shard_rows, gathered=True)
+    ready = publish(g, c, shard_rows, gathered=True, wait_all=True)
     for r in g.ranks:
         peers = [(r + d) % w for d in range(1, w)]
         arrived = {}
         after = ready[r]  # side.wait_stream(main)
         for p in peers:
-            g.flag(r, "comm", f"wait READY {p}", deps=(after, ready[g.peer(p)]))
+            arrived[p] = g.add(r, "comm", "comm", c.xfer(shard_rows[p] * c.k * c.elt, path), deps=(after,),
+                               label=f"pull {p}", chunk=p, launch=True)
             after = None
-            arrived[p] = g.add(r, "comm", "comm", c.xfer(shard_rows[p] * c.k * c.elt, path), label=f"pull {p}",
-                               chunk=p, launch=True)
-        g.flag(r, "comm", "DONE")
         g.add(r, "gemm", "gemm", c.gemm(shard_rows[r]), label=f"GEMM {r}", chunk=r, launch=True)
         for p in peers:
             t = g.add(r, "gemm", "gemm", c.gemm(shard_rows[p]), deps=(arrived[p],), label=f"GEMM {p}", chunk=p,
                       launch=True)
             g.pairs.append((r, arrived[p], t))
-        g.flag(r, "gemm", "NaN fill")
+        g.flag(r, "gemm", "NaN fill + DONE")
 
 
 def pull_pieces_into_one_gemm(g: Graph, c: Ctx, path: str = "ce", move: Move | None = None,
@@ -218,7 +223,8 @@ def pull_pieces_into_one_gemm(g: Graph, c: Ctx, path: str = "ce", move: Move | N
     (sm_workers): one worker launch does every READY wait, pull and arrival word (one host
     call), and the local shard and its arrival words are launches of their own, the words'
     reset and the NaN fill two more at the end; without, the publish launch writes the local
-    shard into the gathered buffer and sets its words, and the NaN fill's launch resets them."""
+    shard into the gathered buffer, sets its words and waits for every peer's READY, and the
+    NaN fill's launch resets the words and returns DONE."""
     w = c.w
     move = move or (lambda nbytes: c.xfer(nbytes, path))
     shard_rows = c.shard_rows()
@@ -227,7 +233,7 @@ def pull_pieces_into_one_gemm(g: Graph, c: Ctx, path: str = "ce", move: Move | N
     bounds = row_bounds(sizes)
     total = bounds[-1][1]
     core = cost.core_gemm_time_ms(total, c.n, c.k, c.dtype, c.hw, hook="wait", num_sms=c.gemm_sms)
-    ready = publish(g, c, shard_rows, gathered=not workers)
+    ready = publish(g, c, shard_rows, gathered=not workers, wait_all=not workers)
     for r in g.ranks:
         me = c.layout_rank(g, r)
         after = ready[r]  # side.wait_stream(main) follows it
@@ -239,16 +245,18 @@ def pull_pieces_into_one_gemm(g: Graph, c: Ctx, path: str = "ce", move: Move | N
         first = True   # with workers: the one launch
         for d in range(1, w):
             q = (me + d) % w
-            g.add(r, "comm", "flag", 0.0, deps=(after, ready[g.peer(q)]), label=f"wait READY {q}",
-                  launch=first or not workers)
-            after, first = None, False
+            if workers:
+                g.add(r, "comm", "flag", 0.0, deps=(after, ready[g.peer(q)]), label=f"wait READY {q}", launch=first)
+                after, first = None, False
             for p in range(pieces):
                 i = q * pieces + p
                 lo, hi = bounds[i]
-                g.add(r, "comm", "comm", move((hi - lo) * c.k * c.elt), label=f"pull {q}.{p}", chunk=i,
-                      launch=not workers)
+                g.add(r, "comm", "comm", move((hi - lo) * c.k * c.elt), deps=(after,), label=f"pull {q}.{p}",
+                      chunk=i, launch=not workers)
+                after = None
                 arrived[i] = g.add(r, "comm", "flag", 0.0, label=f"arrived {q}.{p}", launch=not workers)
-        g.flag(r, "comm", "DONE")
+        if workers:
+            g.flag(r, "comm", "DONE")
         first, consumed = True, set()
         for lo, hi, a, b in _bands(bounds, bounds[me * pieces][0], c.tile_m):
             deps = tuple(arrived[i] for i in range(a, b + 1) if i in arrived)
@@ -263,7 +271,7 @@ def pull_pieces_into_one_gemm(g: Graph, c: Ctx, path: str = "ce", move: Move | N
             g.flag(r, "gemm", "reset words")
             g.flag(r, "gemm", "NaN fill")
         else:
-            g.flag(r, "gemm", "NaN fill + reset words")
+            g.flag(r, "gemm", "NaN fill + reset words + DONE")
 
 
 def scatter_partials(g: Graph, c: Ctx, bounds: list[tuple[int, int]], path: str = "ce") -> dict[int, list[int]]:

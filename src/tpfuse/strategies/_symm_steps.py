@@ -47,14 +47,16 @@ def join(waiter, stream, event: torch.cuda.Event) -> None:
 
 def publish_shard(ws: symm.Workspace, a_shard: torch.Tensor, credits, ready_out,
                   scale_rows: torch.Tensor | None = None, *, also: torch.Tensor | None = None,
-                  scale_also: torch.Tensor | None = None, words: torch.Tensor | None = None) -> None:
+                  scale_also: torch.Tensor | None = None, words: torch.Tensor | None = None,
+                  wait_ready: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Begin a call (refuse a broken workspace, advance the generation, wait for the credits of
     the previous call), copy ``a_shard`` (and an fp8 shard's row-wise ``scale_rows``, into the
     region :func:`ag_scale_slot` names) into this rank's slot -- and into ``also`` (the gathered
     output's own rows; ``scale_also`` its scale rows) --, set this rank's words at the int64
-    addresses ``words`` to 1 (fused's own arrival words) and raise READY on every peer: one
-    launch (:meth:`tpfuse.symm.Workspace.publish`).  A shard whose columns are not contiguous is
-    made so first (a copy)."""
+    addresses ``words`` to 1 (fused's own arrival words), raise READY on every peer and, given
+    ``wait_ready`` (the peers' READY to this rank), wait for it: one launch
+    (:meth:`tpfuse.symm.Workspace.publish`).  A shard whose columns are not contiguous is made
+    so first (a copy)."""
     if a_shard.dim() != 2 or (a_shard.stride(1) != 1 and a_shard.shape[1] > 1):
         a_shard = a_shard.contiguous()
     if scale_rows is not None and (scale_rows.dim() != 2 or (scale_rows.shape[1] > 1 and scale_rows.stride(1) != 1)):
@@ -62,7 +64,7 @@ def publish_shard(ws: symm.Workspace, a_shard: torch.Tensor, credits, ready_out,
     m_shard, k = a_shard.shape
     slot = ws.data(ws.rank, (m_shard, k))
     scale_slot = None if scale_rows is None else ag_scale_slot(ws, ws.rank, m_shard, k)
-    ws.publish(credits, ready_out, a_shard, slot, also, scale_rows, scale_slot, scale_also, words)
+    ws.publish(credits, ready_out, a_shard, slot, also, scale_rows, scale_slot, scale_also, words, wait_in=wait_ready)
 
 
 # --- fp8 ag_gemm: a row-wise scale_a travels in the shard's slot, after its rows -------------------
@@ -155,8 +157,9 @@ def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torc
 
 
 def finish(ws: symm.Workspace, out: torch.Tensor, out2: torch.Tensor | None = None, *,
-           zero: torch.Tensor | None = None) -> None:
+           zero: torch.Tensor | None = None, signal=None) -> None:
     """End of a call whose outputs no reduce wrote: NaN into them if the workspace is broken
     (one small launch; no host sync -- the host learns of the timeout at its next call); in the
-    same launch, the int32 words ``zero`` = 0 whatever the workspace's state."""
-    ws.poison_on_error(out, out2, zero=zero)
+    same launch, the int32 words ``zero`` = 0 whatever the workspace's state, and unless broken
+    the flag table ``signal`` raised (ag_gemm's DONE credits: its pulls precede the launch)."""
+    ws.poison_on_error(out, out2, zero=zero, signal=signal)

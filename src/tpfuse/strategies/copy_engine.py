@@ -7,11 +7,11 @@ memory, credits, a side stream).  The process group carries only the rendezvous,
 gloo (the one-GPU bed).  Schedules, for rank r of W (``peers`` = r+1, r+2, ... mod W)::
 
   ag_gemm   compute: begin (credits: peers done reading r's slot of the last call)
-                     copy a_shard -> r's slot and a_full[r];  signal READY[r] on every peer
-                     (one launch: _symm_steps.publish_shard)
+                     copy a_shard -> r's slot and a_full[r];  signal READY[r] on every peer;
+                     wait READY[p] from every peer (one launch: _symm_steps.publish_shard)
                      c[r] = a_shard @ b;  then c[p] = a_full[p] @ b as each chunk p lands
-            side:    for p in peers: wait READY[p];  a_full[p] <- p's slot;  event p
-                     (before the last event) signal DONE[r] on every peer (credits back)
+                     NaN fill (broken only) + DONE[r] on every peer (credits back), one launch
+            side:    for p in peers: a_full[p] <- p's slot;  event p
   gemm_rs   compute: begin (credits: every owner p reduced the last call's partials)
                      for p in peers: part_p = a[p rows] @ b  -> side copies it into p's inbox[r]
                      a[r rows] @ b -> r's own inbox[r];  wait READY from every peer
@@ -133,14 +133,14 @@ class _AgPlan:
         self.credits = ws.incoming("DONE", self.peers)
         self.ready_out = ws.outgoing("READY", self.peers)
         self.done_out = ws.outgoing("DONE", self.peers)
-        self.ready_in = [ws.incoming("READY", [p]) for p in self.peers]
+        self.ready_in = ws.incoming("READY", self.peers)
         self.slots = [ws.data(p, (m_shard, k)) for p in self.peers]
         self.scale_slots = [steps.ag_scale_slot(ws, p, m_shard, k) if rowwise else None for p in self.peers]
         self.rows = [slice(p * m_shard, (p + 1) * m_shard) for p in self.peers]
         self.events = [torch.cuda.Event() for _ in self.peers]
         self.fork = torch.cuda.Event()   # the side stream's wait for the compute stream
         # timeline span names, built once (span() is a no-op when nothing records)
-        self.labels = [(f"READY {p}", f"pull {p}", f"GEMM {p}") for p in self.peers]
+        self.labels = [(f"pull {p}", f"GEMM {p}") for p in self.peers]
         self.own_label = f"GEMM {ws.rank}"
 
 
@@ -176,43 +176,43 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     main, side = ws.current_stream(), ws.stream
     mine = slice(rank * m_shard, (rank + 1) * m_shard)
     breadcrumb("copy_engine ag_gemm: publishing the local shard")
-    # into this rank's slot and a_full's own rows (and the scale rows) in the same launch
-    steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out, scale_a if rowwise else None,
-                        also=a_full[mine], scale_also=scale_full[mine] if rowwise else None)
+    # into this rank's slot and a_full's own rows (and the scale rows), READY out and the peers'
+    # READY in, in the same launch.  One wait for every peer rather than one before each pull
+    # (a launch less per peer): a pull can start only once the last peer has published, which
+    # costs overlap only when a peer lags behind the others (docs/ops.md).
+    with timeline.span("wait", "publish + READY all", device=dev, chunk=rank):
+        steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out, scale_a if rowwise else None,
+                            also=a_full[mine], scale_also=scale_full[mine] if rowwise else None,
+                            wait_ready=plan.ready_in)
     steps.join(side, main, plan.fork)
-    last = plan.peers[-1]
     pulled = [a_full[rows] for rows in plan.rows]   # each peer's rows, sliced once per call
     scales = [scale_full[rows] if rowwise else None for rows in plan.rows]
     with ws.on_stream():
-        for p, ready, slot, dest, scale_slot, scale_dest, event, labels in zip(
-                plan.peers, plan.ready_in, plan.slots, pulled, plan.scale_slots, scales, plan.events, plan.labels):
-            with timeline.span("wait", labels[0], device=dev, chunk=p):
-                ws.wait(ready, symm.WAIT_READY)
-            with timeline.span("copy", labels[1], device=dev, chunk=p):
+        for p, slot, dest, scale_slot, scale_dest, event, labels in zip(
+                plan.peers, plan.slots, pulled, plan.scale_slots, scales, plan.events, plan.labels):
+            with timeline.span("copy", labels[0], device=dev, chunk=p):
                 dest.copy_(slot)
                 if scale_slot is not None:
                     scale_dest.copy_(scale_slot)
-            if p == last:
-                # DONE before the last event: the compute stream's wait for that event then
-                # joins the whole side stream (no wait_stream at the end: two stream operations)
-                ws.signal(plan.done_out)
             event.record(side)
     with timeline.span("gemm", plan.own_label, device=dev, chunk=rank):
         _chunk_mm(a_shard, b, scaled, c[mine])
     for p, rows, chunk, scale_rows, event, labels in zip(plan.peers, plan.rows, pulled, scales, plan.events,
                                                          plan.labels):
         main.wait_event(event)
-        with timeline.span("gemm", labels[2], device=dev, chunk=p):
+        with timeline.span("gemm", labels[1], device=dev, chunk=p):
             _chunk_mm(chunk, b, scaled, c[rows], scale_rows)
     # No record_stream of a_full / scale_full (the side stream wrote them): the compute stream
     # has waited for the last event, which follows all of the side stream's work of this call,
     # so the caching allocator may hand their blocks out again on this stream as soon as they
     # are freed.  A record_stream kept each block until the GPU passed that event: with the host
     # running ahead, every call then took a fresh block from the driver (issue 34.4).
+    # NaN when broken; DONE (the peers' slots are read: every pull precedes the last event) in the
+    # same launch
     if rowwise:
-        ws.poison_on_error(c, a_full, scale_full)   # NaN when broken
+        ws.poison_on_error(c, a_full, scale_full, signal=plan.done_out)
     else:
-        steps.finish(ws, c, a_full)
+        steps.finish(ws, c, a_full, signal=plan.done_out)
     return done()
 
 

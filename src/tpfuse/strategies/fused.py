@@ -1,13 +1,15 @@
 """``fused``: one persistent GEMM launch per op, hooked to the communication chunk by chunk.
 
 * ``ag_gemm`` (consumer-side fusion, FLUX style): the copy engine fills the gathered buffer as in
-  ``copy_engine`` (side stream: wait for the peer's READY flag, ``copy_``, then the chunk's
-  *arrival* word = 1 by ``stream_write_value32``, a stream memory operation), while ONE
-  persistent GEMM (``tpfuse.gemm.matmul`` with a wait hook, tile order "round" from this rank's
-  chunk) starts on the local chunk and waits per tile only for the chunks its A rows touch.
-  SMs move only this rank's own shard: the publish launch (``_symm_steps.publish_shard``: credit
-  wait, the shard into this rank's slot and a_full's own rows, the own chunks' arrival words,
-  READY; one launch instead of six operations).  Each shard may be cut into several pieces
+  ``copy_engine`` (side stream: ``copy_``, then the chunk's *arrival* word = 1 by
+  ``stream_write_value32``, a stream memory operation), while ONE persistent GEMM
+  (``tpfuse.gemm.matmul`` with a wait hook, tile order "round" from this rank's chunk) starts
+  on the local chunk and waits per tile only for the chunks its A rows touch.  SMs move only
+  this rank's own shard: the publish launch (``_symm_steps.publish_shard``: credit wait, the
+  shard into this rank's slot and a_full's own rows, the own chunks' arrival words, READY out,
+  then the wait for every peer's READY, which the side stream's pulls follow; one launch
+  instead of six operations and a flag wait per peer).  The call's last launch (the NaN fill)
+  returns the DONE credits.  Each shard may be cut into several pieces
   (``FusedKnobs.chunks_per_rank``, else the planner's choice per shape): a chunk may then
   straddle two shards, and its word is set after the last copy touching it.
 * ``gemm_rs`` (producer-side fusion): ONE persistent GEMM in owner order ((rank + 1) first)
@@ -298,23 +300,22 @@ class _AgPlan:
         # their addresses, for the publish launch that sets them (after the own rows' copy)
         self.own_word_table = ws.pointer_table(("fused own words", id(arrived), tuple(self.own_words)),
                                                [arrived[i] for i in self.own_words]) if self.own_words else None
-        # (src, lo, hi, chunk, READY table or None when already waited, peer rows, peer scale rows
-        # (fp8 row-wise) or None, last)
+        # every peer's READY, waited for at the end of the publish launch
+        self.ready_in = ws.incoming("READY", self.peers)
+        # (src, lo, hi, chunk, peer rows, peer scale rows (fp8 row-wise) or None, last, span label)
         self.pulls = []
-        waited = set()
         for src, lo, hi, chunk, last in pieces:
             if src == rank:
                 continue
             base = src * m_shard
-            ready = None if src in waited else ws.incoming("READY", [src])
-            waited.add(src)
             scale_rows = steps.ag_scale_slot(ws, src, m_shard, k)[lo - base:hi - base] if rowwise else None
-            self.pulls.append((src, lo, hi, chunk, ready, ws.data(src, (m_shard, k))[lo - base:hi - base],
-                               scale_rows, last, (f"READY {src}", f"pull {src} rows {lo}:{hi}")))
-        # The tiles wait a little longer than the side stream's flag waits: when a peer is dead
-        # both would time out together, and only the flag wait knows which peer it was (the
-        # GEMM's wait for chunk 0 won the record on the H200 bed at W = 4 and named rank 0, not
-        # the dead rank 3). A recorded error ends the tiles' waits at once anyway.
+            self.pulls.append((src, lo, hi, chunk, ws.data(src, (m_shard, k))[lo - base:hi - base],
+                               scale_rows, last, f"pull {src} rows {lo}:{hi}"))
+        # The tiles wait a little longer than TPFUSE_TIMEOUT_S: a dead peer is reported by the
+        # publish launch's READY wait, which names it (the GEMM's wait only knows a chunk: when
+        # the flag waits ran beside the GEMM, its wait for chunk 0 won the record on the H200
+        # bed at W = 4 and named rank 0, not the dead rank 3). A recorded error ends the tiles'
+        # waits at once anyway.
         bound_s = symm.timeout_s() + GEMM_WAIT_SLACK_S
         self.wait = WaitSpec(signal=arrived, generation=1, chunk_m=chunk_m, timeout_ns=int(bound_s * 1e9),
                              max_spins=max(1, int(bound_s * 1000)), error=ws.error, rank=rank)
@@ -365,26 +366,25 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     main, side = ws.current_stream(), ws.stream
     breadcrumb("fused ag_gemm: publishing the local shard")
     ws.host.chunk_owner = plan.chunk_owner   # names the peer if the GEMM's wait times out
-    # one launch: the slot, a_full's own rows (and scale rows), the own chunks' arrival words, READY
-    steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out, scale_a if rowwise else None,
-                        also=a_full[plan.mine], scale_also=scale_full[plan.mine] if rowwise else None,
-                        words=plan.own_word_table)
+    # one launch: the slot, a_full's own rows (and scale rows), the own chunks' arrival words,
+    # READY out, then the wait for every peer's READY (one wait, not one per peer: a pull starts
+    # once the last peer has published; copy_engine.ag_gemm says what that costs)
+    with timeline.span("wait", "publish + READY all", device=dev, chunk=plan.start_chunk):
+        steps.publish_shard(ws, a_shard, plan.credits, plan.ready_out, scale_a if rowwise else None,
+                            also=a_full[plan.mine], scale_also=scale_full[plan.mine] if rowwise else None,
+                            words=plan.own_word_table, wait_ready=plan.ready_in)
     # The pulls are issued before the GEMM is launched: a launch first, with the side stream's
     # kernels issued after it, timed out in the bed when their first call's JIT compile outlasted
     # the GEMM's bounded spins (docs/ops.md, tried and not kept).
     steps.join(side, main, plan.fork)
     with ws.on_stream():
-        for src, lo, hi, chunk, ready, rows, scale_rows, last, labels in plan.pulls:
-            if ready is not None:
-                with timeline.span("wait", labels[0], device=dev, chunk=chunk):
-                    ws.wait(ready, symm.WAIT_READY)
-            with timeline.span("copy", labels[1], device=dev, chunk=chunk):
+        for src, lo, hi, chunk, rows, scale_rows, last, label in plan.pulls:
+            with timeline.span("copy", label, device=dev, chunk=chunk):
                 a_full[lo:hi].copy_(rows)
                 if scale_rows is not None:   # before the arrival word: the tiles' epilogues read them
                     scale_full[lo:hi].copy_(scale_rows)
             if last:
                 _set_word(arrived, chunk)
-        ws.signal(plan.done_out)
     _gemm("fused GEMM (waits per chunk)", chunk_m, a_full, b, out=c, tile_order="round",
           start_chunk=plan.start_chunk, wait=plan.wait, check=False, num_sms=sm_budget(dev, world_size, knobs),
           **_scale_kwargs(scale_full, scale_b, c.dtype))
@@ -392,15 +392,16 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     # no record_stream of a_full / scale_full: the join above follows all of the side stream's
     # work of this call (copy_engine.ag_gemm says why that matters on the host)
     # NaN when broken (this call's wait or the GEMM's timed out, or an earlier one), and in the same
-    # launch the arrival words back at 0: after the GEMM (main stream), which ends only once every
-    # word was set, and after the join, so after the side stream's last write of one
+    # launch the arrival words back at 0 and (unless broken) DONE to every peer: after the GEMM
+    # (main stream), which ends only once every word was set, and after the join, so after the
+    # side stream's last write of a word and its last read of a peer's slot
     if not scaled:
-        steps.finish(ws, c, a_full, zero=arrived)
+        steps.finish(ws, c, a_full, zero=arrived, signal=plan.done_out)
         return c, a_full
     if rowwise:
-        ws.poison_on_error(c, a_full, scale_full, zero=arrived)
+        ws.poison_on_error(c, a_full, scale_full, zero=arrived, signal=plan.done_out)
     else:
-        steps.finish(ws, c, a_full, zero=arrived)
+        steps.finish(ws, c, a_full, zero=arrived, signal=plan.done_out)
     return c, a_full, scale_full
 
 
