@@ -65,3 +65,26 @@ def test_timeout_does_not_name_a_step_of_an_earlier_job():
             pool.run(hang_without_a_breadcrumb, timeout=5)
     msg = str(info.value)
     assert "first job" not in msg and "rank 1 last did: nothing recorded in this job" in msg, msg
+
+
+def test_breadcrumbs_are_stores_into_the_mapped_file(tmp_path, monkeypatch):
+    """tpfuse._dist.breadcrumb (on every op's path): the file holds the last message, padded,
+    as the spawn harness reads it (text, stripped), and clear_breadcrumb blanks it."""
+    from tpfuse import _dist
+
+    monkeypatch.setenv("TPFUSE_BREADCRUMBS", str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    _dist._breadcrumb_map.cache_clear()
+    try:
+        path = tmp_path / "rank3.txt"
+        _dist.clear_breadcrumb()                          # the harness's first call
+        assert path.read_text() == " " * 200              # mapped: blank, not NUL bytes
+        _dist.breadcrumb("copy_engine ag_gemm: publishing the local shard")
+        _dist.breadcrumb("fused gemm_rs: the GEMM stores into the owners' inboxes")
+        assert path.read_text().strip() == "fused gemm_rs: the GEMM stores into the owners' inboxes"
+        _dist.breadcrumb("x" * 500)                      # cut to one padded line
+        assert path.read_text() == "x" * 199 + "\n" and path.stat().st_size == 200
+        _dist.clear_breadcrumb()
+        assert path.read_text().strip() == ""
+    finally:
+        _dist._breadcrumb_map.cache_clear()

@@ -54,7 +54,7 @@ import os
 
 import torch
 
-from tpfuse import dtypes, symm, timeline
+from tpfuse import _driver, dtypes, symm, timeline
 from tpfuse._dist import GroupContext, breadcrumb, new_output
 from tpfuse.model import steps as model_steps
 from tpfuse.model.simulate import Schedule
@@ -191,9 +191,9 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
         for p, slot, dest, scale_slot, scale_dest, event, labels in zip(
                 plan.peers, plan.slots, pulled, plan.scale_slots, scales, plan.events, plan.labels):
             with timeline.span("copy", labels[0], device=dev, chunk=p):
-                dest.copy_(slot)
+                _driver.copy_(dest, slot)
                 if scale_slot is not None:
-                    scale_dest.copy_(scale_slot)
+                    _driver.copy_(scale_dest, scale_slot)
             event.record(side)
     with timeline.span("gemm", plan.own_label, device=dev, chunk=rank):
         _chunk_mm(a_shard, b, scaled, c[mine])
@@ -276,7 +276,7 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan
         with ws.on_stream():
             side.wait_event(done)
             with timeline.span("copy", labels[1], device=dev, chunk=p):
-                dest.copy_(part)
+                _driver.copy_(dest, part)
             ws.signal(ready)
         keep.append(part)
     with timeline.span("gemm", plan.own_label, device=dev, chunk=ws.rank):

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpfuse import dtypes, symm, timeline
+from tpfuse import _driver, dtypes, symm, timeline
 from tpfuse._dist import GroupContext, breadcrumb, new_output
 from tpfuse.model import steps as model_steps
 from tpfuse.model.hardware import HardwareProfile, get_profile
@@ -211,9 +211,7 @@ def _local_words(ws: symm.Workspace, name: str, count: int) -> torch.Tensor:
 
 def _set_word(words: torch.Tensor, index: int) -> None:
     """``words[index] = 1`` on the current stream as a stream memory operation (no SM)."""
-    from torch.distributed._symmetric_memory import _SymmetricMemory
-
-    _SymmetricMemory.stream_write_value32(words.view(torch.uint32), index, 1)
+    _driver.write_value32(words, index, 1)
 
 
 def chunks_per_rank(m_shard: int, n: int, k: int, world_size: int, dtype: torch.dtype,
@@ -380,9 +378,9 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     with ws.on_stream():
         for src, lo, hi, chunk, rows, scale_rows, last, label in plan.pulls:
             with timeline.span("copy", label, device=dev, chunk=chunk):
-                a_full[lo:hi].copy_(rows)
+                _driver.copy_(a_full[lo:hi], rows)
                 if scale_rows is not None:   # before the arrival word: the tiles' epilogues read them
-                    scale_full[lo:hi].copy_(scale_rows)
+                    _driver.copy_(scale_full[lo:hi], scale_rows)
             if last:
                 _set_word(arrived, chunk)
     _gemm("fused GEMM (waits per chunk)", chunk_m, a_full, b, out=c, tile_order="round",
