@@ -106,6 +106,12 @@ def gather_programs(chunk_bytes: int, cap: int | None = None) -> int:
     return min(cap, max(1, triton_cdiv(chunk_bytes, PUBLISH_BYTES_PER_PROGRAM)))
 
 
+# Bytes a gather program loads before it stores them (tpfuse/kernels/flags.py ``_copy_rows``: one
+# block of _PUBLISH_BLOCK elements per iteration, 4-byte ones where the chunks' sizes and addresses
+# allow, as a two-shot gemm_ar's rows of 2- or 4-byte elements do): the simulator's bytes in flight.
+GATHER_BLOCK_BYTES = 4 * _PUBLISH_BLOCK
+
+
 def shared_gpu() -> bool:
     """Whether the group's processes may share one GPU (the one-GPU bed: PyTorch's
     ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``): spinning grids then divide the SMs."""

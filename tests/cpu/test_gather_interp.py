@@ -196,6 +196,36 @@ def test_the_gather_grid_is_divided_among_ranks_that_share_one_gpu(interp, monke
     assert torch.equal(_bytes(out[3 + 32:]), _bytes(sources[2])) and [_flag(ws, p, "DONE2", 0) for p in peers] == [1] * 3
 
 
+def test_gather_reduced_in_one_launch_is_the_reduce_then_the_gather(interp, launched):
+    """fused's phase 2 (``gather_reduced(..., one_launch=True)``) on rank 0 of 2, two calls: the
+    output's own rows are the float32 sum of its inbox in rank order, the peer's rows its gather
+    slot bit for bit (the plan kept from the first call points at the right rows), DONE and READY2
+    raised by the reduce, DONE2 by the gather -- one gather launch per call."""
+    ws = fake_ranks(2, 1 << 14, torch.float16, op="gemm_ar")
+    me = ws[0]
+    m, n = 10, 6
+    bounds = [(0, 5), (5, 10)]
+    gather_at = steps.two_shot_gather_offset(me)
+    sources = [me.data(0, (5, n), offset=src * 5 * n) for src in range(2)]
+    slots = [me.data(owner, (5, n), offset=gather_at) for owner in range(2)]
+    g = torch.Generator().manual_seed(7)
+    for gen in (1, 2):
+        for s in sources:
+            s.copy_(torch.randn(5, n, generator=g).half())
+        _fill([slots[1]], seed=10 + gen)
+        me.gen.fill_(gen)
+        me.flags[0][symm.flag_index("READY", 1, 2)] = gen
+        me.flags[0][symm.flag_index("DONE2", 1, 2)] = gen - 1
+        _raise_ready2(ws, 0, 1, gen)
+        c = torch.full((m, n), -1.0, dtype=torch.float16)
+        steps.gather_reduced(me, [1], sources, bounds, slots.__getitem__, c, one_launch=True)
+        assert torch.equal(c[:5], (sources[0].float() + sources[1].float()).half()) and torch.equal(c[:5], slots[0])
+        assert torch.equal(_bytes(c[5:]), _bytes(slots[1]))
+        assert [_flag(ws, 1, region, 0) for region in ("DONE", "READY2", "DONE2")] == [gen] * 3
+        assert me.error[abi.ERR_STATUS].item() == 0
+    assert len(launched) == 2
+
+
 def test_gather_kernel_compiles_for_sm90_with_vector_copies_and_system_scope_ordering():
     """The kernel as launched on the H200 (8 warps, blocks of 4096 4-byte elements): 16-byte vector
     loads and stores when aligned, READY2 waited with ld.acquire.sys on %globaltimer, the count an
