@@ -29,7 +29,7 @@ TRITONS ?= 3.7.1 3.8.0
 KERNEL_TESTS ?= tests/cpu/test_gemm_core_interp.py tests/cpu/test_fused_interp.py \
 	tests/cpu/test_sm_copy_interp.py tests/cpu/test_symm.py tests/cpu/test_tile_records.py \
 	tests/cpu/test_kernel_tools.py tests/cpu/test_publish_interp.py tests/cpu/test_merged_flags_interp.py \
-	tests/cpu/test_sm_workers_interp.py
+	tests/cpu/test_sm_workers_interp.py tests/cpu/test_gather_interp.py
 
 .venv-triton-%/.tpfuse-installed: pyproject.toml
 	$(PYTHON) -m venv .venv-triton-$*

@@ -48,6 +48,7 @@ same call.  Outgrown allocations are kept (peers may still be reading them) unti
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import weakref
 from dataclasses import dataclass
@@ -92,6 +93,23 @@ PUBLISH_BYTES_PER_PROGRAM = 32 << 10
 PUBLISH_MAX_PROGRAMS = 64
 _PUBLISH_BLOCK = 4096              # elements a program copies per iteration (16 KiB of 4-byte elements)
 _PUBLISH_WARPS = 8
+
+
+def gather_programs(chunk_bytes: int, cap: int | None = None) -> int:
+    """Programs of the gather launch (:meth:`Workspace.gather`) whose largest chunk has
+    ``chunk_bytes``: one per PUBLISH_BYTES_PER_PROGRAM bytes of it, at least 1, at most ``cap``
+    (None: PUBLISH_MAX_PROGRAMS).  Sized by one chunk, not by all of them: the programs take the
+    peers' chunks one after another (each after its READY2), so one chunk is what the grid copies
+    at a time, and publish's 32 KiB per program (two blocks each) spreads a decode-sized chunk over
+    enough SMs while a large one stops at the cap that spinning grids keep to."""
+    cap = PUBLISH_MAX_PROGRAMS if cap is None else cap
+    return min(cap, max(1, triton_cdiv(chunk_bytes, PUBLISH_BYTES_PER_PROGRAM)))
+
+
+# Bytes a gather program loads before it stores them (tpfuse/kernels/flags.py ``_copy_rows``: one
+# block of _PUBLISH_BLOCK elements per iteration, 4-byte ones where the chunks' sizes and addresses
+# allow, as a two-shot gemm_ar's rows of 2- or 4-byte elements do): the simulator's bytes in flight.
+GATHER_BLOCK_BYTES = 4 * _PUBLISH_BLOCK
 
 
 def shared_gpu() -> bool:
@@ -166,6 +184,9 @@ class Workspace:
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
         # the publish kernel's [counter, one scratch word per program] (Workspace.publish)
         self.publish_sync = torch.zeros(1 + PUBLISH_MAX_PROGRAMS, dtype=torch.int32, device=device)
+        # the gather kernel's, likewise (Workspace.gather): its own, so that a publish and a gather
+        # of one workspace never share a counter, whatever the streams they run on
+        self.gather_sync = torch.zeros(1 + PUBLISH_MAX_PROGRAMS, dtype=torch.int32, device=device)
         # the reduce kernel's count of finished programs (its SIGNAL step; reset by its last program)
         self.reduce_sync = torch.zeros(1, dtype=torch.int32, device=device)
         # the int64 flag table the NaN fill is given when it raises none: its launches then have one
@@ -183,6 +204,7 @@ class Workspace:
         self._fixed: dict[tuple, tuple] = {}      # Workspace._launch: fixed launches, prepared
         self._publish: dict[tuple, list] = {}     # Workspace.publish: per table set, fixed arguments and launches
         self._kept: dict[tuple, object] = {}      # Workspace._launch_kept: reduce / NaN fill launches by call key
+        self._gather: dict[object, tuple] = {}    # Workspace.gather: per call key, its table and fixed arguments
         self.state: dict[object, object] = {}   # what a strategy keeps with its buffers (never evicted)
         self._stream: torch.cuda.Stream | None = None
         self._wait_bound: tuple[int, bool] | None = None   # (spin bound, inline PTX), fixed at the first wait
@@ -419,6 +441,12 @@ class Workspace:
         self.calls += 1
         self.wait(credits, what, lag=1, advance=True)
 
+    def _spinning_grid_cap(self) -> int:
+        """Most programs of a grid whose programs spin on peers' flags (the publish and gather
+        launches): PUBLISH_MAX_PROGRAMS, or a W-th of it where the group's processes share one
+        GPU (the comment at PUBLISH_BYTES_PER_PROGRAM says why)."""
+        return max(1, PUBLISH_MAX_PROGRAMS // self.world_size) if shared_gpu() else PUBLISH_MAX_PROGRAMS
+
     def publish(self, credits: tuple[torch.Tensor, torch.Tensor], ready: tuple[torch.Tensor, torch.Tensor],
                 src: torch.Tensor, slot: torch.Tensor, dst2: torch.Tensor | None = None,
                 scale: torch.Tensor | None = None, scale_slot: torch.Tensor | None = None,
@@ -450,7 +478,7 @@ class Workspace:
             for d, like in ((slot, src), (dst2, src), (scale_slot, scale), (scale_dst2, scale)):
                 if d is not None and (not d.is_contiguous() or d.nbytes != like.nbytes):
                     raise AssertionError(f"publish: destination {tuple(d.shape)} {d.dtype} for {tuple(like.shape)} {like.dtype}")
-            cap = max(1, PUBLISH_MAX_PROGRAMS // self.world_size) if shared_gpu() else PUBLISH_MAX_PROGRAMS
+            cap = self._spinning_grid_cap()
             grid = (min(cap, max(1, triton_cdiv(rows * row_bytes + b_rows * b_bytes, PUBLISH_BYTES_PER_PROGRAM))),)
             if scale is not None and (scale_dst2 is None) != (dst2 is None):
                 raise AssertionError("publish: a second destination for the shard and its scale rows, or for neither")
@@ -488,6 +516,63 @@ class Workspace:
                 b_args[0].data_ptr() % 16 == 0, b_args[3].data_ptr() % 16 == 0,
                 a_stride < 2**31, b_args[1] < 2**31)
         self._launch_kept(("publish", key, spec), publish_kernel, grid, args, constexprs, _PUBLISH_WARPS)
+
+    def gather(self, key: object, ready: tuple[torch.Tensor, torch.Tensor], sources: list[torch.Tensor],
+               offsets: list[int], out: torch.Tensor, done: tuple[torch.Tensor, torch.Tensor],
+               what: int = WAIT_READY2) -> None:
+        """Enqueue ONE launch on the current stream (tpfuse/kernels/flags.py ``gather_kernel``):
+        for each i in order, wait until the flag ``ready[0][i]`` is ``>= gen`` (bounded; a timeout
+        records ``what`` naming rank ``ready[1][i]``) and copy ``sources[i]`` (contiguous, ``out``'s
+        dtype, as bytes) into contiguous ``out`` from element ``offsets[i]`` on; then :meth:`signal`
+        of ``done``.  Broken (before the launch or by one of its waits): ``out`` is NaN, every
+        element, and nothing is signalled.  Two-shot gemm_ar's phase 2 in one launch instead of
+        2 (W - 1) + 1.  ``key`` names everything but ``out``'s address: the table of sources,
+        offsets and sizes is built on its first call."""
+        from tpfuse.kernels.flags import gather_kernel
+
+        fixed = self._gather.get(key)
+        if fixed is None:
+            if len(self._gather) >= 64:
+                self._gather.clear()
+            fixed = self._gather[key] = self._gather_plan(ready, sources, offsets, out, done, what)
+        grid, head, where, low, numel, asm = fixed
+        if out.numel() != numel or not out.is_contiguous():
+            raise AssertionError(f"gather: output {tuple(out.shape)} (contiguous: {out.is_contiguous()}) for a plan "
+                                 f"of {numel} elements")
+        ptr = out.data_ptr()
+        low |= ptr
+        elem = 4 if low % 4 == 0 else 2 if low % 2 == 0 else 1
+        aligned = (where | ptr) % 16 == 0
+        self._launch_kept(("gather", key, out.dtype, ptr % 16 == 0, elem, aligned), gather_kernel, grid,
+                          head + (out, numel), dict(BLOCK=_PUBLISH_BLOCK, ELEM=elem, ALIGNED=aligned, USE_ASM=asm),
+                          _PUBLISH_WARPS)
+
+    def _gather_plan(self, ready, sources, offsets, out, done, what) -> tuple:
+        """:meth:`gather`'s fixed part: (grid, the arguments before ``out``, the low bits of every
+        address and byte offset, of those and every size, ``out``'s numel, inline PTX)."""
+        if ready[0].numel() != len(sources) or len(offsets) != len(sources):
+            raise AssertionError(f"gather: {len(sources)} sources, {len(offsets)} offsets, {ready[0].numel()} flags")
+        if not out.is_floating_point() or not out.is_contiguous():
+            raise AssertionError(f"gather: output {out.dtype} (contiguous: {out.is_contiguous()}); the NaN fill needs "
+                                 f"a contiguous floating-point one")
+        addrs, dsts, sizes = [], [], []
+        for src, off in zip(sources, offsets):
+            if not src.is_contiguous() or src.dtype != out.dtype or off < 0 or off + src.numel() > out.numel():
+                raise AssertionError(f"gather: source {tuple(src.shape)} {src.dtype} at element {off} of output "
+                                     f"{tuple(out.shape)} {out.dtype}")
+            addrs.append(src.data_ptr())
+            dsts.append(off * out.element_size())
+            sizes.append(src.nbytes)
+        where = functools.reduce(operator.or_, addrs + dsts, 0)
+        low = functools.reduce(operator.or_, sizes, where)
+        grid = (gather_programs(max(sizes, default=0), self._spinning_grid_cap()),)
+        if grid[0] >= self.gather_sync.numel():
+            raise AssertionError(f"gather: {grid[0]} programs, scratch words for {self.gather_sync.numel() - 1}")
+        bound, asm = self._bound()
+        jobs = _device_table(addrs + dsts + sizes, self.spec.device)
+        head = (self.gen, self.gather_sync, self.error, ready[0], ready[1], jobs, len(sources), done[0],
+                done[0].numel(), bound, what, self.rank)
+        return grid, head, where, low, out.numel(), asm
 
     def poison_on_error(self, *outputs: torch.Tensor, zero: torch.Tensor | None = None,
                         signal: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:

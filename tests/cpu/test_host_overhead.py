@@ -236,9 +236,11 @@ def test_eager_symmetric_memory_calls_fork_streams_only_where_they_overlap(monke
     for m in (copy_engine, fused):
         streams, seq = stream_ops(lambda: m.gemm_ar(a, b, ctx))
         # the DONE2 and READY waits, the reduce into the gather slot and the own rows (DONE/READY2 in
-        # its launch), the peer's READY2 wait, the NaN fill (DONE2 in its launch)
+        # its launch), then copy_engine: the peer's READY2 wait and the NaN fill (DONE2 in its launch);
+        # fused: the gather launch (READY2 wait, pull, NaN fill or DONE2)
         launches = [o for o in seq if o not in ("wait_stream", "wait_event", "record")]
-        assert launches[-4:] == ["signal_wait_kernel", "reduce", "wait_kernel", "poison"], seq
+        tail = ["wait_kernel", "poison"] if m is copy_engine else ["gather_kernel"]
+        assert launches[-2 - len(tail):] == ["signal_wait_kernel", "reduce"] + tail, seq
         # copy_engine: phase 1's side stream forked through its first event, joined once at the end
         assert streams == ([] if m is fused else ["record", "wait_event"] * 2), (m.NAME, seq)
     assert stream_ops(lambda: copy_engine.gemm_rs(a, b, ctx))[0] == ["record", "wait_event"] * 2
@@ -392,20 +394,21 @@ def test_eager_ag_gemm_device_operations_per_call(monkeypatch, strategy, world_s
 
 # Device operations of one eager gemm_rs / gemm_ar call ([64, 8] @ [8, 16] float16), by op (gemm_ar:
 # and mode), strategy and W (fused one-shot gemm_ar is copy_engine's): copy_engine gemm_rs 7 + 5 (W - 1),
-# two-shot gemm_ar 8 + 7 (W - 1); fused gemm_rs 5, two-shot gemm_ar 6 + 2 (W - 1); one-shot gemm_ar 5.
+# two-shot gemm_ar 8 + 7 (W - 1); fused gemm_rs 5, two-shot gemm_ar 6; one-shot gemm_ar 5.
 # (copy_engine's partials are held until the join instead of record_stream-ed: one op less per peer.)
 # At b0ff0d4: copy_engine 8 + 6 (W - 1) and 14 + 8 (W - 1), fused 6 and 12 + 2 (W - 1), one-shot 6.
 # Since: the element size without a scalar tensor (two-shot, 2); DONE (two-shot: DONE and READY2)
 # raised by the reduce's last program (1); two-shot: the DONE2 and READY waits in one launch (1), the
 # owner's reduced rows stored into its output rows by the reduce (no copy_, 1), DONE2 raised by the
-# NaN fill's launch (1).
+# NaN fill's launch (1); fused two-shot: the READY2 waits, the pulls, the NaN fill and DONE2 in one
+# launch (gather_kernel: 2 (W - 1)).
 RS_AR_OPS = {
     ("gemm_rs", None, "copy_engine", 2): 12, ("gemm_rs", None, "copy_engine", 4): 22,
     ("gemm_rs", None, "fused", 2): 5, ("gemm_rs", None, "fused", 4): 5,
     ("gemm_ar", "one_shot", "copy_engine", 2): 5, ("gemm_ar", "one_shot", "copy_engine", 4): 5,
     ("gemm_ar", "one_shot", "fused", 2): 5, ("gemm_ar", "one_shot", "fused", 4): 5,
     ("gemm_ar", "two_shot", "copy_engine", 2): 15, ("gemm_ar", "two_shot", "copy_engine", 4): 29,
-    ("gemm_ar", "two_shot", "fused", 2): 8, ("gemm_ar", "two_shot", "fused", 4): 12,
+    ("gemm_ar", "two_shot", "fused", 2): 6, ("gemm_ar", "two_shot", "fused", 4): 6,
 }
 
 
@@ -415,11 +418,17 @@ def test_eager_rs_ar_device_operations_per_call(monkeypatch, op, mode, strategy,
     time on the bed's host), counted as the ag_gemm test counts them."""
     pytest.importorskip("triton")
     ops = device_ops(monkeypatch, op, strategy, world_size, mode=mode)
-    # the flag steps after the reduce ride in its launch and (two-shot) in the NaN fill's, which is the
-    # last launch; the reduce is the NaN fill of gemm_rs / one-shot; one allocation (the output)
+    # the flag steps after the reduce ride in its launch and (two-shot) in the last launch's: the NaN
+    # fill's (copy_engine) or the gather's, right after the reduce (fused: its READY2 waits and pulls
+    # too); the reduce is the NaN fill of gemm_rs / one-shot; one allocation (the output)
     launches = [o for o in ops if o not in ("record", "wait_event")]
     assert "signal_kernel" not in launches[launches.index("reduce_kernel"):], ops
-    assert launches[-1] == ("poison_on_error_kernel" if mode == "two_shot" else "reduce_kernel"), ops
+    if mode != "two_shot":
+        assert launches[-1] == "reduce_kernel", ops
+    elif strategy == "fused":
+        assert launches[-2:] == ["reduce_kernel", "gather_kernel"], ops
+    else:
+        assert launches[-1] == "poison_on_error_kernel" and "gather_kernel" not in launches, ops
     assert ops.count("empty") == 1 and "record_stream" not in ops, ops
     assert len(ops) == RS_AR_OPS[op, mode, strategy, world_size], (len(ops), ops)
 

@@ -271,3 +271,68 @@ def publish_kernel(gen_ptr, sync_ptr, err_ptr, credits_ptr, peers_ptr, num_credi
             if status == 1:
                 record_error(err_ptr, what_in, tl.load(in_peers_ptr + i).to(tl.int32), gen, seen, rank, -1, -1, -1)
             stop = status != 0
+
+
+# --- gather: two-shot gemm_ar's phase 2 in one launch (issue 34) --------------------------------
+#
+# After the reduce (which wrote this rank's reduced chunk into its gather slot and its own rows of
+# the output, then raised READY2), every peer's reduced chunk is pulled into the output: per peer a
+# READY2 wait and a copy, then the NaN fill that raises DONE2 -- 2 (W - 1) + 1 launches.  One grid
+# does it all:
+#
+#   every program:  gen = *gen_ptr (the call's begin advanced it);  for each peer in order: wait
+#                   READY2 >= gen (bounded; a timeout records (what, peer, generation, seen, rank)
+#                   as wait_kernel does) and, unless broken, copy its stripe of the peer's chunk
+#                   into the output;  CTA barrier;  counter += 1 (acq_rel, GPU scope)
+#   the last one:   counter = 0 (a CUDA graph replays the launch);  error word read again: set ->
+#                   the whole output NaN (this program alone, grid-stride: the error path only),
+#                   nothing raised;  else DONE2[i] = gen on every peer (release, system scope:
+#                   cumulative over every program's copies, which it acquired)
+#
+# The NaN fill covers every element, the rows already copied and this rank's own included: when
+# the programs disagree (one copied a peer's chunk before another timed out on the next peer) the
+# output is never part real data.  Outcomes of waits are made CTA-uniform as in publish_kernel,
+# and nothing waits for another program: the grid needs no co-residency.
+
+@triton.jit(do_not_specialize=["num_peers", "num_done", "timeout", "what", "rank", "numel"])
+def gather_kernel(gen_ptr, sync_ptr, err_ptr, ready_ptr, peers_ptr, jobs_ptr, num_peers, done_ptr, num_done,
+                  timeout, what, rank, out_ptr, numel,
+                  BLOCK: tl.constexpr, ELEM: tl.constexpr, ALIGNED: tl.constexpr, USE_ASM: tl.constexpr):
+    """Two-shot gemm_ar's phase 2 in one grid (the comment above).  Tables (int64): ``ready`` /
+    ``peers`` (each peer's READY2 word for this rank, and that peer's rank), ``jobs`` = [source
+    addresses (each peer's gather slot); byte offsets into ``out``; bytes] of ``num_peers``
+    entries each, ``done`` (every peer's DONE2 word for this rank).  Chunks are copied as
+    ELEM-byte integers (the host checked every address, offset and size is an ELEM multiple),
+    16-byte vectors when ALIGNED.  ``sync``: int32 [counter, one scratch word per program]."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    scratch = sync_ptr + 1 + pid
+    gen = tl.load(gen_ptr)
+    base = out_ptr.to(tl.pointer_type(tl.int8))
+    stop = cta_uniform((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), scratch) != 0
+    for i in range(num_peers):
+        if not stop:
+            flag = tl.load(ready_ptr + i).to(tl.pointer_type(tl.int32))
+            status, seen = wait_geq(flag, gen, timeout, err_ptr, USE_ASM)
+            status = cta_uniform(status, scratch)
+            if status == 1:
+                record_error(err_ptr, what, tl.load(peers_ptr + i).to(tl.int32), gen, seen, rank, -1, -1, -1)
+            stop = status != 0
+        if not stop:   # the chunk as nbytes / ELEM rows of one element: one flat run
+            nbytes = tl.load(jobs_ptr + 2 * num_peers + i)
+            dst = base + tl.load(jobs_ptr + num_peers + i)
+            _copy_rows(tl.load(jobs_ptr + i), ELEM, dst, dst, nbytes // ELEM, ELEM, pid, num_programs, BLOCK, ELEM,
+                       True, False, ALIGNED)
+    tl.debug_barrier()   # every thread's loads and stores before the count (cumulativity)
+    old = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
+    if old == num_programs - 1:
+        tl.store(sync_ptr, 0)
+        if cta_uniform((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), scratch) != 0:
+            nan = tl.full((BLOCK,), float("nan"), tl.float32).to(out_ptr.dtype.element_ty)
+            for start in range(0, numel, BLOCK):
+                offs = start + tl.arange(0, BLOCK).to(tl.int64)
+                tl.store(out_ptr + offs, nan, mask=offs < numel)
+        else:
+            for i in range(num_done):
+                flag = tl.load(done_ptr + i).to(tl.pointer_type(tl.int32))
+                tl.atomic_xchg(flag, gen, sem="release", scope="sys")

@@ -397,7 +397,7 @@ def one_shot_all_reduce(g: Graph, c: Ctx) -> None:
 
 
 def two_shot_all_reduce(g: Graph, c: Ctx, partials: Partials, path: str = "ce", move: Move | None = None,
-                        workers: bool = False, ready_first: bool = False) -> None:
+                        workers: bool = False, ready_first: bool = False, one_launch: bool = False) -> None:
     """gemm_ar two-shot over symmetric memory: ``partials`` (as :func:`reduce_scatter`), then
     every rank gathers the reduced chunks (``path``: who moves them, or ``move``: a chunk's
     transfer time).
@@ -406,7 +406,10 @@ def two_shot_all_reduce(g: Graph, c: Ctx, partials: Partials, path: str = "ce", 
     waits for the DONE2 credits of the last call and the peers' READY (``ready_first``: the
     launch that raised this rank's READY); the reduce writes the owner's sum into its gather
     slot and its rows of the output and raises DONE and READY2 in its launch; the compute stream
-    then waits for and pulls each peer's chunk; the NaN fill's launch raises DONE2.
+    then waits for and pulls each peer's chunk, a launch each; the NaN fill's launch raises DONE2.
+    ``one_launch`` (fused): those waits, pulls, NaN fill and DONE2 are ONE launch on the compute
+    stream (``flags.gather_kernel``), the chunks one after another, each ``move`` long: the
+    caller's SM-copy cost (fused: ``cost.worker_transfer_time_ms`` of the launch's programs).
     ``workers`` (sm_workers): the credit wait, the READY wait and the reduce (into the gather
     slot) are launches of their own, DONE and READY2 one more, the own rows a copy; one worker
     launch (side stream) waits for and pulls every chunk, then DONE2, then the NaN fill."""
@@ -433,6 +436,7 @@ def two_shot_all_reduce(g: Graph, c: Ctx, partials: Partials, path: str = "ce", 
             g.flag(r, "gemm", "wait READY", deps=tuple(waits[r]), launch=False)
             ready2[r] = g.add(r, "gemm", "reduce", cost.reduce_time_ms((w + 2) * rows_bytes, c.hw),
                               label="reduce (+ own rows, DONE, READY2)", chunk=me, launch=True)
+    single = workers or one_launch   # every wait and pull in one launch
     for r in g.ranks:
         me = c.layout_rank(g, r)
         engine = "comm" if workers else "gemm"
@@ -440,15 +444,15 @@ def two_shot_all_reduce(g: Graph, c: Ctx, partials: Partials, path: str = "ce", 
         for d in range(1, w):
             p = (me + d) % w
             g.add(r, engine, "flag", 0.0, deps=(dep, ready2[g.peer(p)]), label=f"wait READY2 {p}",
-                  launch=d == 1 or not workers)
+                  launch=d == 1 or not single)
             dep = None
             g.add(r, engine, "comm", move(sizes[p] * c.n * c.elt), label=f"gather {p}",
-                  chunk=p, launch=not workers)
+                  chunk=p, launch=not single)
         if workers:
             g.flag(r, "comm", "DONE2")
             g.flag(r, "gemm", "NaN fill")
         else:
-            g.flag(r, "gemm", "NaN fill + DONE2")
+            g.flag(r, "gemm", "NaN fill + DONE2", launch=not one_launch)
 
 
 def staged_partials(g: Graph, c: Ctx, bounds: list[tuple[int, int]], *, move: Move, slots: int,

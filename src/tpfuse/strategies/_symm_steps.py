@@ -128,14 +128,20 @@ def reduce_inbox(ws: symm.Workspace, key: tuple, peer_ranks: list[int], sources:
 
 
 def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torch.Tensor],
-                   bounds: list[tuple[int, int]], gathered, c: torch.Tensor, *, signal_first=None) -> None:
+                   bounds: list[tuple[int, int]], gathered, c: torch.Tensor, *, signal_first=None,
+                   one_launch: bool = False) -> None:
     """Phase 2 of the two-shot gemm_ar: once every peer has pulled the last call's reduced
     chunk (DONE2, lag 1) and this rank's inbox is full (READY) -- one launch, after raising
     ``signal_first`` in it --, reduce the inbox into this rank's gather slot ``gathered(rank)``
     and its rows of ``c``, free the inbox (DONE) and announce the chunk (READY2), all in the
-    reduce's launch; pull every peer's reduced chunk into ``c`` (compute stream).  Ends with the
-    NaN fill of ``c`` (the pulls copy whatever a broken peer left), which raises DONE2 (the pulls
-    are done) in its launch."""
+    reduce's launch; then pull every peer's reduced chunk into ``c`` (compute stream) and
+    raise DONE2, NaN into ``c`` when broken.
+
+    The pulls: without ``one_launch`` (copy_engine: copy-engine copies), per peer a READY2 wait
+    and a ``copy_``, then the NaN fill (the pulls copy whatever a broken peer left), which raises
+    DONE2 in its launch: 2 (W - 1) + 1 launches.  With ``one_launch`` (fused): ONE launch does the
+    READY2 waits, SM copies of every chunk, and the NaN fill or DONE2
+    (:meth:`tpfuse.symm.Workspace.gather`)."""
     rank = ws.rank
     with timeline.span("wait", "DONE2 + READY all", device=c.device):
         ws.signal_wait(signal_first, ws.incoming("DONE2", peer_ranks), symm.WAIT_CREDIT2, lag=1,
@@ -144,6 +150,14 @@ def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torc
     with timeline.span("reduce", "reduce", device=c.device):
         ws.reduce(("ar2",) + tuple(c.shape), sources, gathered(rank), out2=c[lo:hi],
                   signal=ws.outgoing(("DONE", "READY2"), peer_ranks))
+    if one_launch:
+        key = ("ar2 gather",) + tuple(c.shape)
+        ready2, chunks, offsets, done2 = cached(ws, key, lambda: (
+            ws.incoming("READY2", peer_ranks), [gathered(p) for p in peer_ranks],
+            [bounds[p][0] * c.shape[1] for p in peer_ranks], ws.outgoing("DONE2", peer_ranks)))
+        with timeline.span("copy", "READY2 waits + pulls + DONE2", device=c.device):
+            ws.gather(key, ready2, chunks, offsets, c, done2)
+        return
     # The pulls run on the compute stream: it would wait for a side stream right after them and
     # nothing else runs meanwhile, so forking and joining one cost two stream operations (and a
     # record_stream) per call for no overlap.

@@ -17,10 +17,14 @@
   memory); after the launch this rank raises READY on every owner (the generation from
   device memory); the owner reduces its W inbox slots in float32 in rank order (the
   ``copy_engine`` reduce) after its READY flags.
-* ``gemm_ar``: the fused ``gemm_rs`` schedule over equal row chunks, then the gather of the
-  reduced chunks as in ``copy_engine``'s two-shot path; outputs up to 1 MiB take
-  ``copy_engine``'s one-shot path (every rank reads all partials in place and sums them in
-  float32 in rank order), as does an M that W does not divide.
+* ``gemm_ar``: the fused ``gemm_rs`` schedule over equal row chunks, the owner's reduce into its
+  gather slot and its own rows (``copy_engine``'s two-shot path), then ONE launch gathers the
+  other owners' reduced chunks (``_symm_steps.gather_reduced`` with ``one_launch``;
+  ``symm.Workspace.gather``): each peer's READY2 wait and SM pull in turn, then DONE2 to every
+  peer, or NaN over the whole output when broken -- where ``copy_engine`` issues a wait and a
+  copy-engine ``copy_`` per peer and a NaN fill.  Outputs up to 1 MiB take ``copy_engine``'s
+  one-shot path (every rank reads all partials in place and sums them in float32 in rank
+  order), and an M that W does not divide its two-shot path.
 
 The arrival words are this rank's own (one producer, one consumer, in stream order): they
 hold 1 while a call runs and are reset to 0 on the compute stream after the GEMM (by the call's
@@ -55,6 +59,7 @@ import torch
 
 from tpfuse import _driver, dtypes, symm, timeline
 from tpfuse._dist import GroupContext, breadcrumb, new_output
+from tpfuse.model import cost as model_cost
 from tpfuse.model import steps as model_steps
 from tpfuse.model.hardware import HardwareProfile, get_profile
 from tpfuse.model.simulate import Schedule, simulate
@@ -497,8 +502,10 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     breadcrumb("fused gemm_ar: the GEMM stores into the owners' inboxes")
     ws.begin(plan.credits)
     sources = _fused_partials(a, b, ws, plan, knobs, scales)
-    # READY to every owner and the wait for the DONE2 credits: one launch; NaN fill at the end
-    steps.gather_reduced(ws, plan.peers, sources, bounds, views.__getitem__, c, signal_first=plan.ready_out)
+    # READY to every owner and the wait for the DONE2 credits: one launch; then the reduce, and the
+    # READY2 waits, pulls and NaN fill or DONE2 in one more
+    steps.gather_reduced(ws, plan.peers, sources, bounds, views.__getitem__, c, signal_first=plan.ready_out,
+                         one_launch=True)
     return c if scales is None else c.to(out_dtype or acc_dtype)
 
 
@@ -510,10 +517,20 @@ def _schedule(g, c) -> None:
         model_steps.reduce_scatter(g, c, model_steps.epilogue_store_partials, ready_first=True)
     elif copy_engine.ar_one_shot(c.m, c.n, c.elt):
         model_steps.one_shot_all_reduce(g, c)      # copy_engine's one-shot, as gemm_ar runs it
-    else:   # the epilogue hook needs chunks of one height: an uneven M runs copy_engine's two-shot
-        even = c.m % c.w == 0
-        model_steps.two_shot_all_reduce(g, c, model_steps.epilogue_store_partials if even else model_steps.scatter_partials,
-                                        ready_first=even)
+    elif c.m % c.w:   # the epilogue hook needs chunks of one height: an uneven M runs copy_engine's two-shot
+        model_steps.two_shot_all_reduce(g, c, model_steps.scatter_partials)
+    else:
+        # the gather launch's programs (symm.gather_programs, one GPU per rank: not the shared-GPU
+        # cap) each load a block and store it, as sm_workers' worker CTAs do: their Little's-law
+        # cost, not that of the GEMM's epilogue stores (c.xfer "sm": the GEMM's whole grid pushing)
+        programs = symm.gather_programs(c.m // c.w * c.n * c.elt)
+
+        def pull(nbytes: float) -> float:
+            return model_cost.worker_transfer_time_ms(nbytes, c.hw, workers=programs,
+                                                      in_flight_bytes=symm.GATHER_BLOCK_BYTES)
+
+        model_steps.two_shot_all_reduce(g, c, model_steps.epilogue_store_partials, move=pull, ready_first=True,
+                                        one_launch=True)
 
 
 def _schedule_chunks(op: str, *, m: int, n: int, k: int, world_size: int, dtype: str, hw: HardwareProfile,
