@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tpfuse import dtypes, symm, timeline
+from tpfuse import _driver, dtypes, symm, timeline
 from tpfuse._dist import row_bounds  # noqa: F401  (the strategies' shared row split)
 
 
@@ -166,7 +166,7 @@ def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torc
             ws.wait(ws.incoming("READY2", [p]), symm.WAIT_READY2)
         plo, phi = bounds[p]
         with timeline.span("copy", f"pull {p}", device=c.device, chunk=p):
-            c[plo:phi].copy_(gathered(p))
+            _driver.copy_(c[plo:phi], gathered(p))
     ws.poison_on_error(c, signal=ws.outgoing("DONE2", peer_ranks))
 
 
