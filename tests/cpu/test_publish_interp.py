@@ -158,12 +158,10 @@ def test_publish_waits_for_every_peers_ready_in_its_launch(interp):
         me.check("ag_gemm")
 
 
-@pytest.mark.parametrize("strategy", ["copy_engine", "fused"])
-def test_a_peer_that_never_publishes_makes_nan_outputs_then_the_next_call_raises(interp, monkeypatch, strategy):
-    """The strategy's own ag_gemm on rank 0 of 2 (streams faked): rank 1 returns every credit
-    but never raises READY.  The publish launch times out on it: the call's outputs are NaN
-    (the pulls ran after the launch and copied whatever the slot held), no DONE goes back to
-    rank 1; the next call raises a TimeoutError naming rank 1."""
+def _ag_on_rank_0_of_2(monkeypatch, strategy: str, group: str, seed: int):
+    """The strategy's own ag_gemm on rank 0 of a 2-rank group whose rank 1 never runs (streams
+    faked, one piece per rank): ``(fn, a, b, ctx, made, checking)`` (tests/cpu/_symm_interp.py
+    ``dead_peer_workspaces``), the workspaces released first."""
     from tpfuse.strategies import copy_engine, fused
 
     fake_cuda_streams(monkeypatch)
@@ -171,11 +169,20 @@ def test_a_peer_that_never_publishes_makes_nan_outputs_then_the_next_call_raises
     monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 1)
     monkeypatch.setattr(fused, "_set_word", lambda words, i: words.__setitem__(i, 1))   # the stream memory op
     made, checking = dead_peer_workspaces(monkeypatch)
-    ctx = types.SimpleNamespace(rank=0, world_size=2, group_name="noready", group=None)
-    fn = {"copy_engine": copy_engine, "fused": fused}[strategy].ag_gemm
-    g = torch.Generator().manual_seed(3)
+    ctx = types.SimpleNamespace(rank=0, world_size=2, group_name=group, group=None)
+    g = torch.Generator().manual_seed(seed)
     a, b = torch.randn(16, 16, generator=g).half(), torch.randn(16, 24, generator=g).half()
     symm.release_workspaces()
+    return {"copy_engine": copy_engine, "fused": fused}[strategy].ag_gemm, a, b, ctx, made, checking
+
+
+@pytest.mark.parametrize("strategy", ["copy_engine", "fused"])
+def test_a_peer_that_never_publishes_makes_nan_outputs_then_the_next_call_raises(interp, monkeypatch, strategy):
+    """The strategy's own ag_gemm on rank 0 of 2 (streams faked): rank 1 returns every credit
+    but never raises READY.  The publish launch times out on it: the call's outputs are NaN
+    (the pulls ran after the launch and copied whatever the slot held), no DONE goes back to
+    rank 1; the next call raises a TimeoutError naming rank 1."""
+    fn, a, b, ctx, made, checking = _ag_on_rank_0_of_2(monkeypatch, strategy, "noready", 3)
     try:
         ws = symm.get_workspace(ctx, "ag_gemm", a.dtype, a.device, 16)
         ws.flags[0][symm.flag_index("DONE", 1, 2)] = 100     # every credit back, READY never
@@ -237,18 +244,7 @@ def test_a_peer_that_never_returns_its_credit_makes_nan_outputs_then_the_next_ca
     (its READY word is set ahead) but never returns a credit.  The first call passes; the second
     one's publish launch times out on the credit: its outputs are NaN, nothing is published; the
     next call raises a TimeoutError naming rank 1 and the credit."""
-    from tpfuse.strategies import copy_engine, fused
-
-    fake_cuda_streams(monkeypatch)
-    monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 2)
-    monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 1)
-    monkeypatch.setattr(fused, "_set_word", lambda words, i: words.__setitem__(i, 1))   # the stream memory op
-    made, checking = dead_peer_workspaces(monkeypatch)
-    ctx = types.SimpleNamespace(rank=0, world_size=2, group_name="nocredit", group=None)
-    fn = {"copy_engine": copy_engine, "fused": fused}[strategy].ag_gemm
-    g = torch.Generator().manual_seed(2)
-    a, b = torch.randn(16, 16, generator=g).half(), torch.randn(16, 24, generator=g).half()
-    symm.release_workspaces()
+    fn, a, b, ctx, made, checking = _ag_on_rank_0_of_2(monkeypatch, strategy, "nocredit", 2)
     try:
         ws = symm.get_workspace(ctx, "ag_gemm", a.dtype, a.device, 16)
         ws.flags[0][symm.flag_index("READY", 1, 2)] = 100     # rank 1's data "landed" for every call

@@ -208,6 +208,20 @@ def _copy_rows(src, src_stride, dst, dst2, rows, row_bytes, pid, num_programs, B
                 tl.store(d2 + offs, x, mask=mask)
 
 
+@triton.jit
+def _wait_one(flag_addr, peer_addr, target, timeout, err_ptr, what, rank, scratch, USE_ASM: tl.constexpr):
+    """Wait (bounded) until the int32 at the address held in ``*flag_addr`` reaches ``target``,
+    the outcome made the CTA's (``cta_uniform`` on the program's ``scratch`` word: the warps spin
+    independently); a timeout is recorded as ``what`` naming rank ``*peer_addr``.  Returns
+    whether the caller's waits stop here (timed out, or the workspace broke meanwhile)."""
+    flag = tl.load(flag_addr).to(tl.pointer_type(tl.int32))
+    status, seen = wait_geq(flag, target, timeout, err_ptr, USE_ASM)
+    status = cta_uniform(status, scratch)
+    if status == 1:
+        record_error(err_ptr, what, tl.load(peer_addr).to(tl.int32), target, seen, rank, -1, -1, -1)
+    return status != 0
+
+
 @triton.jit(do_not_specialize=["num_credits", "num_ready", "num_local", "local_value", "timeout", "what", "rank",
                                "num_in", "what_in", "a_stride", "a_rows", "a_row_bytes", "b_stride", "b_rows",
                                "b_row_bytes"])
@@ -234,12 +248,7 @@ def publish_kernel(gen_ptr, sync_ptr, err_ptr, credits_ptr, peers_ptr, num_credi
     stop = cta_uniform((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), scratch) != 0
     for i in range(num_credits):
         if not stop:
-            flag = tl.load(credits_ptr + i).to(tl.pointer_type(tl.int32))
-            status, seen = wait_geq(flag, target, timeout, err_ptr, USE_ASM)
-            status = cta_uniform(status, scratch)
-            if status == 1:
-                record_error(err_ptr, what, tl.load(peers_ptr + i).to(tl.int32), target, seen, rank, -1, -1, -1)
-            stop = status != 0
+            stop = _wait_one(credits_ptr + i, peers_ptr + i, target, timeout, err_ptr, what, rank, scratch, USE_ASM)
     if not stop:   # broken (now or before): nothing is written where peers may still read
         _copy_rows(a_src, a_stride, a_dst, a_dst2, a_rows, a_row_bytes, pid, num_programs, BLOCK, A_ELEM, A_CONTIG,
                    DST2, A_ALIGNED)
@@ -265,12 +274,7 @@ def publish_kernel(gen_ptr, sync_ptr, err_ptr, credits_ptr, peers_ptr, num_credi
     stop = False
     for i in range(tl.where(last, num_in, 0)):
         if not stop:
-            flag = tl.load(in_ptr + i).to(tl.pointer_type(tl.int32))
-            status, seen = wait_geq(flag, gen, timeout, err_ptr, USE_ASM)
-            status = cta_uniform(status, scratch)
-            if status == 1:
-                record_error(err_ptr, what_in, tl.load(in_peers_ptr + i).to(tl.int32), gen, seen, rank, -1, -1, -1)
-            stop = status != 0
+            stop = _wait_one(in_ptr + i, in_peers_ptr + i, gen, timeout, err_ptr, what_in, rank, scratch, USE_ASM)
 
 
 # --- gather: two-shot gemm_ar's phase 2 in one launch (issue 34) --------------------------------
@@ -312,12 +316,7 @@ def gather_kernel(gen_ptr, sync_ptr, err_ptr, ready_ptr, peers_ptr, jobs_ptr, nu
     stop = cta_uniform((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), scratch) != 0
     for i in range(num_peers):
         if not stop:
-            flag = tl.load(ready_ptr + i).to(tl.pointer_type(tl.int32))
-            status, seen = wait_geq(flag, gen, timeout, err_ptr, USE_ASM)
-            status = cta_uniform(status, scratch)
-            if status == 1:
-                record_error(err_ptr, what, tl.load(peers_ptr + i).to(tl.int32), gen, seen, rank, -1, -1, -1)
-            stop = status != 0
+            stop = _wait_one(ready_ptr + i, peers_ptr + i, gen, timeout, err_ptr, what, rank, scratch, USE_ASM)
         if not stop:   # the chunk as nbytes / ELEM rows of one element: one flat run
             nbytes = tl.load(jobs_ptr + 2 * num_peers + i)
             dst = base + tl.load(jobs_ptr + num_peers + i)
