@@ -78,9 +78,10 @@ def _stream(index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(index)
 
 
-def copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``; one ``cuMemcpyAsync`` of the bytes on the current stream where both
-    are contiguous CUDA tensors of the current device with one dtype and shape."""
+def copy_(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
+    """``dst.copy_(src)`` on ``stream`` (None: the current stream, which stays current either
+    way); one ``cuMemcpyAsync`` of the bytes where both are contiguous CUDA tensors of the
+    current device with one dtype and shape."""
     calls = _calls()
     if (calls is not None and dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous()
             and src.is_contiguous()):
@@ -89,11 +90,16 @@ def copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
             nbytes = dst.numel() * dst.element_size()
             if nbytes == 0:
                 return
-            code = calls.memcpy(dst.data_ptr(), src.data_ptr(), nbytes, _stream(index))
+            code = calls.memcpy(dst.data_ptr(), src.data_ptr(), nbytes,
+                                _stream(index) if stream is None else stream.cuda_stream)
             if code == 0:
                 return
             _failed("cuMemcpyAsync", code)
-    dst.copy_(src)
+    if stream is None:
+        dst.copy_(src)
+    else:
+        with torch.cuda.stream(stream):
+            dst.copy_(src)
 
 
 def write_value32(words: torch.Tensor, index: int, value: int) -> None:

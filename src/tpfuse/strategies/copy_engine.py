@@ -240,6 +240,7 @@ class _ScatterPlan:
         self.own_label = f"GEMM {rank}"
         self.own_rows = slice(*bounds[rank])
         self.own = inbox(rank, rank)
+        self.parts_shape = (len(self.peers), slot_rows, n)   # every peer's partial, one allocation
         self.sources = [inbox(rank, src) for src in range(ws.world_size)]
 
 
@@ -250,36 +251,36 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan
     current stream); returns this rank's inbox slots in rank order (views of the rows it owns).
     ``scaled`` (fp8): (scale_a, scale_b); the partials are then float32 (the workspace's dtype).
 
-    The peers' partials (allocated on ``main``, read by the side stream's copies) are appended
-    to ``keep``: the caller holds them until the compute stream has joined the side stream, so
-    the caching allocator cannot hand their blocks to later work on ``main`` before the copies
-    ran.  (``record_stream`` did the same by keeping each block until the GPU passed the side
-    stream's use of it: with the host running ahead, every call then took fresh blocks from the
-    driver.)"""
+    The peers' partials are computed into one allocation (one ``torch.empty`` per call, not one
+    per peer), made on ``main`` and read by the side stream's copies: it is appended to ``keep``,
+    which the caller holds until the compute stream has joined the side stream, so the caching
+    allocator cannot hand it to later work on ``main`` before the copies ran.  (``record_stream``
+    did the same by keeping each block until the GPU passed the side stream's use of it: with the
+    host running ahead, every call then took fresh blocks from the driver.)  The side stream's
+    work is issued on it by name (its event wait, the copy, the READY launch), without making it
+    the current stream and back for every peer."""
     side = ws.stream
     dev = a.device
     rowwise = scaled is not None and scaled[0].dim() == 2
+    parts = torch.empty(plan.parts_shape, dtype=ws.spec.dtype, device=dev)
+    keep.append(parts)
 
-    def product(rows: slice, out: torch.Tensor | None = None) -> torch.Tensor:
+    def product(rows: slice, out: torch.Tensor) -> torch.Tensor:
         if scaled is None:
-            return torch.matmul(a[rows], b) if out is None else torch.matmul(a[rows], b, out=out)
-        if out is None:
-            out = torch.empty((rows.stop - rows.start, b.shape[1]), dtype=ws.spec.dtype, device=dev)
+            return torch.matmul(a[rows], b, out=out)
         return _chunk_mm(a[rows], b, scaled, out, scaled[0][rows] if rowwise else None)
 
     # no side.wait_stream(main): the side stream's first work waits for an event recorded on the
     # compute stream after begin and the first GEMM, which orders it after both
-    for p, rows, dest, ready, done, labels in zip(plan.peers, plan.rows, plan.dests, plan.ready_out, plan.events,
-                                                  plan.labels):
+    for i, (p, rows, dest, ready, done, labels) in enumerate(zip(plan.peers, plan.rows, plan.dests, plan.ready_out,
+                                                               plan.events, plan.labels)):
         with timeline.span("gemm", labels[0], device=dev, chunk=p):
-            part = product(rows)
+            part = product(rows, parts[i, :rows.stop - rows.start])
         done.record(main)
-        with ws.on_stream():
-            side.wait_event(done)
-            with timeline.span("copy", labels[1], device=dev, chunk=p):
-                _driver.copy_(dest, part)
-            ws.signal(ready)
-        keep.append(part)
+        side.wait_event(done)
+        with timeline.span("copy", labels[1], device=dev, chunk=p):
+            _driver.copy_(dest, part, stream=side)
+        ws.signal(ready, stream=side)
     with timeline.span("gemm", plan.own_label, device=dev, chunk=ws.rank):
         product(plan.own_rows, plan.own)
     return plan.sources
