@@ -94,6 +94,7 @@ PUBLISH_BYTES_PER_PROGRAM = 32 << 10
 PUBLISH_MAX_PROGRAMS = 64
 _PUBLISH_BLOCK = 4096              # elements a program copies per iteration (16 KiB of 4-byte elements)
 _PUBLISH_WARPS = 8
+_REDUCE_BLOCK = (4, 256)           # rows, columns of the reduce kernel's block (one program each)
 
 
 def gather_programs(chunk_bytes: int, cap: int | None = None) -> int:
@@ -205,6 +206,7 @@ class Workspace:
         self._fixed: dict[tuple, tuple] = {}      # Workspace._launch: fixed launches, prepared
         self._publish: dict[tuple, list] = {}     # Workspace.publish: per table set, fixed arguments and launches
         self._kept: dict[tuple, object] = {}      # Workspace._launch_kept: reduce / NaN fill launches by call key
+        self._reduces: dict[tuple, tuple] = {}    # Workspace.reduce: per key and shape, its table, grid and checks
         self._gather: dict[object, tuple] = {}    # Workspace.gather: per call key, its table and fixed arguments
         self.state: dict[object, object] = {}   # what a strategy keeps with its buffers (never evicted)
         self._stream: torch.cuda.Stream | None = None
@@ -277,23 +279,36 @@ class Workspace:
             if signal is not None:
                 self.signal(signal)
             return
-        stride = sources[0].stride(0)
-        if any(s.shape != out.shape or s.stride() != (stride, 1) for s in sources) or out.stride(1) != 1:
-            raise AssertionError("reduce: sources must be [rows, cols] views with one row stride")
+        # what depends on the sources (fixed per key: views of the workspace) and the shape only,
+        # checked and built once: the sources' walk cost more host time than the launch
+        fixed_key = (key, out2 is None, None if signal is None else id(signal[0]))
+        fixed = self._reduces.get(fixed_key)
+        if fixed is None or fixed[0] != out.shape:
+            stride = sources[0].stride(0)
+            if any(s.shape != out.shape or s.stride() != (stride, 1) for s in sources):
+                raise AssertionError("reduce: sources must be [rows, cols] views with one row stride")
+            table = self.pointer_table(key, sources)
+            sig = table if signal is None else signal[0]   # num_sig = 0 without SIGNAL: never read
+            grid = (triton_cdiv(rows, _REDUCE_BLOCK[0]) * triton_cdiv(cols, _REDUCE_BLOCK[1]),)
+            fixed = (out.shape, stride, table, len(sources), sig, 0 if signal is None else sig.numel(), grid,
+                     table.data_ptr() % 16 == 0, sig.data_ptr() % 16 == 0,
+                     dict(BLOCK_R=_REDUCE_BLOCK[0], BLOCK_C=_REDUCE_BLOCK[1], OUT2=out2 is not None,
+                          SIGNAL=signal is not None))
+            if len(self._reduces) >= 64:
+                self._reduces.clear()
+            self._reduces[fixed_key] = fixed
+        _, stride, table, num_sources, sig, num_sig, grid, table_aligned, sig_aligned, constexprs = fixed
+        if out.stride(1) != 1:
+            raise AssertionError("reduce: the output needs unit column stride")
         if out2 is not None and (out2.shape != out.shape or out2.dtype != out.dtype or out2.stride(1) != 1):
             raise AssertionError(f"reduce: second output {tuple(out2.shape)} {out2.dtype} for {tuple(out.shape)} {out.dtype}")
-        table = self.pointer_table(key, sources)
-        block_r, block_c = 4, 256
-        grid = (triton_cdiv(rows, block_r) * triton_cdiv(cols, block_c),)
-        sig = table if signal is None else signal[0]   # num_sig = 0 without SIGNAL: never read
         dst2 = out if out2 is None else out2
-        args = (table, len(sources), out, rows, cols, stride, out.stride(0), self.error, dst2, dst2.stride(0),
-                self.gen, self.reduce_sync, sig, 0 if signal is None else sig.numel())
+        args = (table, num_sources, out, rows, cols, stride, out.stride(0), self.error, dst2, dst2.stride(0),
+                self.gen, self.reduce_sync, sig, num_sig)
         # the tables' (int64) and the outputs' alignment, the outputs' dtype, the integers
-        kept = ("reduce", table.data_ptr() % 16 == 0, sig.data_ptr() % 16 == 0, out.dtype, out.data_ptr() % 16 == 0, dst2.data_ptr() % 16 == 0,
+        kept = ("reduce", table_aligned, sig_aligned, out.dtype, out.data_ptr() % 16 == 0, dst2.data_ptr() % 16 == 0,
                 rows, cols, stride, out.stride(0), dst2.stride(0), out2 is None, signal is None)
-        self._launch_kept(kept, reduce_kernel, grid, args,
-                          dict(BLOCK_R=block_r, BLOCK_C=block_c, OUT2=out2 is not None, SIGNAL=signal is not None), 4)
+        self._launch_kept(kept, reduce_kernel, grid, args, constexprs, 4)
 
     def _launch_kept(self, kept: tuple, kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int) -> None:
         """:meth:`_launch` of ``kernel``, whose launch for call key ``kept`` is kept after the first:

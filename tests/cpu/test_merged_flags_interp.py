@@ -64,6 +64,26 @@ def test_the_reduce_writes_both_outputs_then_its_last_program_signals_and_resets
         assert ws[0].reduce_sync.item() == 0 and ws[0].error[abi.ERR_STATUS].item() == 0
 
 
+def test_the_reduce_checks_its_sources_once_per_key_and_shape_and_its_outputs_every_call(interp):
+    """Workspace.reduce keeps what depends on the sources (views of the workspace, fixed per
+    key) and the shape: a second call of the key reuses it; a call of another shape under the
+    same key checks the sources against that shape again (and refuses them); the outputs'
+    layout is checked on every call."""
+    ws = fake_ranks(2, 1 << 14, torch.float32)
+    sources, expect = _sources(ws, 6, 70)
+    for _ in range(2):
+        out = torch.zeros(6, 70)
+        ws[0].reduce(("k", 6, 70), sources, out)
+        assert torch.equal(out, expect)
+    assert len(ws[0]._reduces) == 1
+    with pytest.raises(AssertionError, match="one row stride"):
+        ws[0].reduce(("k", 6, 70), sources, torch.zeros(5, 70))        # the sources are [6, 70]
+    with pytest.raises(AssertionError, match="unit column stride"):
+        ws[0].reduce(("k", 6, 70), sources, torch.zeros(70, 6).t())
+    with pytest.raises(AssertionError, match="second output"):
+        ws[0].reduce(("k", 6, 70), sources, torch.zeros(6, 70), out2=torch.zeros(6, 70, dtype=torch.float64))
+
+
 def test_a_broken_reduce_fills_both_outputs_with_nan_and_signals_nothing(interp):
     ws = fake_ranks(2, 1 << 14, torch.float32)
     sources, _ = _sources(ws, 6, 70)
