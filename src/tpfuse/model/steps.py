@@ -406,7 +406,8 @@ def two_shot_all_reduce(g: Graph, c: Ctx, partials: Partials, path: str = "ce", 
     waits for the DONE2 credits of the last call and the peers' READY (``ready_first``: the
     launch that raised this rank's READY); the reduce writes the owner's sum into its gather
     slot and its rows of the output and raises DONE and READY2 in its launch; the compute stream
-    then waits for and pulls each peer's chunk, a launch each; the NaN fill's launch raises DONE2.
+    then waits for every peer's READY2 (one launch) and pulls each peer's chunk (a copy each); the
+    NaN fill's launch raises DONE2.
     ``one_launch`` (fused): those waits, pulls, NaN fill and DONE2 are ONE launch on the compute
     stream (``flags.gather_kernel``), the chunks one after another, each ``move`` long: the
     caller's SM-copy cost (fused: ``cost.worker_transfer_time_ms`` of the launch's programs).
@@ -441,11 +442,14 @@ def two_shot_all_reduce(g: Graph, c: Ctx, partials: Partials, path: str = "ce", 
         me = c.layout_rank(g, r)
         engine = "comm" if workers else "gemm"
         dep = after.get(r)  # workers: side.wait_stream(main)
-        for d in range(1, w):
-            p = (me + d) % w
-            g.add(r, engine, "flag", 0.0, deps=(dep, ready2[g.peer(p)]), label=f"wait READY2 {p}",
-                  launch=d == 1 or not single)
-            dep = None
+        peers = [(me + d) % w for d in range(1, w)]
+        if not single:   # copy_engine: one wait launch for every peer's READY2, then a copy per peer
+            g.flag(r, engine, "wait READY2 all", deps=tuple(ready2[g.peer(p)] for p in peers))
+        for d, p in enumerate(peers, start=1):
+            if single:
+                g.add(r, engine, "flag", 0.0, deps=(dep, ready2[g.peer(p)]), label=f"wait READY2 {p}",
+                      launch=d == 1)
+                dep = None
             g.add(r, engine, "comm", move(sizes[p] * c.n * c.elt), label=f"gather {p}",
                   chunk=p, launch=not single)
         if workers:

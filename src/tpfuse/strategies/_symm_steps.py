@@ -137,9 +137,11 @@ def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torc
     reduce's launch; then pull every peer's reduced chunk into ``c`` (compute stream) and
     raise DONE2, NaN into ``c`` when broken.
 
-    The pulls: without ``one_launch`` (copy_engine: copy-engine copies), per peer a READY2 wait
-    and a ``copy_``, then the NaN fill (the pulls copy whatever a broken peer left), which raises
-    DONE2 in its launch: 2 (W - 1) + 1 launches.  With ``one_launch`` (fused): ONE launch does the
+    The pulls: without ``one_launch`` (copy_engine: copy-engine copies), one wait for every
+    peer's READY2, a ``copy_`` per peer, then the NaN fill (the pulls copy whatever a broken peer
+    left), which raises DONE2 in its launch: W + 1 operations.  One wait rather than one before
+    each pull: the pulls run one after another on this stream, so only the first of them can
+    start earlier with a wait of its own, and only when a peer lags the others.  With ``one_launch`` (fused): ONE launch does the
     READY2 waits, SM copies of every chunk, and the NaN fill or DONE2
     (:meth:`tpfuse.symm.Workspace.gather`)."""
     rank = ws.rank
@@ -161,11 +163,11 @@ def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torc
     # The pulls run on the compute stream: it would wait for a side stream right after them and
     # nothing else runs meanwhile, so forking and joining one cost two stream operations (and a
     # record_stream) per call for no overlap.
+    with timeline.span("wait", "READY2 all", device=c.device):
+        ws.wait(ws.incoming("READY2", peer_ranks), symm.WAIT_READY2)
     for p in peer_ranks:
-        with timeline.span("wait", f"READY2 {p}", device=c.device, chunk=p):
-            ws.wait(ws.incoming("READY2", [p]), symm.WAIT_READY2)
         plo, phi = bounds[p]
-        with timeline.span("copy", f"pull {p}", device=c.device, chunk=p):
+        with timeline.span("copy", "pull", device=c.device, chunk=p):
             _driver.copy_(c[plo:phi], gathered(p))
     ws.poison_on_error(c, signal=ws.outgoing("DONE2", peer_ranks))
 

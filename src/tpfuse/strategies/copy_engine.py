@@ -22,8 +22,8 @@ gloo (the one-GPU bed).  Schedules, for rank r of W (``peers`` = r+1, r+2, ... m
                      c = sum over src of every rank's slot, read in place, in rank order
             two-shot: the gemm_rs schedule over near-equal row chunks (M need not divide by W),
                      then each owner's reduced chunk goes to its gather slot (READY2/DONE2)
-                     and every rank pulls every chunk (compute stream: per peer a READY2 wait
-                     and a copy_, then DONE2 in the NaN fill's launch)
+                     and every rank pulls every chunk (compute stream: one wait for every
+                     peer's READY2, a copy_ per peer, then DONE2 in the NaN fill's launch)
 
 The one-shot and two-shot paths keep separate workspaces, and the two-shot workspace holds its
 inboxes and its gather slot in fixed halves: every region then has one credit that covers every
