@@ -393,8 +393,8 @@ def test_eager_ag_gemm_device_operations_per_call(monkeypatch, strategy, world_s
 
 
 # Device operations of one eager gemm_rs / gemm_ar call ([64, 8] @ [8, 16] float16), by op (gemm_ar:
-# and mode), strategy and W (fused one-shot gemm_ar is copy_engine's): copy_engine gemm_rs 8 + 5 (W - 1),
-# two-shot gemm_ar 10 + 6 (W - 1); fused gemm_rs 5, two-shot gemm_ar 6; one-shot gemm_ar 5.
+# and mode), strategy and W (fused one-shot gemm_ar is copy_engine's): copy_engine gemm_rs 8 + 4 (W - 1),
+# two-shot gemm_ar 10 + 5 (W - 1); fused gemm_rs 5, two-shot gemm_ar 6; one-shot gemm_ar 5.
 # (copy_engine's partials are held until the join instead of record_stream-ed: one op less per peer;
 # they are one allocation, an `empty` of its own, where each peer's mm allocated its own unseen here.)
 # At b0ff0d4: copy_engine 8 + 6 (W - 1) and 14 + 8 (W - 1), fused 6 and 12 + 2 (W - 1), one-shot 6.
@@ -402,13 +402,15 @@ def test_eager_ag_gemm_device_operations_per_call(monkeypatch, strategy, world_s
 # raised by the reduce's last program (1); two-shot: the DONE2 and READY waits in one launch (1), the
 # owner's reduced rows stored into its output rows by the reduce (no copy_, 1), DONE2 raised by the
 # NaN fill's launch (1); fused two-shot: the READY2 waits, the pulls, the NaN fill and DONE2 in one
-# launch (gather_kernel: 2 (W - 1)); copy_engine two-shot: one READY2 wait for every peer (W - 2).
+# launch (gather_kernel: 2 (W - 1)); copy_engine two-shot: one READY2 wait for every peer (W - 2);
+# copy_engine: READY to every owner in the launch that waits for the peers' READY, after the compute
+# stream joined the pushes (no READY launch per peer on the side stream: W - 1).
 RS_AR_OPS = {
-    ("gemm_rs", None, "copy_engine", 2): 13, ("gemm_rs", None, "copy_engine", 4): 23,
+    ("gemm_rs", None, "copy_engine", 2): 12, ("gemm_rs", None, "copy_engine", 4): 20,
     ("gemm_rs", None, "fused", 2): 5, ("gemm_rs", None, "fused", 4): 5,
     ("gemm_ar", "one_shot", "copy_engine", 2): 5, ("gemm_ar", "one_shot", "copy_engine", 4): 5,
     ("gemm_ar", "one_shot", "fused", 2): 5, ("gemm_ar", "one_shot", "fused", 4): 5,
-    ("gemm_ar", "two_shot", "copy_engine", 2): 16, ("gemm_ar", "two_shot", "copy_engine", 4): 28,
+    ("gemm_ar", "two_shot", "copy_engine", 2): 15, ("gemm_ar", "two_shot", "copy_engine", 4): 25,
     ("gemm_ar", "two_shot", "fused", 2): 6, ("gemm_ar", "two_shot", "fused", 4): 6,
 }
 
@@ -424,6 +426,8 @@ def test_eager_rs_ar_device_operations_per_call(monkeypatch, op, mode, strategy,
     # too); the reduce is the NaN fill of gemm_rs / one-shot; one allocation (the output)
     launches = [o for o in ops if o not in ("record", "wait_event")]
     assert "signal_kernel" not in launches[launches.index("reduce_kernel"):], ops
+    if mode != "one_shot":   # READY out rides in the launch that waits for the peers' READY
+        assert "signal_kernel" not in ops and "signal_wait_kernel" in ops, ops
     if mode != "two_shot":
         assert launches[-1] == "reduce_kernel", ops
     elif strategy == "fused":

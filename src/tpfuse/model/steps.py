@@ -276,22 +276,27 @@ def pull_pieces_into_one_gemm(g: Graph, c: Ctx, path: str = "ce", move: Move | N
 
 def scatter_partials(g: Graph, c: Ctx, bounds: list[tuple[int, int]], path: str = "ce") -> dict[int, list[int]]:
     """copy_engine's phase 1 of gemm_rs/gemm_ar: per owner from rank + 1, a cuBLAS GEMM of its
-    rows, then (side stream) the copy into the owner's inbox and READY to it; the own rows last.
-    Returns rank -> the tasks the rank's reduce waits for (READY from every peer; its own GEMM)."""
-    def send(r: int, p: int) -> int:
-        rows = bounds[p][1] - bounds[p][0]
-        gt = g.add(r, "gemm", "gemm", c.gemm(rows), label=f"GEMM {p}", chunk=p, launch=True)
-        st = g.add(r, "comm", "comm", c.xfer(rows * c.n * c.elt, path), deps=(gt,), label=f"push {p}",
-                   chunk=p, launch=True)
-        sig = g.flag(r, "comm", f"READY {p}")
-        g.pairs.append((r, gt, st))
-        return sig
-
-    def own_rows(r: int) -> int:
-        return g.add(r, "gemm", "gemm", c.gemm(bounds[r][1] - bounds[r][0]), label=f"GEMM {r}", chunk=r,
-                     launch=True)
-
-    return _partials_by_owner(g, c, send, own_rows)
+    rows, then (side stream) the copy into the owner's inbox; the own rows last; then the compute
+    stream joins the side stream and raises READY to every owner (in the launch that waits for
+    the peers' READY next: the caller's ``ready_first``).  Returns rank -> the tasks the rank's
+    reduce waits for (READY from every peer)."""
+    w = c.w
+    ready = {}
+    for r in g.ranks:
+        g.flag(r, "gemm", "begin")
+        pushes = []
+        for d in range(1, w):
+            p = (r + d) % w
+            rows = bounds[p][1] - bounds[p][0]
+            gt = g.add(r, "gemm", "gemm", c.gemm(rows), label=f"GEMM {p}", chunk=p, launch=True)
+            pushes.append(g.add(r, "comm", "comm", c.xfer(rows * c.n * c.elt, path), deps=(gt,), label=f"push {p}",
+                                chunk=p, launch=True))
+            g.pairs.append((r, gt, pushes[-1]))
+        g.add(r, "gemm", "gemm", c.gemm(bounds[r][1] - bounds[r][0]), label=f"GEMM {r}", chunk=r, launch=True)
+        g.add(r, "gemm", "flag", 0.0, deps=tuple(pushes), label="join the pushes")
+        ready[r] = g.flag(r, "gemm", "READY")
+    return {r: list(ready.values()) if g.symmetric else [ready[q] for q in range(w) if q != r]
+            for r in g.ranks}
 
 
 def _partials_by_owner(g: Graph, c: Ctx, send, own_rows) -> dict[int, list[int]]:

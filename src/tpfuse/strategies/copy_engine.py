@@ -14,10 +14,11 @@ gloo (the one-GPU bed).  Schedules, for rank r of W (``peers`` = r+1, r+2, ... m
             side:    for p in peers: a_full[p] <- p's slot;  event p
   gemm_rs   compute: begin (credits: every owner p reduced the last call's partials)
                      for p in peers: part_p = a[p rows] @ b  -> side copies it into p's inbox[r]
-                     a[r rows] @ b -> r's own inbox[r];  wait READY from every peer
+                     a[r rows] @ b -> r's own inbox[r];  join the side stream;
+                     signal READY[r] on every peer and wait READY from every peer (one launch)
                      c_shard = sum over src = 0..W-1 of inbox[src] in float32 (rank order)
-                     signal DONE[r] on every peer
-            side:    for p in peers: wait part_p;  p's inbox[r] <- part_p;  signal READY[r] on p
+                     signal DONE[r] on every peer (in the reduce's launch)
+            side:    for p in peers: wait part_p;  p's inbox[r] <- part_p
   gemm_ar   one-shot (small outputs): r's slot <- a @ b; signal READY; wait READY from all;
                      c = sum over src of every rank's slot, read in place, in rank order
             two-shot: the gemm_rs schedule over near-equal row chunks (M need not divide by W),
@@ -233,9 +234,9 @@ class _ScatterPlan:
         self.done_out = ws.outgoing("DONE", self.peers)
         self.rows = [slice(*bounds[p]) for p in self.peers]
         self.dests = [inbox(p, rank) for p in self.peers]
-        self.ready_out = [ws.outgoing("READY", [p]) for p in self.peers]
+        self.ready_out = ws.outgoing("READY", self.peers)
         self.events = [torch.cuda.Event() for _ in self.peers]
-        self.joined = torch.cuda.Event()   # the compute stream's wait for the side stream at the end
+        self.joined = torch.cuda.Event()   # the compute stream's wait for the side stream's pushes
         self.labels = [(f"GEMM {p}", f"push {p}") for p in self.peers]   # timeline span names
         self.own_label = f"GEMM {rank}"
         self.own_rows = slice(*bounds[rank])
@@ -257,8 +258,14 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan
     allocator cannot hand it to later work on ``main`` before the copies ran.  (``record_stream``
     did the same by keeping each block until the GPU passed the side stream's use of it: with the
     host running ahead, every call then took fresh blocks from the driver.)  The side stream's
-    work is issued on it by name (its event wait, the copy, the READY launch), without making it
-    the current stream and back for every peer."""
+    work is issued on it by name (its event wait and the copy), without making it the current
+    stream and back for every peer.
+
+    READY is not raised here: the caller joins the side stream and raises READY to every owner
+    in the launch that waits for the peers' READY (one launch, not one per peer).  No owner's
+    reduce starts any later for it: a reduce follows its owner's own GEMM on its stream and needs
+    every rank's partial, the last of which is pushed at the end of that rank's pushes, so with
+    ranks in step READY from the join comes when the owner can use it."""
     side = ws.stream
     dev = a.device
     rowwise = scaled is not None and scaled[0].dim() == 2
@@ -272,15 +279,14 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan
 
     # no side.wait_stream(main): the side stream's first work waits for an event recorded on the
     # compute stream after begin and the first GEMM, which orders it after both
-    for i, (p, rows, dest, ready, done, labels) in enumerate(zip(plan.peers, plan.rows, plan.dests, plan.ready_out,
-                                                               plan.events, plan.labels)):
+    for i, (p, rows, dest, done, labels) in enumerate(zip(plan.peers, plan.rows, plan.dests, plan.events,
+                                                        plan.labels)):
         with timeline.span("gemm", labels[0], device=dev, chunk=p):
             part = product(rows, parts[i, :rows.stop - rows.start])
         done.record(main)
         side.wait_event(done)
         with timeline.span("copy", labels[1], device=dev, chunk=p):
             _driver.copy_(dest, part, stream=side)
-        ws.signal(ready, stream=side)
     with timeline.span("gemm", plan.own_label, device=dev, chunk=ws.rank):
         product(plan.own_rows, plan.own)
     return plan.sources
@@ -319,10 +325,12 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     main = ws.current_stream()
     parts: list[torch.Tensor] = []
     sources = _scatter_partials(a, b, ws, plan, main, parts, scaled)
-    # NaN when broken; DONE to every peer in the reduce's launch
-    steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard, signal_after=plan.done_out)
-    steps.join(main, ws.stream, plan.joined)
+    steps.join(main, ws.stream, plan.joined)   # the pushes done: READY may go out
     del parts   # freed after the join: the side stream's copies of them come first on the GPU
+    # READY to every owner and the wait for every peer's READY: one launch; the reduce is the NaN
+    # fill and raises DONE in its launch
+    steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard, signal_first=plan.ready_out,
+                       signal_after=plan.done_out)
     return _rounded(c_shard, result_dtype)
 
 
@@ -370,9 +378,10 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     main = ws.current_stream()
     parts: list[torch.Tensor] = []
     sources = _scatter_partials(a, b, ws, plan, main, parts, scaled)
-    steps.gather_reduced(ws, plan.peers, sources, bounds, views.__getitem__, c)   # NaN when broken
-    steps.join(main, ws.stream, plan.joined)   # the side stream's pushes joined back
+    steps.join(main, ws.stream, plan.joined)   # the pushes done: READY may go out
     del parts   # freed after the join (see _scatter_partials)
+    # READY to every owner in the launch of the DONE2 and READY waits; NaN when broken
+    steps.gather_reduced(ws, plan.peers, sources, bounds, views.__getitem__, c, signal_first=plan.ready_out)
     return _rounded(c, result_dtype)
 
 
@@ -389,11 +398,11 @@ def _schedule(g, c) -> None:
     if c.op == "ag_gemm":
         model_steps.pull_then_gemm_per_chunk(g, c)
     elif c.op == "gemm_rs":
-        model_steps.reduce_scatter(g, c, model_steps.scatter_partials)
+        model_steps.reduce_scatter(g, c, model_steps.scatter_partials, ready_first=True)
     elif ar_mode(c.m, c.n, c.elt) == "one_shot":
         model_steps.one_shot_all_reduce(g, c)
     else:
-        model_steps.two_shot_all_reduce(g, c, model_steps.scatter_partials)
+        model_steps.two_shot_all_reduce(g, c, model_steps.scatter_partials, ready_first=True)
 
 
 def _schedule_chunks(op: str, *, m: int, n: int, world_size: int, dtype: str, **_) -> int:

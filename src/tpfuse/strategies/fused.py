@@ -518,7 +518,7 @@ def _schedule(g, c) -> None:
     elif copy_engine.ar_one_shot(c.m, c.n, c.elt):
         model_steps.one_shot_all_reduce(g, c)      # copy_engine's one-shot, as gemm_ar runs it
     elif c.m % c.w:   # the epilogue hook needs chunks of one height: an uneven M runs copy_engine's two-shot
-        model_steps.two_shot_all_reduce(g, c, model_steps.scatter_partials)
+        model_steps.two_shot_all_reduce(g, c, model_steps.scatter_partials, ready_first=True)
     else:
         # the gather launch's programs (symm.gather_programs, one GPU per rank: not the shared-GPU
         # cap) each load a block and store it, as sm_workers' worker CTAs do: their Little's-law
