@@ -28,6 +28,50 @@ def test_eager_calls_skip_the_custom_op_dispatcher(rank_pool):
         assert {"bare_us", "matmul_us", "direct_us"} <= set(row)
 
 
+def host_main_with_profile(rank, world_size, path):
+    from tpfuse.bench import host
+
+    code = host.main(["--device", "cpu", "--ops", "gemm_rs", "ag_gemm", "--strategies", "ring", "--m", "8",
+                      "--n", "8", "--k", "16", "--calls", "5", "--rounds", "1", "--profile", "7", "--json", path])
+    return code
+
+
+def test_the_host_bench_profiles_the_eager_calls_it_times(rank_pool, tmp_path, capsys):
+    """``--profile N`` (issue 34: where an eager call's host time goes): every row gets the
+    functions with the most own time in N calls under cProfile, per op call, largest first."""
+    import json
+
+    path = str(tmp_path / "host.json")
+    assert rank_pool(2).run(host_main_with_profile, path, timeout=120) == [0, 0]
+    rows = json.load(open(path))["rows"]
+    assert [(r["op"], r["strategy"]) for r in rows] == [("gemm_rs", "ring"), ("ag_gemm", "ring")]
+    for row in rows:
+        prof = row["profile"]
+        assert 0 < len(prof) <= 12 and {"function", "calls", "self_us", "cum_us"} <= set(prof[0])
+        assert [f["self_us"] for f in prof] == sorted((f["self_us"] for f in prof), reverse=True)
+        assert all(f["cum_us"] >= f["self_us"] >= 0 and f["calls"] > 0 for f in prof)
+        # the op's own frames are there: the public call runs once per call
+        assert any(f["function"].startswith("tpfuse/") for f in prof), prof
+
+
+def test_profile_calls_counts_per_call():
+    from tpfuse.bench.host import profile_calls
+
+    def leaf():
+        return sum(range(50))
+
+    def op():
+        leaf()
+        leaf()
+
+    prof = profile_calls(op, 20, top=50)
+    mine = {f["function"].rsplit("(", 1)[1][:-1]: f for f in prof if "test_host_overhead" in f["function"]}
+    assert mine["leaf"]["calls"] == 2 and mine["op"]["calls"] == 1
+    assert mine["op"]["cum_us"] >= mine["leaf"]["cum_us"]
+    with pytest.raises(ValueError, match="calls"):
+        profile_calls(op, 0)
+
+
 def direct_and_custom_op_agree(rank, world_size):
     """Same results on the direct path (no grad), through the custom op (grad needed), and
     under a dispatch mode (which must take the custom op)."""

@@ -39,6 +39,11 @@ that waited for the GPU would show it):
 | ``host_us_vs_asynctp`` | ag_gemm / gemm_rs: median over rounds of ``host_us`` / async-TP's ``host_us`` in the same round |
 | ``asynctp_host_us`` | async-TP's ``host_us`` from those rounds |
 
+``--profile N`` adds ``profile`` to every tpfuse row: the functions that take the most host
+time in N eager ``tpfuse.<op>`` calls under ``cProfile`` (with ``--bed``, the GPU busy ahead), each
+with its calls, own time and cumulative time per op call (cProfile's own cost inflates Python
+frames, not native calls: read it for where time goes, and the figures above for how much).
+
 and rows of ``strategy = "asynctp"`` give the same figures for PyTorch's async-TP ops
 (``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``).  The busy-ahead
 figures of one op are taken interleaved (:func:`measure_busy_ahead_interleaved`): every round times
@@ -62,7 +67,7 @@ import torch.distributed as dist
 
 from tpfuse import dtypes
 
-__all__ = ["measure_host_overhead", "measure_busy_ahead", "measure_busy_ahead_interleaved", "main"]
+__all__ = ["measure_host_overhead", "measure_busy_ahead", "measure_busy_ahead_interleaved", "profile_calls", "main"]
 
 
 def _per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
@@ -142,6 +147,41 @@ def measure_busy_ahead_interleaved(fns: dict[str, Callable[[], object]], *, call
                 rows[key]["host_us_ratio"] = statistics.median(x / y for x, y in zip(each[key], each[reference]))
                 rows[key]["reference_host_us"] = rows[reference]["host_us"]
     return rows
+
+
+def profile_calls(fn: Callable[[], object], calls: int, *, top: int = 12) -> list[dict]:
+    """``cProfile`` of ``calls`` calls of ``fn``: the ``top`` functions by own time, each as
+    ``{"function", "calls", "self_us", "cum_us"}`` per call of ``fn`` (``function``: the file from
+    its package on, line, name; or the built-in's name)."""
+    import cProfile
+    import pstats
+
+    if calls < 1:
+        raise ValueError(f"calls: {calls} must be >= 1")
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        prof.disable()
+    stats = pstats.Stats(prof).stats   # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+    ranked = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    out = []
+    for (path, line, name), (_, ncalls, own, cum, _) in ranked:
+        where = name if path == "~" else f"{_short_path(path)}:{line}({name})"
+        out.append({"function": where, "calls": ncalls / calls, "self_us": own / calls * 1e6,
+                    "cum_us": cum / calls * 1e6})
+    return out
+
+
+def _short_path(path: str) -> str:
+    """``path`` from its package on (``tpfuse/symm.py``, ``torch/cuda/streams.py``)."""
+    parts = path.replace(os.sep, "/").split("/")
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] in ("site-packages", "dist-packages", "src"):
+            return "/".join(parts[i + 1:])
+    return "/".join(parts[-2:])
 
 
 def measure_host_overhead(op: str = "gemm_ar", *, strategy: str = "unfused", m: int = 128, n: int = 256,
@@ -243,8 +283,12 @@ def main(argv: list[str] | None = None) -> int:
                              "start MPS first): host times only, not multi-GPU timings")
     parser.add_argument("--busy-calls", type=int, default=20,
                         help="--bed: calls timed back to back behind queued GPU work (host_us)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="add each tpfuse row's cProfile of N eager calls (the functions with the most own time)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    if args.profile < 0:
+        parser.error(f"--profile: {args.profile} must be >= 0")
     if args.bed and args.strategies == ["unfused", "ring"]:   # the bed is for the symmetric-memory strategies
         args.strategies = ["copy_engine", "fused"]
     args.command = " ".join(["python -m tpfuse.bench.host", *(sys.argv[1:] if argv is None else argv)])
@@ -262,6 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure_host_overhead(op, strategy=s, m=args.m, n=args.n, k=args.k, dtype=dtype,
                                   device=args.device, calls=args.calls, rounds=args.rounds)
             for op in args.ops for s in args.strategies]
+    if args.profile:
+        import tpfuse
+
+        for row in rows:
+            w = row["world_size"]
+            a = torch.randn(row["m"] // w if row["op"] == "ag_gemm" else row["m"], row["k"], device=args.device,
+                            dtype=dtype)
+            b = torch.randn(row["n"], row["k"], device=args.device, dtype=dtype).t()
+            fn = getattr(tpfuse, row["op"])
+            with torch.no_grad():
+                row["profile"] = profile_calls(lambda: fn(a, b, strategy=row["strategy"]), args.profile)
     if dist.get_rank() == 0:
         _report(rows, args.json, {"command": args.command, "mode": "one rank", "backend": dist.get_backend()})
     return 0
@@ -292,6 +347,11 @@ def _bed_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
             busy = measure_busy_ahead_interleaved(busy_fns, calls=args.busy_calls, rounds=args.rounds,
                                                   barrier=dist.barrier,
                                                   reference="asynctp" if "asynctp" in busy_fns else None)
+        if args.profile:   # every rank the same calls, each behind queued GPU work
+            with torch.no_grad():
+                for key, call in busy_fns.items():
+                    if key != "asynctp":
+                        op_rows[key]["profile"] = _profile_busy(call, args.profile)
         for key, row in op_rows.items():
             got = busy.get(key, {})
             if "host_us_ratio" in got:
@@ -300,6 +360,17 @@ def _bed_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
             row.update(got)
             rows.append(row)
     return rows
+
+
+def _profile_busy(fn: Callable[[], object], calls: int) -> list[dict]:
+    """:func:`profile_calls` of ``fn`` with the GPU busy ahead (60 ms + 2 ms per call queued
+    first), every rank lined up first (``fn`` is collective)."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda._sleep(int((60.0 + 2.0 * calls) * _sleep_cycles_per_ms()))
+    out = profile_calls(fn, calls)
+    torch.cuda.synchronize()
+    return out
 
 
 def _asynctp_row(op: str, a: torch.Tensor, b: torch.Tensor, world_size: int, args: argparse.Namespace):
@@ -362,6 +433,9 @@ def _report(rows: list[dict], path: str | None, meta: dict) -> None:
         print(f"{r['op']:8s} {r['strategy']:11s} W={r['world_size']} tpfuse {us(r['tpfuse_us'])} us  direct "
               f"{us(r['direct_us'])}  overhead {us(r['overhead_us'])}  custom op {us(r['custom_op_us'])}  "
               f"bare {us(r['bare_us'])}  matmul {us(r['matmul_us'])}{busy}", flush=True)
+        for f in r.get("profile", [])[:6]:
+            print(f"    {f['self_us']:8.1f} us own {f['cum_us']:8.1f} us cum {f['calls']:5.1f}x  {f['function']}",
+                  flush=True)
     if path:
         import datetime
 
