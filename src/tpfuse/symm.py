@@ -546,7 +546,7 @@ class Workspace:
         dtype, as bytes) into contiguous ``out`` from element ``offsets[i]`` on; then :meth:`signal`
         of ``done``.  Broken (before the launch or by one of its waits): ``out`` is NaN, every
         element, and nothing is signalled.  Two-shot gemm_ar's phase 2 in one launch instead of
-        2 (W - 1) + 1.  ``key`` names everything but ``out``'s address: the table of sources,
+        W + 1 operations (a wait, a copy per peer, the NaN fill).  ``key`` names everything but ``out``'s address: the table of sources,
         offsets and sizes is built on its first call."""
         from tpfuse.kernels.flags import gather_kernel
 

@@ -280,9 +280,9 @@ def publish_kernel(gen_ptr, sync_ptr, err_ptr, credits_ptr, peers_ptr, num_credi
 # --- gather: two-shot gemm_ar's phase 2 in one launch (issue 34) --------------------------------
 #
 # After the reduce (which wrote this rank's reduced chunk into its gather slot and its own rows of
-# the output, then raised READY2), every peer's reduced chunk is pulled into the output: per peer a
-# READY2 wait and a copy, then the NaN fill that raises DONE2 -- 2 (W - 1) + 1 launches.  One grid
-# does it all:
+# the output, then raised READY2), every peer's reduced chunk is pulled into the output: copy_engine
+# waits for the READY2 words, copies each chunk and raises DONE2 in its NaN fill -- W + 1 operations.
+# One grid does it all:
 #
 #   every program:  gen = *gen_ptr (the call's begin advanced it);  for each peer in order: wait
 #                   READY2 >= gen (bounded; a timeout records (what, peer, generation, seen, rank)

@@ -140,10 +140,9 @@ def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torc
     The pulls: without ``one_launch`` (copy_engine: copy-engine copies), one wait for every
     peer's READY2, a ``copy_`` per peer, then the NaN fill (the pulls copy whatever a broken peer
     left), which raises DONE2 in its launch: W + 1 operations.  One wait rather than one before
-    each pull: the pulls run one after another on this stream, so only the first of them can
-    start earlier with a wait of its own, and only when a peer lags the others.  With ``one_launch`` (fused): ONE launch does the
-    READY2 waits, SM copies of every chunk, and the NaN fill or DONE2
-    (:meth:`tpfuse.symm.Workspace.gather`)."""
+    each pull: every pull then waits for the last peer's READY2, which costs only when a peer
+    lags the others.  With ``one_launch`` (fused): ONE launch does the READY2 waits, SM copies
+    of every chunk, and the NaN fill or DONE2 (:meth:`tpfuse.symm.Workspace.gather`)."""
     rank = ws.rank
     with timeline.span("wait", "DONE2 + READY all", device=c.device):
         ws.signal_wait(signal_first, ws.incoming("DONE2", peer_ranks), symm.WAIT_CREDIT2, lag=1,

@@ -246,16 +246,17 @@ class _ScatterPlan:
 
 
 def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _ScatterPlan,
-                      main: torch.cuda.Stream, keep: list, scaled: tuple | None = None) -> list[torch.Tensor]:
+                      main: torch.cuda.Stream, scaled: tuple | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Phase 1 of gemm_rs/gemm_ar: the partial of every owner's rows into that owner's inbox
     slot for this rank (peers through the side stream, owner order from rank + 1; ``main``: the
-    current stream); returns this rank's inbox slots in rank order (views of the rows it owns).
+    current stream); returns this rank's inbox slots in rank order (views of the rows it owns)
+    and the peers' partials.
     ``scaled`` (fp8): (scale_a, scale_b); the partials are then float32 (the workspace's dtype).
 
     The peers' partials are computed into one allocation (one ``torch.empty`` per call, not one
-    per peer), made on ``main`` and read by the side stream's copies: it is appended to ``keep``,
-    which the caller holds until the compute stream has joined the side stream, so the caching
-    allocator cannot hand it to later work on ``main`` before the copies ran.  (``record_stream``
+    per peer), made on ``main`` and read by the side stream's copies: the caller holds it until
+    the compute stream has joined the side stream, so the caching allocator cannot hand it to
+    later work on ``main`` before the copies ran.  (``record_stream``
     did the same by keeping each block until the GPU passed the side stream's use of it: with the
     host running ahead, every call then took fresh blocks from the driver.)  The side stream's
     work is issued on it by name (its event wait and the copy), without making it the current
@@ -270,7 +271,6 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan
     dev = a.device
     rowwise = scaled is not None and scaled[0].dim() == 2
     parts = torch.empty(plan.parts_shape, dtype=ws.spec.dtype, device=dev)
-    keep.append(parts)
 
     def product(rows: slice, out: torch.Tensor) -> torch.Tensor:
         if scaled is None:
@@ -289,7 +289,7 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan
             _driver.copy_(dest, part, stream=side)
     with timeline.span("gemm", plan.own_label, device=dev, chunk=ws.rank):
         product(plan.own_rows, plan.own)
-    return plan.sources
+    return plan.sources, parts
 
 
 def _whole_product(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, out_dtype: torch.dtype) -> torch.Tensor:
@@ -323,8 +323,7 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     breadcrumb("copy_engine gemm_rs: computing partials")
     ws.begin(plan.credits)
     main = ws.current_stream()
-    parts: list[torch.Tensor] = []
-    sources = _scatter_partials(a, b, ws, plan, main, parts, scaled)
+    sources, parts = _scatter_partials(a, b, ws, plan, main, scaled)
     steps.join(main, ws.stream, plan.joined)   # the pushes done: READY may go out
     del parts   # freed after the join: the side stream's copies of them come first on the GPU
     # READY to every owner and the wait for every peer's READY: one launch; the reduce is the NaN
@@ -376,8 +375,7 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     breadcrumb("copy_engine gemm_ar (two-shot): computing partials")
     ws.begin(plan.credits)
     main = ws.current_stream()
-    parts: list[torch.Tensor] = []
-    sources = _scatter_partials(a, b, ws, plan, main, parts, scaled)
+    sources, parts = _scatter_partials(a, b, ws, plan, main, scaled)
     steps.join(main, ws.stream, plan.joined)   # the pushes done: READY may go out
     del parts   # freed after the join (see _scatter_partials)
     # READY to every owner in the launch of the DONE2 and READY waits; NaN when broken
