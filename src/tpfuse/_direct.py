@@ -189,7 +189,7 @@ def launch_tma(direct: "Direct", grid: tuple, stream: int, args: list, descs: di
             or getattr(rt.launch_exit_hook, "calls", rt.launch_exit_hook is not None)):
         return False
     raw, positions, metas = tma
-    if len(descs) != len(positions) or any(p not in descs for p in positions):
+    if descs.keys() != set(positions):
         return False
     fill, to_host = _tma_expansion()
     final = list(args)

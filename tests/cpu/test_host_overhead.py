@@ -100,6 +100,22 @@ def test_direct_path_matches_the_custom_op(rank_pool):
     assert all(rank_pool(2).run(direct_and_custom_op_agree, timeout=60))
 
 
+def _fake_gemm(monkeypatch, record) -> None:
+    """The GEMM core faked: ``tpfuse.gemm.matmul`` and the fused strategies' kept calls
+    (``tpfuse.gemm.PreparedMatmul``) each ``record()`` a launch."""
+    import tpfuse.gemm
+
+    class Prepared:
+        def __init__(self, **fixed):
+            pass
+
+        def __call__(self, a, b, out=None, scale_a=None, scale_b=None):
+            record()
+
+    monkeypatch.setattr(tpfuse.gemm, "matmul", lambda *a, **kw: record())
+    monkeypatch.setattr(tpfuse.gemm, "PreparedMatmul", Prepared)
+
+
 def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
     """Issue 34: an eager copy_engine/fused/sm_workers call (every op, both ar modes), after its first
     call, never synchronizes and never reads a tensor back to the host: its launches are faked
@@ -121,7 +137,7 @@ def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
     monkeypatch.setattr(symm.Workspace, "_launch", lambda self, k, *a, **kw: launches.append(k.__name__))
     monkeypatch.setattr(symm.Workspace, "reduce", lambda self, *a, **kw: launches.append("reduce"))
     monkeypatch.setattr(symm.Workspace, "poison_on_error", lambda self, *a, **kw: launches.append("poison"))
-    monkeypatch.setattr(tpfuse.gemm, "matmul", lambda *a, **kw: launches.append("gemm"))
+    _fake_gemm(monkeypatch, lambda: launches.append("gemm"))
     monkeypatch.setattr(fused, "_set_word", lambda words, i: None)
     monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 8)
     monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 2)
@@ -256,7 +272,7 @@ def test_eager_symmetric_memory_calls_fork_streams_only_where_they_overlap(monke
     monkeypatch.setattr(symm.Workspace, "_launch", lambda self, k, *a, **kw: ops.append(k.__name__))
     monkeypatch.setattr(symm.Workspace, "reduce", lambda self, *a, **kw: ops.append("reduce"))
     monkeypatch.setattr(symm.Workspace, "poison_on_error", lambda self, *a, **kw: ops.append("poison"))
-    monkeypatch.setattr(tpfuse.gemm, "matmul", lambda *a, **kw: ops.append("gemm"))
+    _fake_gemm(monkeypatch, lambda: ops.append("gemm"))
     monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 8)
     monkeypatch.setattr(copy_engine, "ONE_SHOT_MAX_BYTES", 1024)   # [64, 16] fp16 outputs: two-shot
     made = {}
@@ -378,7 +394,7 @@ def device_ops(monkeypatch, op: str, strategy: str, world_size: int, dtype=torch
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: ops.append("record_stream"), raising=False)
     # every workspace kernel (flag kernels, publish, reduce, NaN fill) launches through symm._run
     monkeypatch.setattr(symm, "_run", lambda kernel, *a, **kw: ops.append(kernel.__name__))
-    monkeypatch.setattr(tpfuse.gemm, "matmul", lambda *a, **kw: ops.append("gemm"))
+    _fake_gemm(monkeypatch, lambda: ops.append("gemm"))
     monkeypatch.setattr(fused, "_set_word", lambda words, i: ops.append("stream_write"), raising=False)
     monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 8)
     monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 1)

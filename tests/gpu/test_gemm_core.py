@@ -137,6 +137,48 @@ def test_gluon_launches_with_expanded_descriptors_match_the_jit_launch_bitwise(h
         assert delta["direct_tma"] == 0, delta
 
 
+@pytest.mark.skipif(not WS_GPU, reason="the Gluon kernel runs on sm_90")
+@pytest.mark.parametrize("hook", ["wait", "epilogue"])
+def test_a_prepared_call_is_matmuls_call_bitwise_on_new_tensors(hook):
+    # PreparedMatmul (the fused strategies' GEMM): after its first call it launches from the
+    # kept argument list with the new tensors' addresses; every call equals matmul's bitwise
+    # (tests/cpu/test_prepared_matmul.py: the arguments, and the calls that go through matmul).
+    from tpfuse import _direct
+
+    signal = torch.full((4,), 5, dtype=torch.int32, device="cuda")
+    err = gc.new_error_word(torch.device("cuda"))
+    dest = torch.empty(4 * 512, 1536, device="cuda", dtype=torch.bfloat16)
+    dests = [dest[c * 512:(c + 1) * 512] for c in range(4)]
+    if hook == "wait":
+        fixed = dict(config=BIG, tile_order="round", start_chunk=1, check=False,
+                     wait=gc.WaitSpec(signal, 5, 512, timeout_ns=2_000_000_000, error=err))
+    else:
+        fixed = dict(config=BIG, tile_order="owner", start_chunk=2, chunk_m=512,
+                     epilogue=gc.EpilogueSpec.from_tensors(dests, signal, 6, 512))
+    call = gc.PreparedMatmul(**fixed)
+    before = gc.launch_counts()
+    for seed in range(3):
+        a, b, ref = _operands(4 * 512, 1024, 1536, torch.bfloat16, "weight_t", seed=seed)
+        if hook == "wait":
+            ours = torch.full((4 * 512, 1536), float("nan"), device="cuda", dtype=torch.bfloat16)
+            call(a, b, out=ours)
+            theirs = gc.matmul(a, b, **fixed)
+        else:
+            call(a, b)
+            ours = dest.clone()
+            dest.fill_(float("nan"))
+            gc.matmul(a, b, **fixed)
+            theirs = dest
+        assert _took("gemm_ws_kernel"), gc.last_plan().explain()
+        torch.cuda.synchronize()
+        _assert_close(ours, ref, torch.bfloat16)
+        assert torch.equal(ours, theirs)
+    assert (call._kept is not None) == _direct.tma_expansion_known()
+    delta = gc.launch_counts().get("direct_tma", 0) - before.get("direct_tma", 0)
+    assert delta >= (4 if _direct.tma_expansion_known() else 0), delta
+    assert not err.any()
+
+
 def _took(kernel):
     """The latest matmul ran ``kernel`` (its public LaunchPlan says so)."""
     return gc.last_plan().kernel == kernel

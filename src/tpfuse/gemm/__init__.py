@@ -27,6 +27,8 @@ reuse), ``"round"`` (start at chunk ``start_chunk`` and go round; AG passes its 
 ``"owner"`` (finish one chunk's rows before the next, starting at ``start_chunk``; RS passes
 ``(rank + 1) % world_size`` so that the first peer's chunk is ready first).
 
+:class:`PreparedMatmul` repeats one call site's call on new tensors of the same kind with the
+per-call planning and argument building left out (the fused strategies' GEMM).
 :func:`last_plan` returns the :class:`LaunchPlan` of the latest call (which kernel, grid,
 stores and counts, and why: ``last_plan().explain()``); :func:`launch_counts` counts launches
 by path (JIT, direct, interpreter). Layout of the package, imports pointing down:
@@ -39,11 +41,11 @@ Nothing here touches a GPU or imports Triton at import time.
 from ..kernels.abi import ERROR_WORDS, TILE_ORDERS, TILE_RECORD_COLUMNS
 from .config import GemmConfig, GemmOptions, candidate_configs, default_config, stream_k_tiles
 from .hooks import EpilogueSpec, WaitSpec, check_error_word, new_error_word
-from .launch import LaunchPlan, clear_plans, last_plan, launch_counts, matmul, tile_records_for
+from .launch import LaunchPlan, PreparedMatmul, clear_plans, last_plan, launch_counts, matmul, tile_records_for
 from .tune import rerank_leaders, tune
 
 __all__ = [
-    "matmul", "GemmConfig", "GemmOptions", "WaitSpec", "EpilogueSpec", "LaunchPlan", "last_plan",
+    "matmul", "PreparedMatmul", "GemmConfig", "GemmOptions", "WaitSpec", "EpilogueSpec", "LaunchPlan", "last_plan",
     "launch_counts", "clear_plans", "default_config", "candidate_configs", "stream_k_tiles", "tune",
     "rerank_leaders", "check_error_word", "new_error_word", "TILE_ORDERS", "ERROR_WORDS",
     "tile_records_for", "TILE_RECORD_COLUMNS",

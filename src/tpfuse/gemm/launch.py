@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,7 +29,7 @@ from .device import device_index, device_info, interpreting, num_sms, triton_mod
 from .hooks import ERROR_WORDS, MAX_GENERATION, EpilogueSpec, WaitSpec, check_error_word, new_error_word, stacked_dests
 from .spec import CompileSpec, PersistentSpec
 
-__all__ = ["matmul", "LaunchPlan", "last_plan", "launch_counts", "clear_plans", "tile_records_for", "TILE_ORDERS"]
+__all__ = ["matmul", "PreparedMatmul", "LaunchPlan", "last_plan", "launch_counts", "clear_plans", "tile_records_for", "TILE_ORDERS"]
 
 TILE_ORDERS = abi.TILE_ORDERS
 _SCALE_NAMES = {_types.SCALE_NONE: "none", _types.SCALE_TENSOR: "tensor-wise", _types.SCALE_VECTOR: "row-wise"}
@@ -146,6 +147,9 @@ class LaunchPlan:
 
 _PLANS: dict = {}            # call signature -> LaunchPlan
 _LAST_PLAN: list = [None]    # the plan of the latest call (last_plan())
+# this thread's latest direct Gluon launch's parts, for PreparedMatmul (per thread: another
+# thread's launch must never be taken for this one's)
+_LAST_WS_LOCAL = threading.local()
 _MAX_PLANS = 4096            # a bound, not a tuned number: plans are small, shapes in a model are few
 _STREAM_K_BUFFERS: dict = {}  # (device, raw stream) -> (fp32 workspace, int32 tile counters)
 _COMPILED: dict = {}         # kernel specialization -> its tpfuse._direct.Direct (direct launch)
@@ -770,10 +774,13 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, cou
                 descs[len(head) + q] = _desc_triple(epi[q])
         else:
             descs[2] = (out.data_ptr(), (m, n), (out.stride(0), 1))
-        if launch_tma(direct, (grid, 1, 1), torch._C._cuda_getCurrentRawStream(a.device.index),
-                      head + epi + tail, descs):
+        args = head + epi + tail
+        if launch_tma(direct, (grid, 1, 1), torch._C._cuda_getCurrentRawStream(a.device.index), args, descs):
             _LAUNCHES["direct"] += 1
             _LAUNCHES["direct_tma"] += 1
+            # what PreparedMatmul repeats: the arguments but the descriptors of a, b (and out) and the scales
+            _LAST_WS_LOCAL.parts = (plan, direct, (grid, 1, 1), args,
+                                    {q: v for q, v in descs.items() if q > 2 - epilogue}, len(head) + len(epi) + 1)
             return
     a_desc = _gluon_descriptor(a, (m, k), (a.stride(0), 1), (bm, bk))
     if b_kmajor:
@@ -948,3 +955,97 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
     if wait is not None and check:
         check_error_word(err, rank=wait.rank, timeout_ns=wait.timeout_ns if plan.use_asm else None)
     return out if epilogue is None else None
+
+
+# --------------------------------------------------------------------------------------------
+# a call site's repeated call
+# --------------------------------------------------------------------------------------------
+def _signature(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    """What a plan and a compiled kernel depend on in a tensor: all but its address (of which
+    only the 16-byte alignment)."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0
+
+
+def _cuda_index(t: torch.Tensor) -> int:
+    """``t``'s CUDA device index, -1 off CUDA."""
+    return t.get_device() if t.is_cuda else -1
+
+
+class PreparedMatmul:
+    """``matmul(a, b, out=out, scale_a=scale_a, scale_b=scale_b, **fixed)`` for a call site that
+    makes one call again and again on new tensors of the same kind (the fused strategies' GEMM:
+    a new gathered A and output every call, the same hook specs).
+
+    Every call whose tensors differ from the kept call's in anything but their addresses --
+    shape, strides, dtype, device, 16-byte alignment -- and the first call go through
+    :func:`matmul`, which validates and plans.  When that call launched the Gluon kernel by the
+    direct path with expanded descriptors (``tpfuse/_direct.py``, ``launch_tma``), its argument
+    list is kept, and later calls of the same kind put the new addresses (the descriptors of
+    ``a``, ``b``, ``out``; the scales) into it and launch: no plan key, no per-call checks of the
+    (frozen) hook specs, no argument lists built.  Why: on the one-GPU bed's host that per-call
+    work was the largest host cost of a fused call after its native operations (cProfile of
+    eager calls; issue 34).  Anything the short path cannot do (a launch hook set, Triton's
+    path taken) falls back to :func:`matmul` for that call.
+
+    ``fixed``: every other keyword of :func:`matmul` but ``tile_records``, the same objects on
+    every call (hook specs are frozen dataclasses: their buffers and generations stay as given).
+    A ``wait`` hook needs its own ``error`` word and ``check=False`` to be kept (otherwise every
+    call is a plain :func:`matmul`: a new error word, a host check).
+    """
+
+    __slots__ = ("fixed", "_kept")
+
+    def __init__(self, **fixed):
+        if "tile_records" in fixed or "out" in fixed or "scale_a" in fixed or "scale_b" in fixed:
+            raise TypeError("PreparedMatmul: out, scale_a and scale_b are per call; tile_records is not kept")
+        self.fixed = fixed
+        self._kept = None
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None,
+                 scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None):
+        kept = self._kept
+        if kept is not None:
+            sig = (_signature(a), _signature(b), _signature(out), _signature(scale_a), _signature(scale_b))
+            if sig == kept[0]:
+                _, plan, direct, grid, args, descs, at_scales, index = kept
+                args = list(args)
+                args[at_scales] = scale_a
+                args[at_scales + 1] = scale_b
+                descs = dict(descs)
+                m, n, k = plan.m, plan.n, plan.k
+                descs[0] = (a.data_ptr(), (m, k), (a.stride(0), 1))
+                descs[1] = ((b.data_ptr(), (n, k), (b.stride(1), 1)) if plan.b_kmajor
+                            else (b.data_ptr(), (k, n), (b.stride(0), 1)))
+                if out is not None:
+                    descs[2] = (out.data_ptr(), (m, n), (out.stride(0), 1))
+                if launch_tma(direct, grid, torch._C._cuda_getCurrentRawStream(index), args, descs):
+                    _LAST_PLAN[0] = plan
+                    _LAUNCHES["direct"] += 1
+                    _LAUNCHES["direct_tma"] += 1
+                    return None if out is None else out
+            self._kept = None
+        _LAST_WS_LOCAL.parts = None
+        result = matmul(a, b, out=out, scale_a=scale_a, scale_b=scale_b, **self.fixed)
+        self._keep(a, b, out, scale_a, scale_b)
+        return result
+
+    def _keep(self, a, b, out, scale_a, scale_b) -> None:
+        """Keep the call just made by :func:`matmul` if it was a direct Gluon launch that the
+        short path repeats exactly."""
+        last = getattr(_LAST_WS_LOCAL, "parts", None)   # this call's (cleared before it), or None
+        fixed = self.fixed
+        wait, epilogue = fixed.get("wait"), fixed.get("epilogue")
+        index = _cuda_index(a)
+        if last is None or index < 0:
+            return
+        if wait is not None and (wait.error is None or fixed.get("check", True)):
+            return   # a new error word per call, or a host check: matmul's own path
+        if (epilogue is None) == (out is None):
+            return   # matmul allocates the output, or the epilogue ignores out
+        plan, direct, grid, args, descs, at_scales = last
+        if args[at_scales] is not scale_a or args[at_scales + 1] is not scale_b:
+            return   # not where this module's argument list puts them
+        sig = (_signature(a), _signature(b), _signature(out), _signature(scale_a), _signature(scale_b))
+        self._kept = (sig, plan, direct, grid, tuple(args), descs, at_scales, index)

@@ -264,15 +264,25 @@ def _ag_pieces(rank: int, world_size: int, m_shard: int, chunk_m: int) -> list[t
     return [tuple(p) for p in pieces]
 
 
-def _gemm(name: str, chunk_m: int, a: torch.Tensor, b: torch.Tensor, **kwargs) -> None:
+def _gemm(name: str, chunk_m: int, a: torch.Tensor, b: torch.Tensor, prepared: dict | None = None, **kwargs) -> None:
     """``tpfuse.gemm.matmul(a, b, **kwargs)``; while a timeline records (not under capture),
-    also its span and its per-tile records (``tile_records``)."""
-    from tpfuse.gemm import last_plan, matmul
+    also its span and its per-tile records (``tile_records``).  ``prepared``: the calling plan's
+    :class:`tpfuse.gemm.PreparedMatmul` per (SM budget, output dtype), the rest of ``kwargs``
+    but ``out`` and the scales being the plan's own on every call."""
+    from tpfuse.gemm import PreparedMatmul, last_plan, matmul
     from tpfuse.kernels.abi import TILE_RECORD_COLUMNS
 
     rec = timeline.current()
     if rec is None or torch.cuda.is_current_stream_capturing():
-        matmul(a, b, **kwargs)
+        if prepared is None:
+            matmul(a, b, **kwargs)
+            return
+        out, scale_a, scale_b = kwargs.pop("out", None), kwargs.pop("scale_a", None), kwargs.pop("scale_b", None)
+        key = (kwargs.get("num_sms"), kwargs.get("out_dtype"))
+        call = prepared.get(key)
+        if call is None:
+            call = prepared[key] = PreparedMatmul(**kwargs)
+        call(a, b, out=out, scale_a=scale_a, scale_b=scale_b)
         return
     tiles = -(-a.shape[0] // 64) * -(-b.shape[1] // 64)   # enough rows for the smallest tile (64x64)
     records = torch.full((tiles, TILE_RECORD_COLUMNS), -1, dtype=torch.int64, device=a.device)
@@ -325,6 +335,7 @@ class _AgPlan:
         self.start_chunk = rank * m_shard // chunk_m
         self.chunk_owner = lambda chunk: min(chunk * chunk_m // m_shard, world_size - 1)   # first rows' owner
         self.fork, self.joined = torch.cuda.Event(), torch.cuda.Event()   # side waits for compute, and back
+        self.gemms: dict = {}   # the GEMM's PreparedMatmul per (SM budget, output dtype)
 
 
 def _column_major(b: torch.Tensor) -> torch.Tensor:
@@ -388,7 +399,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
                     _driver.copy_(scale_full[lo:hi], scale_rows)
             if last:
                 _set_word(arrived, chunk)
-    _gemm("fused GEMM (waits per chunk)", chunk_m, a_full, b, out=c, tile_order="round",
+    _gemm("fused GEMM (waits per chunk)", chunk_m, a_full, b, plan.gemms, out=c, tile_order="round",
           start_chunk=plan.start_chunk, wait=plan.wait, check=False, num_sms=sm_budget(dev, world_size, knobs),
           **_scale_kwargs(scale_full, scale_b, c.dtype))
     steps.join(main, side, plan.joined)
@@ -429,6 +440,7 @@ class _PartialsPlan:
         self.sources = [ws.data(rank, (slot_rows, n), offset=src * slot_rows * n)[: bounds[rank][1] - bounds[rank][0]]
                         for src in range(world_size)]
         self.start_chunk = (rank + 1) % world_size
+        self.gemms: dict = {}   # the GEMM's PreparedMatmul per (SM budget, output dtype)
 
 
 def _fused_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _PartialsPlan,
@@ -442,8 +454,8 @@ def _fused_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: 
     relay kernel was tried: it started its bounded wait before the first call's JIT compile of
     the GEMM had finished and timed out.)  ``scales`` (fp8): the GEMM core's scale arguments,
     ``out_dtype`` the workspace's (float32 partials)."""
-    _gemm("fused GEMM (epilogue to owners)", plan.chunk_m, a, b, tile_order="owner", start_chunk=plan.start_chunk,
-          epilogue=plan.epilogue, num_sms=sm_budget(a.device, ws.world_size, knobs), **(scales or {}))
+    _gemm("fused GEMM (epilogue to owners)", plan.chunk_m, a, b, plan.gemms, tile_order="owner",
+          start_chunk=plan.start_chunk, epilogue=plan.epilogue, num_sms=sm_budget(a.device, ws.world_size, knobs), **(scales or {}))
     return plan.sources
 
 
