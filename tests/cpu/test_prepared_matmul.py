@@ -182,3 +182,17 @@ def test_another_threads_launch_is_never_kept_for_this_one(monkeypatch):
     assert L._LAST_WS_LOCAL.parts is None                       # this thread sees none of them
     with pytest.raises(TypeError, match="per call"):
         PreparedMatmul(out=torch.empty(1), **fixed)
+
+
+def test_clear_plans_drops_the_kept_launch_and_no_call_holds_its_scales(monkeypatch):
+    env = Env(monkeypatch)
+    call = PreparedMatmul(tile_order="round", start_chunk=1, wait=_wait(), check=False, num_sms=4)
+    a, b, out = _tensors(0)
+    scale_a, scale_b = torch.ones(M, 1), torch.ones(1, N)
+    call(a, b, out=out, scale_a=scale_a, scale_b=scale_b)
+    assert not any(x is scale_a or x is scale_b for x in call._kept[4])   # kept arguments: not this call's scales
+    L.clear_plans()                                                        # e.g. after tuning: plan again
+    call(a, b, out=out, scale_a=scale_a, scale_b=scale_b)
+    assert env.plans == 2 and call._kept is not None
+    call(a, b, out=out, scale_a=scale_a, scale_b=scale_b)
+    assert env.plans == 2

@@ -45,8 +45,8 @@ from .launch import LaunchPlan, PreparedMatmul, clear_plans, last_plan, launch_c
 from .tune import rerank_leaders, tune
 
 __all__ = [
-    "matmul", "PreparedMatmul", "GemmConfig", "GemmOptions", "WaitSpec", "EpilogueSpec", "LaunchPlan", "last_plan",
-    "launch_counts", "clear_plans", "default_config", "candidate_configs", "stream_k_tiles", "tune",
+    "matmul", "PreparedMatmul", "GemmConfig", "GemmOptions", "WaitSpec", "EpilogueSpec", "LaunchPlan",
+    "last_plan", "launch_counts", "clear_plans", "default_config", "candidate_configs", "stream_k_tiles", "tune",
     "rerank_leaders", "check_error_word", "new_error_word", "TILE_ORDERS", "ERROR_WORDS",
     "tile_records_for", "TILE_RECORD_COLUMNS",
 ]

@@ -29,7 +29,8 @@ from .device import device_index, device_info, interpreting, num_sms, triton_mod
 from .hooks import ERROR_WORDS, MAX_GENERATION, EpilogueSpec, WaitSpec, check_error_word, new_error_word, stacked_dests
 from .spec import CompileSpec, PersistentSpec
 
-__all__ = ["matmul", "PreparedMatmul", "LaunchPlan", "last_plan", "launch_counts", "clear_plans", "tile_records_for", "TILE_ORDERS"]
+__all__ = ["matmul", "PreparedMatmul", "LaunchPlan", "last_plan", "launch_counts", "clear_plans", "tile_records_for",
+           "TILE_ORDERS"]
 
 TILE_ORDERS = abi.TILE_ORDERS
 _SCALE_NAMES = {_types.SCALE_NONE: "none", _types.SCALE_TENSOR: "tensor-wise", _types.SCALE_VECTOR: "row-wise"}
@@ -146,6 +147,7 @@ class LaunchPlan:
 
 
 _PLANS: dict = {}            # call signature -> LaunchPlan
+_PLANS_EPOCH = [0]           # clear_plans() count: a PreparedMatmul's kept launch is of one epoch
 _LAST_PLAN: list = [None]    # the plan of the latest call (last_plan())
 # this thread's latest direct Gluon launch's parts, for PreparedMatmul (per thread: another
 # thread's launch must never be taken for this one's)
@@ -173,8 +175,10 @@ def launch_counts() -> dict:
 
 
 def clear_plans() -> None:
-    """Forget every plan (the next call of each signature decides again, e.g. after tuning)."""
+    """Forget every plan (the next call of each signature decides again, e.g. after tuning),
+    and every :class:`PreparedMatmul`'s kept launch with them."""
     _PLANS.clear()
+    _PLANS_EPOCH[0] += 1
 
 
 def tile_records_for(m: int, n: int, config_or_plan: GemmConfig | LaunchPlan,
@@ -979,15 +983,16 @@ class PreparedMatmul:
     a new gathered A and output every call, the same hook specs).
 
     Every call whose tensors differ from the kept call's in anything but their addresses --
-    shape, strides, dtype, device, 16-byte alignment -- and the first call go through
-    :func:`matmul`, which validates and plans.  When that call launched the Gluon kernel by the
-    direct path with expanded descriptors (``tpfuse/_direct.py``, ``launch_tma``), its argument
-    list is kept, and later calls of the same kind put the new addresses (the descriptors of
-    ``a``, ``b``, ``out``; the scales) into it and launch: no plan key, no per-call checks of the
-    (frozen) hook specs, no argument lists built.  Why: on the one-GPU bed's host that per-call
-    work was the largest host cost of a fused call after its native operations (cProfile of
-    eager calls; issue 34).  Anything the short path cannot do (a launch hook set, Triton's
-    path taken) falls back to :func:`matmul` for that call.
+    shape, strides, dtype, device, 16-byte alignment -- the first call, and the first call after
+    :func:`clear_plans` go through :func:`matmul`, which validates and plans.  When that call
+    launched the Gluon kernel by the direct path with expanded descriptors
+    (``tpfuse/_direct.py``, ``launch_tma``), its argument list is kept, and later calls of the
+    same kind put the new addresses (the descriptors of ``a``, ``b``, ``out``; the scales) into it
+    and launch: no plan key, no per-call checks of the (frozen) hook specs, no argument lists
+    built.  Why: on the one-GPU bed's host that per-call work was the largest host cost of a
+    fused call after its native operations (cProfile of eager calls; issue 34).  Anything the
+    short path cannot do (a launch hook set, Triton's path taken) falls back to :func:`matmul`
+    for that call.
 
     ``fixed``: every other keyword of :func:`matmul` but ``tile_records``, the same objects on
     every call (hook specs are frozen dataclasses: their buffers and generations stay as given).
@@ -1007,7 +1012,8 @@ class PreparedMatmul:
                  scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None):
         kept = self._kept
         if kept is not None:
-            sig = (_signature(a), _signature(b), _signature(out), _signature(scale_a), _signature(scale_b))
+            sig = (_signature(a), _signature(b), _signature(out), _signature(scale_a), _signature(scale_b),
+                   _PLANS_EPOCH[0])
             if sig == kept[0]:
                 _, plan, direct, grid, args, descs, at_scales, index = kept
                 args = list(args)
@@ -1047,5 +1053,8 @@ class PreparedMatmul:
         plan, direct, grid, args, descs, at_scales = last
         if args[at_scales] is not scale_a or args[at_scales + 1] is not scale_b:
             return   # not where this module's argument list puts them
-        sig = (_signature(a), _signature(b), _signature(out), _signature(scale_a), _signature(scale_b))
+        sig = (_signature(a), _signature(b), _signature(out), _signature(scale_a), _signature(scale_b),
+               _PLANS_EPOCH[0])
+        args = list(args)
+        args[at_scales] = args[at_scales + 1] = None   # per call: the first call's are not held
         self._kept = (sig, plan, direct, grid, tuple(args), descs, at_scales, index)

@@ -264,7 +264,8 @@ def _ag_pieces(rank: int, world_size: int, m_shard: int, chunk_m: int) -> list[t
     return [tuple(p) for p in pieces]
 
 
-def _gemm(name: str, chunk_m: int, a: torch.Tensor, b: torch.Tensor, prepared: dict | None = None, **kwargs) -> None:
+def _gemm(name: str, chunk_m: int, a: torch.Tensor, b: torch.Tensor, prepared: dict | None = None,
+          **kwargs) -> None:
     """``tpfuse.gemm.matmul(a, b, **kwargs)``; while a timeline records (not under capture),
     also its span and its per-tile records (``tile_records``).  ``prepared``: the calling plan's
     :class:`tpfuse.gemm.PreparedMatmul` per (SM budget, output dtype), the rest of ``kwargs``
@@ -455,7 +456,8 @@ def _fused_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: 
     the GEMM had finished and timed out.)  ``scales`` (fp8): the GEMM core's scale arguments,
     ``out_dtype`` the workspace's (float32 partials)."""
     _gemm("fused GEMM (epilogue to owners)", plan.chunk_m, a, b, plan.gemms, tile_order="owner",
-          start_chunk=plan.start_chunk, epilogue=plan.epilogue, num_sms=sm_budget(a.device, ws.world_size, knobs), **(scales or {}))
+          start_chunk=plan.start_chunk, epilogue=plan.epilogue, num_sms=sm_budget(a.device, ws.world_size, knobs),
+          **(scales or {}))
     return plan.sources
 
 
