@@ -73,6 +73,11 @@ def _wait():
                     error=torch.zeros(L.ERROR_WORDS, dtype=torch.int32), rank=0)
 
 
+def _ag_call() -> PreparedMatmul:
+    """fused ag_gemm's kind of call: the wait hook with its own error word, no host check."""
+    return PreparedMatmul(tile_order="round", start_chunk=1, wait=_wait(), check=False, num_sms=4)
+
+
 def test_repeats_launch_what_matmul_launches_for_the_same_tensors(monkeypatch):
     env = Env(monkeypatch)
     wait = _wait()
@@ -96,7 +101,7 @@ def test_repeats_launch_what_matmul_launches_for_the_same_tensors(monkeypatch):
 
 def test_scales_are_taken_per_call(monkeypatch):
     env = Env(monkeypatch)
-    call = PreparedMatmul(tile_order="round", start_chunk=1, wait=_wait(), check=False, num_sms=4)
+    call = _ag_call()
     a, b, out = _tensors(0)
     s1, t1 = torch.ones(M, 1), torch.ones(1, N)
     call(a, b, out=out, scale_a=s1, scale_b=t1)
@@ -110,7 +115,7 @@ def test_scales_are_taken_per_call(monkeypatch):
 @pytest.mark.parametrize("change", ["rows", "b strides", "dtype", "alignment", "scale added"])
 def test_a_call_of_another_kind_goes_through_matmul_again(monkeypatch, change):
     env = Env(monkeypatch)
-    call = PreparedMatmul(tile_order="round", start_chunk=1, wait=_wait(), check=False, num_sms=4)
+    call = _ag_call()
     a, b, out = _tensors(0)
     call(a, b, out=out)
     scale = {}
@@ -157,7 +162,7 @@ def test_a_wait_hook_matmul_makes_per_call_state_for_is_never_kept(monkeypatch, 
 
 def test_a_launch_hook_set_later_sends_the_call_through_matmul(monkeypatch):
     env = Env(monkeypatch)
-    call = PreparedMatmul(tile_order="round", start_chunk=1, wait=_wait(), check=False, num_sms=4)
+    call = _ag_call()
     a, b, out = _tensors(0)
     call(a, b, out=out)
     env.direct.knobs.launch_enter_hook = lambda *a: None   # a profiler's hook: Triton's own path now
@@ -186,7 +191,7 @@ def test_another_threads_launch_is_never_kept_for_this_one(monkeypatch):
 
 def test_clear_plans_drops_the_kept_launch_and_no_call_holds_its_scales(monkeypatch):
     env = Env(monkeypatch)
-    call = PreparedMatmul(tile_order="round", start_chunk=1, wait=_wait(), check=False, num_sms=4)
+    call = _ag_call()
     a, b, out = _tensors(0)
     scale_a, scale_b = torch.ones(M, 1), torch.ones(1, N)
     call(a, b, out=out, scale_a=scale_a, scale_b=scale_b)

@@ -783,8 +783,7 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, cou
             _LAUNCHES["direct"] += 1
             _LAUNCHES["direct_tma"] += 1
             # what PreparedMatmul repeats: the arguments but the descriptors of a, b (and out) and the scales
-            _LAST_WS_LOCAL.parts = (plan, direct, (grid, 1, 1), args,
-                                    {q: v for q, v in descs.items() if q > 2 - epilogue}, len(head) + len(epi) + 1)
+            _LAST_WS_LOCAL.parts = (plan, direct, (grid, 1, 1), args, descs, epilogue, len(head) + len(epi) + 1)
             return
     a_desc = _gluon_descriptor(a, (m, k), (a.stride(0), 1), (bm, bk))
     if b_kmajor:
@@ -1050,7 +1049,8 @@ class PreparedMatmul:
             return   # a new error word per call, or a host check: matmul's own path
         if (epilogue is None) == (out is None):
             return   # matmul allocates the output, or the epilogue ignores out
-        plan, direct, grid, args, descs, at_scales = last
+        plan, direct, grid, args, descs, hooked, at_scales = last
+        descs = {q: v for q, v in descs.items() if q > 2 - hooked}   # per call: a, b (and out) are not kept
         if args[at_scales] is not scale_a or args[at_scales + 1] is not scale_b:
             return   # not where this module's argument list puts them
         sig = (_signature(a), _signature(b), _signature(out), _signature(scale_a), _signature(scale_b),
