@@ -10,6 +10,10 @@ two contiguous same-dtype tensors of one device is a ``cudaMemcpyAsync`` of thei
 current stream (a CUDA graph captures either as one memcpy node), and torch's
 ``stream_write_value32`` is ``cuStreamWriteValue32_v2`` with no flags.
 
+A plan's copies and words (:class:`RowCopies`, :class:`Words`) are checked once, when the plan is
+built, so that an eager call pays one ``data_ptr()`` and one driver call per copy: the checks
+of :func:`copy_` (about a dozen tensor attribute calls) cost ~5-10 us per copy on the bed's host.
+
 Anything else -- another device than the current one, non-contiguous or mismatched tensors, a
 driver that cannot be loaded, a call that fails -- takes torch's own path (the first failure
 other than a missing context also turns the direct path off for the process, with a warning).
@@ -21,7 +25,7 @@ import warnings
 
 import torch
 
-__all__ = ["copy_", "write_value32", "available"]
+__all__ = ["copy_", "write_value32", "available", "RowCopies", "Words"]
 
 _CUDA_ERROR_INVALID_CONTEXT = 201   # a thread with no current context: torch's path sets one
 
@@ -116,3 +120,81 @@ def write_value32(words: torch.Tensor, index: int, value: int) -> None:
     from torch.distributed._symmetric_memory import _SymmetricMemory
 
     _SymmetricMemory.stream_write_value32(words.view(torch.uint32), index, value)
+
+
+class RowCopies:
+    """A plan's copies between row ranges of a tensor made per call (``var``: the same shape,
+    dtype and device every call) and tensors that outlive the calls (``fixed``: a workspace's
+    slots), checked once: ``pieces`` = ``(lo, hi, fixed)``, each ``fixed`` of shape
+    ``(hi - lo, *row_shape)``; ``into``: ``var[lo:hi] <- fixed`` (pulls), else
+    ``fixed <- var[lo:hi]`` (pushes).  Per call :meth:`bind` checks ``var`` once and
+    :meth:`copy` issues piece ``i`` as one ``cuMemcpyAsync`` on ``stream``; where the direct path
+    does not apply (not CUDA, a strided or mismatched ``var``, another current device, no
+    driver), :meth:`copy` is :func:`copy_` of the piece's views, on ``stream``."""
+
+    def __init__(self, pieces, *, into: bool, row_shape: tuple[int, ...], dtype: torch.dtype):
+        self.pieces = [(lo, hi, fixed) for lo, hi, fixed in pieces]
+        self.into = into
+        self.row_shape = tuple(row_shape)
+        self.dtype = dtype
+        self.rows = max((hi for _, hi, _ in self.pieces), default=0)
+        row_bytes = dtype.itemsize
+        for d in self.row_shape:
+            row_bytes *= d
+        fixed_ok = [f.dtype == dtype and tuple(f.shape) == (hi - lo, *self.row_shape) and f.is_contiguous()
+                    and f.is_cuda for lo, hi, f in self.pieces]
+        devices = {f.get_device() for _, _, f in self.pieces if f.is_cuda}
+        self.index = devices.pop() if len(devices) == 1 and all(fixed_ok) else -1
+        self.raw = [(lo * row_bytes, f.data_ptr(), (hi - lo) * row_bytes) for lo, hi, f in self.pieces]
+
+    def bind(self, var: torch.Tensor) -> int:
+        """``var``'s address where the pieces can be copied by the driver directly, else 0."""
+        if (self.index < 0 or _calls() is None or var.dtype != self.dtype or not var.is_contiguous()
+                or var.shape[0] < self.rows or tuple(var.shape[1:]) != self.row_shape or not var.is_cuda
+                or var.get_device() != self.index or torch._C._cuda_getDevice() != self.index):
+            return 0
+        return var.data_ptr()
+
+    def copy(self, i: int, var: torch.Tensor, base: int, stream: torch.cuda.Stream) -> None:
+        """Piece ``i`` between ``var`` (``base``: :meth:`bind`'s answer for it) and its fixed
+        tensor, on ``stream``."""
+        calls = _STATE[0]
+        if base and calls:
+            offset, ptr, nbytes = self.raw[i]
+            if nbytes == 0:
+                return
+            code = (calls.memcpy(base + offset, ptr, nbytes, stream.cuda_stream) if self.into
+                    else calls.memcpy(ptr, base + offset, nbytes, stream.cuda_stream))
+            if code == 0:
+                return
+            _failed("cuMemcpyAsync", code)
+        lo, hi, fixed = self.pieces[i]
+        if self.into:
+            copy_(var[lo:hi], fixed, stream=stream)
+        else:
+            copy_(fixed, var[lo:hi], stream=stream)
+
+
+class Words:
+    """A plan's int32 words (a contiguous CUDA tensor that outlives the calls), checked once:
+    :meth:`set` is ``words[index] = value`` on ``stream`` as one ``cuStreamWriteValue32``, or
+    :func:`write_value32` (on ``stream``) where the direct path does not apply."""
+
+    def __init__(self, words: torch.Tensor):
+        self.words = words
+        ok = words.is_cuda and words.element_size() == 4 and words.is_contiguous()
+        self.index = words.get_device() if ok else -1
+        self.base = words.data_ptr()
+        self.count = words.numel()
+
+    def set(self, index: int, stream: torch.cuda.Stream, value: int = 1) -> None:
+        if not 0 <= index < self.count:
+            raise IndexError(f"word {index} of {self.count}")
+        calls = _STATE[0]
+        if calls and self.index >= 0 and torch._C._cuda_getDevice() == self.index:
+            code = calls.write32(stream.cuda_stream, self.base + 4 * index, value, 0)
+            if code == 0:
+                return
+            _failed("cuStreamWriteValue32", code)
+        with torch.cuda.stream(stream):
+            write_value32(self.words, index, value)

@@ -256,7 +256,7 @@ def test_a_call_whose_peer_is_dead_returns_nan_then_the_next_call_raises(monkeyp
     fake_cuda_streams(monkeypatch)
     monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 2)
     monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 1)
-    monkeypatch.setattr(fused, "_set_word", lambda words, i: words.__setitem__(i, 1))   # the stream memory op
+    monkeypatch.setattr(fused, "_set_word", lambda words, i, stream: words.words.__setitem__(i, 1))   # the stream memory op
     op, _, mode = op.partition(" ")
     if mode:
         monkeypatch.setattr(copy_engine, "ar_mode", lambda *a: mode)

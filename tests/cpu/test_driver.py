@@ -98,3 +98,62 @@ def test_no_driver_means_torchs_path(monkeypatch):
     _driver.copy_(dst, src)
     assert torch.equal(dst, src) and not _driver.available()
 
+
+
+def test_a_plans_row_copies_are_one_memcpy_each_at_the_offsets_checked_once(fake, monkeypatch):
+    """RowCopies (issue 34: a plan's pulls and pushes): pieces between rows of a per-call tensor and
+    fixed tensors, one memcpy each from the per-call base address, both directions, on the stream
+    given; an empty piece moves nothing."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    slots = [torch.ones(2, 4, dtype=torch.float16), torch.ones(3, 4, dtype=torch.float16), torch.ones(0, 4, dtype=torch.float16)]
+    stream = type("S", (), {"cuda_stream": 5})()
+    pulls = _driver.RowCopies([(2, 4, slots[0]), (5, 8, slots[1]), (8, 8, slots[2])], into=True, row_shape=(4,),
+                              dtype=torch.float16)
+    var = torch.zeros(8, 4, dtype=torch.float16)
+    base = pulls.bind(var)
+    assert base == var.data_ptr()
+    for i in range(3):
+        pulls.copy(i, var, base, stream)
+    assert fake.calls == [("memcpy", base + 16, slots[0].data_ptr(), 16, 5), ("memcpy", base + 40, slots[1].data_ptr(), 24, 5)]
+    pushes = _driver.RowCopies([(5, 8, slots[1])], into=False, row_shape=(4,), dtype=torch.float16)
+    fake.calls.clear()
+    pushes.copy(0, var, pushes.bind(var), stream)
+    assert fake.calls == [("memcpy", slots[1].data_ptr(), base + 40, 24, 5)]
+
+
+@pytest.mark.parametrize("case", ["too few rows", "dtype", "row shape", "strided", "other current device"])
+def test_row_copies_of_a_tensor_that_does_not_fit_take_torchs_copy(fake, monkeypatch, case):
+    """A per-call tensor the plan was not made for is never addressed raw: bind says 0 and the
+    pieces go through torch's copy (a copy past the tensor's end would corrupt memory)."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1 if case == "other current device" else 0, raising=False)
+    monkeypatch.setattr(_driver, "_device_index", lambda t: -1)   # copy_'s own check: torch's path
+    slot = torch.arange(12, dtype=torch.float32).view(3, 4)
+    pulls = _driver.RowCopies([(5, 8, slot)], into=True, row_shape=(4,), dtype=torch.float32)
+    var = {"too few rows": torch.zeros(7, 4), "dtype": torch.zeros(8, 4, dtype=torch.float64),
+           "row shape": torch.zeros(8, 5), "strided": torch.zeros(8, 8)[:, ::2],
+           "other current device": torch.zeros(8, 4)}[case]
+    base = pulls.bind(var)
+    assert base == 0
+    if case in ("too few rows", "row shape"):
+        with pytest.raises(RuntimeError):
+            pulls.copy(0, var, base, None)
+    else:
+        pulls.copy(0, var, base, None)
+        assert torch.equal(var[5:8], slot.to(var.dtype))
+    assert fake.calls == []
+
+
+def test_a_plans_words_are_one_stream_write_each_and_bounded(fake, monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    words = torch.zeros(6, dtype=torch.int32)
+    w = _driver.Words(words)
+    w.set(3, type("S", (), {"cuda_stream": 9})())
+    assert fake.calls == [("write32", 9, words.data_ptr() + 12, 1, 0)]
+    with pytest.raises(IndexError):
+        w.set(6, None)

@@ -53,7 +53,7 @@ def symm_cases(rank, world_size, root, cases, iters=2):
         os.environ["TPFUSE_TIMEOUT_S"] = "120"   # real peers in other processes: generous bounds
         symm.timeout_s.cache_clear()
         fake_cuda_streams(mp)
-        mp.setattr(fused, "_set_word", lambda words, i: words.__setitem__(i, 1))   # the stream memory op
+        mp.setattr(fused, "_set_word", lambda words, i, stream: words.words.__setitem__(i, 1))   # the stream memory op
         made = {}
 
         def get_workspace(ctx, op, dtype, device, need):

@@ -138,7 +138,7 @@ def test_eager_symmetric_memory_calls_never_read_the_device_back(monkeypatch):
     monkeypatch.setattr(symm.Workspace, "reduce", lambda self, *a, **kw: launches.append("reduce"))
     monkeypatch.setattr(symm.Workspace, "poison_on_error", lambda self, *a, **kw: launches.append("poison"))
     _fake_gemm(monkeypatch, lambda: launches.append("gemm"))
-    monkeypatch.setattr(fused, "_set_word", lambda words, i: None)
+    monkeypatch.setattr(fused, "_set_word", lambda words, i, stream: None)
     monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 8)
     monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 2)
     # sm_workers' own kernels (worker CTAs, ring credit/ready, stamps) all launch through its _launch
@@ -395,7 +395,7 @@ def device_ops(monkeypatch, op: str, strategy: str, world_size: int, dtype=torch
     # every workspace kernel (flag kernels, publish, reduce, NaN fill) launches through symm._run
     monkeypatch.setattr(symm, "_run", lambda kernel, *a, **kw: ops.append(kernel.__name__))
     _fake_gemm(monkeypatch, lambda: ops.append("gemm"))
-    monkeypatch.setattr(fused, "_set_word", lambda words, i: ops.append("stream_write"), raising=False)
+    monkeypatch.setattr(fused, "_set_word", lambda words, i, stream: ops.append("stream_write"), raising=False)
     monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 8)
     monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 1)
     if mode is not None:

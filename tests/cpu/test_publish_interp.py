@@ -167,7 +167,7 @@ def _ag_on_rank_0_of_2(monkeypatch, strategy: str, group: str, seed: int):
     fake_cuda_streams(monkeypatch)
     monkeypatch.setattr(fused, "sm_budget", lambda device, w, knobs=None: 2)
     monkeypatch.setattr(fused, "chunks_per_rank", lambda *a: 1)
-    monkeypatch.setattr(fused, "_set_word", lambda words, i: words.__setitem__(i, 1))   # the stream memory op
+    monkeypatch.setattr(fused, "_set_word", lambda words, i, stream: words.words.__setitem__(i, 1))   # the stream memory op
     made, checking = dead_peer_workspaces(monkeypatch)
     ctx = types.SimpleNamespace(rank=0, world_size=2, group_name=group, group=None)
     g = torch.Generator().manual_seed(seed)

@@ -72,3 +72,45 @@ def test_a_direct_stream_write_is_torchs_stream_write():
         _SymmetricMemory.stream_write_value32(theirs.view(torch.uint32), i, 1)
     torch.cuda.synchronize()
     assert torch.equal(ours, theirs) and ours.sum().item() == 3 and _driver.available()
+
+
+def test_a_plans_row_copies_and_words_are_torchs_copies_on_the_stream_given_and_in_a_graph():
+    """RowCopies / Words (a plan's pulls, pushes and arrival words, checked once): bytes equal to
+    torch's copies of the same rows, both directions, on the side stream given (after its queued
+    work), and replayed from a CUDA graph with new data."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    slots = [torch.randn(r, 1000, generator=g, device="cuda").to(torch.bfloat16) for r in (37, 5)]
+    pulls = _driver.RowCopies([(3, 40, slots[0]), (50, 55, slots[1])], into=True, row_shape=(1000,), dtype=torch.bfloat16)
+    words = _driver.Words(torch.zeros(4, dtype=torch.int32, device="cuda"))
+    side = torch.cuda.Stream()
+    var = torch.zeros(60, 1000, device="cuda", dtype=torch.bfloat16)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+    base = pulls.bind(var)
+    assert base == var.data_ptr()
+    for i in range(2):
+        pulls.copy(i, var, base, side)
+    words.set(2, side)
+    side.synchronize()
+    assert torch.equal(var[3:40], slots[0]) and torch.equal(var[50:55], slots[1])
+    assert not var[:3].any() and not var[40:50].any() and not var[55:].any()
+    assert words.words.tolist() == [0, 0, 1, 0]
+    out = [torch.zeros_like(s) for s in slots]
+    pushes = _driver.RowCopies([(3, 40, out[0]), (50, 55, out[1])], into=False, row_shape=(1000,), dtype=torch.bfloat16)
+    source = torch.randn(60, 1000, generator=g, device="cuda").to(torch.bfloat16)
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph, stream=side):
+            b = pushes.bind(source)
+            for i in range(2):
+                pushes.copy(i, source, b, side)
+            words.set(0, side)
+    torch.cuda.current_stream().wait_stream(side)
+    for value in (1.0, 2.0):
+        source.fill_(value)
+        words.words.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(bool((o == value).all()) for o in out) and words.words.tolist() == [1, 0, 0, 0]
+    assert _driver.available()

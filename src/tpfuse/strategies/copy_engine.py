@@ -139,6 +139,9 @@ class _AgPlan:
         self.slots = [ws.data(p, (m_shard, k)) for p in self.peers]
         self.scale_slots = [steps.ag_scale_slot(ws, p, m_shard, k) if rowwise else None for p in self.peers]
         self.rows = [slice(p * m_shard, (p + 1) * m_shard) for p in self.peers]
+        # each peer's slot into its rows of a_full, checked once (one driver call per pull)
+        self.pulls = _driver.RowCopies([(p * m_shard, (p + 1) * m_shard, slot) for p, slot in zip(self.peers, self.slots)],
+                                       into=True, row_shape=(k,), dtype=ws.spec.dtype)
         self.events = [torch.cuda.Event() for _ in self.peers]
         self.fork = torch.cuda.Event()   # the side stream's wait for the compute stream
         # timeline span names, built once (span() is a no-op when nothing records)
@@ -189,11 +192,12 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     steps.join(side, main, plan.fork)
     pulled = [a_full[rows] for rows in plan.rows]   # each peer's rows, sliced once per call
     scales = [scale_full[rows] if rowwise else None for rows in plan.rows]
+    base = plan.pulls.bind(a_full)
     with ws.on_stream():
-        for p, slot, dest, scale_slot, scale_dest, event, labels in zip(
-                plan.peers, plan.slots, pulled, plan.scale_slots, scales, plan.events, plan.labels):
+        for i, (p, scale_slot, scale_dest, event, labels) in enumerate(zip(
+                plan.peers, plan.scale_slots, scales, plan.events, plan.labels)):
             with timeline.span("copy", labels[0], device=dev, chunk=p):
-                _driver.copy_(dest, slot)
+                plan.pulls.copy(i, a_full, base, side)
                 if scale_slot is not None:
                     _driver.copy_(scale_dest, scale_slot)
             event.record(side)
@@ -241,7 +245,12 @@ class _ScatterPlan:
         self.own_label = f"GEMM {rank}"
         self.own_rows = slice(*bounds[rank])
         self.own = inbox(rank, rank)
-        self.parts_shape = (len(self.peers), slot_rows, n)   # every peer's partial, one allocation
+        # every peer's partial, one allocation: peer i's in rows part_rows[i]; pushed from there into
+        # its owner's inbox slot for this rank, checked once (one driver call per push)
+        self.parts_shape = (len(self.peers) * slot_rows, n)
+        self.part_rows = [slice(i * slot_rows, i * slot_rows + rows.stop - rows.start) for i, rows in enumerate(self.rows)]
+        self.pushes = _driver.RowCopies([(r.start, r.stop, dest) for r, dest in zip(self.part_rows, self.dests)],
+                                        into=False, row_shape=(n,), dtype=ws.spec.dtype)
         self.sources = [inbox(rank, src) for src in range(ws.world_size)]
 
 
@@ -277,16 +286,17 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan
             return torch.matmul(a[rows], b, out=out)
         return _chunk_mm(a[rows], b, scaled, out, scaled[0][rows] if rowwise else None)
 
+    base = plan.pushes.bind(parts)
     # no side.wait_stream(main): the side stream's first work waits for an event recorded on the
     # compute stream after begin and the first GEMM, which orders it after both
-    for i, (p, rows, dest, done, labels) in enumerate(zip(plan.peers, plan.rows, plan.dests, plan.events,
-                                                        plan.labels)):
+    for i, (p, rows, part_rows, done, labels) in enumerate(zip(plan.peers, plan.rows, plan.part_rows, plan.events,
+                                                             plan.labels)):
         with timeline.span("gemm", labels[0], device=dev, chunk=p):
-            part = product(rows, parts[i, :rows.stop - rows.start])
+            product(rows, parts[part_rows])
         done.record(main)
         side.wait_event(done)
         with timeline.span("copy", labels[1], device=dev, chunk=p):
-            _driver.copy_(dest, part, stream=side)
+            plan.pushes.copy(i, parts, base, side)
     with timeline.span("gemm", plan.own_label, device=dev, chunk=ws.rank):
         product(plan.own_rows, plan.own)
     return plan.sources, parts

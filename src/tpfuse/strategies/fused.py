@@ -214,9 +214,9 @@ def _local_words(ws: symm.Workspace, name: str, count: int) -> torch.Tensor:
     return words
 
 
-def _set_word(words: torch.Tensor, index: int) -> None:
-    """``words[index] = 1`` on the current stream as a stream memory operation (no SM)."""
-    _driver.write_value32(words, index, 1)
+def _set_word(words: _driver.Words, index: int, stream: torch.cuda.Stream) -> None:
+    """``words[index] = 1`` on ``stream`` as a stream memory operation (no SM)."""
+    words.set(index, stream)
 
 
 def chunks_per_rank(m_shard: int, n: int, k: int, world_size: int, dtype: torch.dtype,
@@ -337,6 +337,10 @@ class _AgPlan:
         self.chunk_owner = lambda chunk: min(chunk * chunk_m // m_shard, world_size - 1)   # first rows' owner
         self.fork, self.joined = torch.cuda.Event(), torch.cuda.Event()   # side waits for compute, and back
         self.gemms: dict = {}   # the GEMM's PreparedMatmul per (SM budget, output dtype)
+        # the pulls into a_full's rows and the arrival words, checked once (a driver call each)
+        self.copies = _driver.RowCopies([(lo, hi, rows) for _, lo, hi, _, rows, _, _, _ in self.pulls],
+                                        into=True, row_shape=(k,), dtype=ws.spec.dtype)
+        self.words = _driver.Words(arrived)
 
 
 def _column_major(b: torch.Tensor) -> torch.Tensor:
@@ -392,14 +396,15 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     # kernels issued after it, timed out in the bed when their first call's JIT compile outlasted
     # the GEMM's bounded spins (docs/ops.md, tried and not kept).
     steps.join(side, main, plan.fork)
+    base = plan.copies.bind(a_full)
     with ws.on_stream():
-        for src, lo, hi, chunk, rows, scale_rows, last, label in plan.pulls:
+        for i, (src, lo, hi, chunk, rows, scale_rows, last, label) in enumerate(plan.pulls):
             with timeline.span("copy", label, device=dev, chunk=chunk):
-                _driver.copy_(a_full[lo:hi], rows)
+                plan.copies.copy(i, a_full, base, side)
                 if scale_rows is not None:   # before the arrival word: the tiles' epilogues read them
                     _driver.copy_(scale_full[lo:hi], scale_rows)
             if last:
-                _set_word(arrived, chunk)
+                _set_word(plan.words, chunk, side)
     _gemm("fused GEMM (waits per chunk)", chunk_m, a_full, b, plan.gemms, out=c, tile_order="round",
           start_chunk=plan.start_chunk, wait=plan.wait, check=False, num_sms=sm_budget(dev, world_size, knobs),
           **_scale_kwargs(scale_full, scale_b, c.dtype))
