@@ -146,12 +146,15 @@ class RowCopies:
         devices = {f.get_device() for _, _, f in self.pieces if f.is_cuda}
         self.index = devices.pop() if len(devices) == 1 and all(fixed_ok) else -1
         self.raw = [(lo * row_bytes, f.data_ptr(), (hi - lo) * row_bytes) for lo, hi, f in self.pieces]
+        if self.index >= 0 and _calls() is None:
+            self.index = -1
 
     def bind(self, var: torch.Tensor) -> int:
         """``var``'s address where the pieces can be copied by the driver directly, else 0."""
-        if (self.index < 0 or _calls() is None or var.dtype != self.dtype or not var.is_contiguous()
-                or var.shape[0] < self.rows or tuple(var.shape[1:]) != self.row_shape or not var.is_cuda
-                or var.get_device() != self.index or torch._C._cuda_getDevice() != self.index):
+        # get_device() is -1 on the CPU; the driver, once turned off, is refused by copy()
+        if (self.index < 0 or var.dtype != self.dtype or var.get_device() != self.index or var.shape[0] < self.rows
+                or var.shape[1:] != self.row_shape or not var.is_contiguous()
+                or torch._C._cuda_getDevice() != self.index):
             return 0
         return var.data_ptr()
 

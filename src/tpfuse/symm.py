@@ -49,8 +49,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import operator
 import os
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -147,6 +149,16 @@ def flag_index(region: str, other: int, world_size: int) -> int:
     if not 0 <= other < world_size <= MAX_WORLD_SIZE:
         raise AssertionError(f"flag {region}[{other}] out of range for world size {world_size}")
     return _REGIONS.index(region) * world_size + other
+
+
+def _kernel(module: str, name: str):
+    """Kernel ``name`` of ``module`` as ``sys.modules`` holds it now (tests swap interpreted
+    kernel modules in and out): a dict lookup per launch, where a function-level ``from ...
+    import`` cost ~1 us of host time through importlib's Python fallback."""
+    mod = sys.modules.get(module)
+    if mod is None:
+        mod = importlib.import_module(module)
+    return getattr(mod, name)
 
 
 @dataclass(frozen=True)
@@ -272,7 +284,7 @@ class Workspace:
         ``[rows, cols]`` view with the same row stride and unit column stride; NaN when broken),
         in the same launch also into ``out2`` (same shape and dtype, unit column stride) and, once
         every program is done, :meth:`signal` of ``signal`` (tpfuse/kernels/reduce.py)."""
-        from tpfuse.kernels.reduce import reduce_kernel
+        reduce_kernel = _kernel("tpfuse.kernels.reduce", "reduce_kernel")
 
         rows, cols = out.shape
         if rows * cols == 0:
@@ -414,7 +426,7 @@ class Workspace:
              advance: bool = False) -> None:
         """Enqueue on the current stream: (``advance``: gen += 1, then) wait until every flag of
         ``table`` is ``>= gen - lag``; bounded by :func:`timeout_s`; at once when broken."""
-        from tpfuse.kernels.flags import wait_kernel
+        wait_kernel = _kernel("tpfuse.kernels.flags", "wait_kernel")
 
         addrs, peers = table
         fixed = ("wait", id(addrs), what, lag, advance)
@@ -427,7 +439,7 @@ class Workspace:
     def signal(self, table: tuple[torch.Tensor, torch.Tensor], stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue on ``stream`` (None: the current stream): every flag of ``table`` = gen
         (release, system scope); nothing once the workspace is broken."""
-        from tpfuse.kernels.flags import signal_kernel
+        signal_kernel = _kernel("tpfuse.kernels.flags", "signal_kernel")
 
         addrs, _ = table
         fixed = ("signal", id(addrs))
@@ -440,7 +452,7 @@ class Workspace:
                     what: int, *, lag: int = 0, then: tuple | None = None) -> None:
         """:meth:`signal` of ``signals`` (None: none) then :meth:`wait` of ``waits`` (no advance)
         and of ``then`` = (table, what, lag) if given, one launch."""
-        from tpfuse.kernels.flags import signal_wait_kernel
+        signal_wait_kernel = _kernel("tpfuse.kernels.flags", "signal_wait_kernel")
 
         sig = waits[0] if signals is None else signals[0]
         fixed = ("signal_wait", None if signals is None else id(sig), id(waits[0]), what, lag,
@@ -480,7 +492,7 @@ class Workspace:
         copies.  ``src``/``scale``: 2-D with unit column stride (any row stride), copied as
         bytes; destinations contiguous.  Broken: nothing is copied, signalled or waited for (the
         generation still advances, the local words are still set: the outputs are NaN anyway)."""
-        from tpfuse.kernels.flags import publish_kernel
+        publish_kernel = _kernel("tpfuse.kernels.flags", "publish_kernel")
 
         self.check(self.spec.op)
         self.calls += 1
@@ -548,7 +560,7 @@ class Workspace:
         element, and nothing is signalled.  Two-shot gemm_ar's phase 2 in one launch instead of
         W + 1 operations (a wait, a copy per peer, the NaN fill).  ``key`` names everything but ``out``'s address: the table of sources,
         offsets and sizes is built on its first call."""
-        from tpfuse.kernels.flags import gather_kernel
+        gather_kernel = _kernel("tpfuse.kernels.flags", "gather_kernel")
 
         fixed = self._gather.get(key)
         if fixed is None:
@@ -603,7 +615,7 @@ class Workspace:
         not (fused ag_gemm's arrival words: one launch less per call than their own ``zero_``).
         ``signal``: a flag table raised (:meth:`signal`, nothing when broken) in the first launch
         (two-shot gemm_ar's DONE2 after its pulls: one launch less per call)."""
-        from tpfuse.kernels.flags import poison_on_error_kernel
+        poison_on_error_kernel = _kernel("tpfuse.kernels.flags", "poison_on_error_kernel")
 
         todo = [t for t in outputs if t is not None and t.numel() and t.is_floating_point()]
         if not todo:

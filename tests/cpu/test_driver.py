@@ -107,7 +107,7 @@ def test_a_plans_row_copies_are_one_memcpy_each_at_the_offsets_checked_once(fake
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    slots = [torch.ones(2, 4, dtype=torch.float16), torch.ones(3, 4, dtype=torch.float16), torch.ones(0, 4, dtype=torch.float16)]
+    slots = [torch.ones(r, 4, dtype=torch.float16) for r in (2, 3, 0)]
     stream = type("S", (), {"cuda_stream": 5})()
     pulls = _driver.RowCopies([(2, 4, slots[0]), (5, 8, slots[1]), (8, 8, slots[2])], into=True, row_shape=(4,),
                               dtype=torch.float16)
@@ -116,7 +116,8 @@ def test_a_plans_row_copies_are_one_memcpy_each_at_the_offsets_checked_once(fake
     assert base == var.data_ptr()
     for i in range(3):
         pulls.copy(i, var, base, stream)
-    assert fake.calls == [("memcpy", base + 16, slots[0].data_ptr(), 16, 5), ("memcpy", base + 40, slots[1].data_ptr(), 24, 5)]
+    assert fake.calls == [("memcpy", base + 16, slots[0].data_ptr(), 16, 5),
+                          ("memcpy", base + 40, slots[1].data_ptr(), 24, 5)]
     pushes = _driver.RowCopies([(5, 8, slots[1])], into=False, row_shape=(4,), dtype=torch.float16)
     fake.calls.clear()
     pushes.copy(0, var, pushes.bind(var), stream)

@@ -80,7 +80,8 @@ def test_a_plans_row_copies_and_words_are_torchs_copies_on_the_stream_given_and_
     work), and replayed from a CUDA graph with new data."""
     g = torch.Generator(device="cuda").manual_seed(1)
     slots = [torch.randn(r, 1000, generator=g, device="cuda").to(torch.bfloat16) for r in (37, 5)]
-    pulls = _driver.RowCopies([(3, 40, slots[0]), (50, 55, slots[1])], into=True, row_shape=(1000,), dtype=torch.bfloat16)
+    pulls = _driver.RowCopies([(3, 40, slots[0]), (50, 55, slots[1])], into=True, row_shape=(1000,),
+                              dtype=torch.bfloat16)
     words = _driver.Words(torch.zeros(4, dtype=torch.int32, device="cuda"))
     side = torch.cuda.Stream()
     var = torch.zeros(60, 1000, device="cuda", dtype=torch.bfloat16)

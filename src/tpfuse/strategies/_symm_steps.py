@@ -113,11 +113,13 @@ def two_shot_gather_offset(ws: symm.Workspace) -> int:
 
 
 def reduce_inbox(ws: symm.Workspace, key: tuple, peer_ranks: list[int], sources: list[torch.Tensor],
-                 out: torch.Tensor, *, signal_first=None, signal_after=None) -> None:
+                 out: torch.Tensor, *, signal_first=None, signal_after=None, ready=None) -> None:
     """Wait for every peer's READY (after raising ``signal_first``, a flag table, in the same
     launch), then ``out`` = the float32 sum of ``sources`` in rank order (NaN when broken), and
-    raise ``signal_after`` (a flag table: the DONE credits) in the reduce's launch."""
-    ready = ws.incoming("READY", peer_ranks)
+    raise ``signal_after`` (a flag table: the DONE credits) in the reduce's launch.  ``ready``:
+    the peers' READY table if the caller's plan keeps it (else looked up)."""
+    if ready is None:
+        ready = ws.incoming("READY", peer_ranks)
     with timeline.span("wait", "READY all", device=out.device):
         if signal_first is not None:
             ws.signal_wait(signal_first, ready, symm.WAIT_READY)

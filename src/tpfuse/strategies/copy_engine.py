@@ -52,6 +52,7 @@ alike), and the next call on the group, :func:`tpfuse.synchronize` or the watchd
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -73,6 +74,8 @@ DTYPES = dtypes.FAST + (dtypes.FP8,)   # fp8: torch._scaled_mm per chunk
 SYMMETRIC_MEMORY = True
 KNOBS = None
 
+_AS_IS = contextlib.nullcontext()   # stateless: the streams as they are
+
 # gemm_ar reads every peer's whole partial in place (one-shot) up to this many output bytes, and
 # reduce-scatters + gathers above it (fused too).  A lead, not a measurement: one-shot moves W
 # times the bytes but has one flag round trip instead of two; it is measured only once a
@@ -89,7 +92,14 @@ def partial_dtype(dtype: torch.dtype) -> torch.dtype:
     """dtype of the partial products RS/AR move between ranks: the input's own (rounded once, then
     summed in float32), or for fp8 inputs the policy's reduce dtype (float32: the scaled GEMM's
     output is reduced before it is rounded to ``out_dtype``)."""
-    return dtypes.reduce_dtype(dtype, DTYPES) if dtypes.rule(DTYPES, dtype) is dtypes.FP8 else dtype
+    hit = _PARTIAL_DTYPES.get(dtype)
+    if hit is None:
+        hit = _PARTIAL_DTYPES[dtype] = (dtypes.reduce_dtype(dtype, DTYPES) if dtypes.rule(DTYPES, dtype) is dtypes.FP8
+                                        else dtype)
+    return hit
+
+
+_PARTIAL_DTYPES: dict = {}   # partial_dtype's answers: it sits on every gemm_rs / gemm_ar call
 
 
 def _chunk_mm(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, out: torch.Tensor,
@@ -140,8 +150,9 @@ class _AgPlan:
         self.scale_slots = [steps.ag_scale_slot(ws, p, m_shard, k) if rowwise else None for p in self.peers]
         self.rows = [slice(p * m_shard, (p + 1) * m_shard) for p in self.peers]
         # each peer's slot into its rows of a_full, checked once (one driver call per pull)
-        self.pulls = _driver.RowCopies([(p * m_shard, (p + 1) * m_shard, slot) for p, slot in zip(self.peers, self.slots)],
-                                       into=True, row_shape=(k,), dtype=ws.spec.dtype)
+        self.pulls = _driver.RowCopies(
+            [(p * m_shard, (p + 1) * m_shard, slot) for p, slot in zip(self.peers, self.slots)],
+            into=True, row_shape=(k,), dtype=ws.spec.dtype)
         self.events = [torch.cuda.Event() for _ in self.peers]
         self.fork = torch.cuda.Event()   # the side stream's wait for the compute stream
         # timeline span names, built once (span() is a no-op when nothing records)
@@ -193,13 +204,14 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     pulled = [a_full[rows] for rows in plan.rows]   # each peer's rows, sliced once per call
     scales = [scale_full[rows] if rowwise else None for rows in plan.rows]
     base = plan.pulls.bind(a_full)
-    with ws.on_stream():
+    # every side-stream operation names the side stream; only a recorded timeline's spans need it current
+    with ws.on_stream() if timeline.current() is not None else _AS_IS:
         for i, (p, scale_slot, scale_dest, event, labels) in enumerate(zip(
                 plan.peers, plan.scale_slots, scales, plan.events, plan.labels)):
             with timeline.span("copy", labels[0], device=dev, chunk=p):
                 plan.pulls.copy(i, a_full, base, side)
                 if scale_slot is not None:
-                    _driver.copy_(scale_dest, scale_slot)
+                    _driver.copy_(scale_dest, scale_slot, stream=side)
             event.record(side)
     with timeline.span("gemm", plan.own_label, device=dev, chunk=rank):
         _chunk_mm(a_shard, b, scaled, c[mine])
@@ -239,6 +251,7 @@ class _ScatterPlan:
         self.rows = [slice(*bounds[p]) for p in self.peers]
         self.dests = [inbox(p, rank) for p in self.peers]
         self.ready_out = ws.outgoing("READY", self.peers)
+        self.ready_in = ws.incoming("READY", self.peers)
         self.events = [torch.cuda.Event() for _ in self.peers]
         self.joined = torch.cuda.Event()   # the compute stream's wait for the side stream's pushes
         self.labels = [(f"GEMM {p}", f"push {p}") for p in self.peers]   # timeline span names
@@ -248,7 +261,8 @@ class _ScatterPlan:
         # every peer's partial, one allocation: peer i's in rows part_rows[i]; pushed from there into
         # its owner's inbox slot for this rank, checked once (one driver call per push)
         self.parts_shape = (len(self.peers) * slot_rows, n)
-        self.part_rows = [slice(i * slot_rows, i * slot_rows + rows.stop - rows.start) for i, rows in enumerate(self.rows)]
+        self.part_rows = [slice(i * slot_rows, i * slot_rows + rows.stop - rows.start)
+                          for i, rows in enumerate(self.rows)]
         self.pushes = _driver.RowCopies([(r.start, r.stop, dest) for r, dest in zip(self.part_rows, self.dests)],
                                         into=False, row_shape=(n,), dtype=ws.spec.dtype)
         self.sources = [inbox(rank, src) for src in range(ws.world_size)]
@@ -339,7 +353,7 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     # READY to every owner and the wait for every peer's READY: one launch; the reduce is the NaN
     # fill and raises DONE in its launch
     steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard, signal_first=plan.ready_out,
-                       signal_after=plan.done_out)
+                       signal_after=plan.done_out, ready=plan.ready_in)
     return _rounded(c_shard, result_dtype)
 
 

@@ -52,6 +52,7 @@ must leave SMs free.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -212,6 +213,9 @@ def _local_words(ws: symm.Workspace, name: str, count: int) -> torch.Tensor:
         words = torch.zeros(count, dtype=torch.int32, device=ws.spec.device)
         ws.state[key] = words
     return words
+
+
+_AS_IS = contextlib.nullcontext()   # stateless: the streams as they are
 
 
 def _set_word(words: _driver.Words, index: int, stream: torch.cuda.Stream) -> None:
@@ -397,12 +401,13 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     # the GEMM's bounded spins (docs/ops.md, tried and not kept).
     steps.join(side, main, plan.fork)
     base = plan.copies.bind(a_full)
-    with ws.on_stream():
+    # every side-stream operation names the side stream; only a recorded timeline's spans need it current
+    with ws.on_stream() if timeline.current() is not None else _AS_IS:
         for i, (src, lo, hi, chunk, rows, scale_rows, last, label) in enumerate(plan.pulls):
             with timeline.span("copy", label, device=dev, chunk=chunk):
                 plan.copies.copy(i, a_full, base, side)
                 if scale_rows is not None:   # before the arrival word: the tiles' epilogues read them
-                    _driver.copy_(scale_full[lo:hi], scale_rows)
+                    _driver.copy_(scale_full[lo:hi], scale_rows, stream=side)
             if last:
                 _set_word(plan.words, chunk, side)
     _gemm("fused GEMM (waits per chunk)", chunk_m, a_full, b, plan.gemms, out=c, tile_order="round",
@@ -437,6 +442,7 @@ class _PartialsPlan:
         self.peers = steps.peers(rank, world_size)
         self.credits = ws.incoming("DONE", self.peers)
         self.ready_out = ws.outgoing("READY", self.peers)
+        self.ready_in = ws.incoming("READY", self.peers)
         self.done_out = ws.outgoing("DONE", self.peers)
         # the hook's per-chunk words are this rank's own, published with 1 and read by nobody (READY
         # follows the launch): never reset, a launch less per call
@@ -489,7 +495,7 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     # READY to every owner and the wait for every peer's READY: one launch; the reduce is the NaN fill
     # and DONE in the reduce's launch
     steps.reduce_inbox(ws, ("rs", shard, n), plan.peers, sources, c_shard, signal_first=plan.ready_out,
-                       signal_after=plan.done_out)
+                       signal_after=plan.done_out, ready=plan.ready_in)
     return c_shard if scales is None else c_shard.to(out_dtype or acc_dtype)
 
 
