@@ -10,6 +10,8 @@ built once and kept on the workspace (``cached``).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tpfuse import _driver, dtypes, symm, timeline
@@ -31,6 +33,12 @@ def cached(ws: symm.Workspace, key: tuple, build):
             plans.clear()
         hit = plans[key] = build()
     return hit
+
+
+@functools.lru_cache(maxsize=1024)
+def bounds_of(m: int, world_size: int) -> tuple[tuple[int, int], ...]:
+    """:func:`row_bounds` as a tuple, cached (it sits on every two-shot gemm_ar call)."""
+    return tuple(row_bounds(m, world_size))
 
 
 def peers(rank: int, world_size: int) -> list[int]:
@@ -145,32 +153,49 @@ def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torc
     each pull: every pull then waits for the last peer's READY2, which costs only when a peer
     lags the others.  With ``one_launch`` (fused): ONE launch does the READY2 waits, SM copies
     of every chunk, and the NaN fill or DONE2 (:meth:`tpfuse.symm.Workspace.gather`)."""
-    rank = ws.rank
+    plan = cached(ws, ("ar2 phase 2", c.shape, one_launch),
+                  lambda: _GatherPlan(ws, peer_ranks, bounds, gathered, tuple(c.shape), one_launch))
     with timeline.span("wait", "DONE2 + READY all", device=c.device):
-        ws.signal_wait(signal_first, ws.incoming("DONE2", peer_ranks), symm.WAIT_CREDIT2, lag=1,
-                       then=(ws.incoming("READY", peer_ranks), symm.WAIT_READY, 0))
-    lo, hi = bounds[rank]
+        ws.signal_wait(signal_first, plan.credit2, symm.WAIT_CREDIT2, lag=1, then=(plan.ready, symm.WAIT_READY, 0))
     with timeline.span("reduce", "reduce", device=c.device):
-        ws.reduce(("ar2",) + tuple(c.shape), sources, gathered(rank), out2=c[lo:hi],
-                  signal=ws.outgoing(("DONE", "READY2"), peer_ranks))
+        ws.reduce(plan.reduce_key, sources, plan.own, out2=c[plan.own_rows], signal=plan.done_ready2)
     if one_launch:
-        key = ("ar2 gather",) + tuple(c.shape)
-        ready2, chunks, offsets, done2 = cached(ws, key, lambda: (
-            ws.incoming("READY2", peer_ranks), [gathered(p) for p in peer_ranks],
-            [bounds[p][0] * c.shape[1] for p in peer_ranks], ws.outgoing("DONE2", peer_ranks)))
         with timeline.span("copy", "READY2 waits + pulls + DONE2", device=c.device):
-            ws.gather(key, ready2, chunks, offsets, c, done2)
+            ws.gather(plan.gather_key, plan.ready2, plan.chunks, plan.offsets, c, plan.done2)
         return
     # The pulls run on the compute stream: it would wait for a side stream right after them and
     # nothing else runs meanwhile, so forking and joining one cost two stream operations (and a
     # record_stream) per call for no overlap.
     with timeline.span("wait", "READY2 all", device=c.device):
-        ws.wait(ws.incoming("READY2", peer_ranks), symm.WAIT_READY2)
-    for p in peer_ranks:
-        plo, phi = bounds[p]
+        ws.wait(plan.ready2, symm.WAIT_READY2)
+    main, base = ws.current_stream(), plan.pulls.bind(c)
+    for i, p in enumerate(peer_ranks):
         with timeline.span("copy", "pull", device=c.device, chunk=p):
-            _driver.copy_(c[plo:phi], gathered(p))
-    ws.poison_on_error(c, signal=ws.outgoing("DONE2", peer_ranks))
+            plan.pulls.copy(i, c, base, main)
+    ws.poison_on_error(c, signal=plan.done2)
+
+
+class _GatherPlan:
+    """What phase 2 of a two-shot gemm_ar of one output shape needs, built once per workspace:
+    the flag tables, this rank's gather slot and rows, and the peers' reduced chunks (one launch's
+    table, or the copy-engine pulls, checked once)."""
+
+    def __init__(self, ws: symm.Workspace, peer_ranks, bounds, gathered, shape: tuple, one_launch: bool):
+        rank = ws.rank
+        self.credit2 = ws.incoming("DONE2", peer_ranks)
+        self.ready = ws.incoming("READY", peer_ranks)
+        self.done_ready2 = ws.outgoing(("DONE", "READY2"), peer_ranks)
+        self.ready2 = ws.incoming("READY2", peer_ranks)
+        self.done2 = ws.outgoing("DONE2", peer_ranks)
+        self.reduce_key = ("ar2",) + shape
+        self.own = gathered(rank)
+        self.own_rows = slice(*bounds[rank])
+        self.gather_key = ("ar2 gather",) + shape
+        self.chunks = [gathered(p) for p in peer_ranks]
+        self.offsets = [bounds[p][0] * shape[1] for p in peer_ranks]
+        self.pulls = None if one_launch else _driver.RowCopies(
+            [(bounds[p][0], bounds[p][1], chunk) for p, chunk in zip(peer_ranks, self.chunks)],
+            into=True, row_shape=shape[1:], dtype=ws.spec.dtype)
 
 
 def finish(ws: symm.Workspace, out: torch.Tensor, out2: torch.Tensor | None = None, *,

@@ -388,13 +388,13 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
                            signal_after=ws.outgoing("DONE", peers))
         return _rounded(c, result_dtype)
 
-    bounds = steps.row_bounds(m, world_size)
+    bounds = steps.bounds_of(m, world_size)
     slot_rows = -(-m // world_size)
     ws = steps.two_shot_workspace(ctx, acc_dtype, a.device, slot_rows * n)
-    gather_at = steps.two_shot_gather_offset(ws)
     plan = steps.cached(ws, ("copy_engine ar2", m, n), lambda: _ScatterPlan(ws, bounds, slot_rows, n))
     views = steps.cached(ws, ("copy_engine ar2 gathered", m, n), lambda: [
-        ws.data(owner, (slot_rows, n), offset=gather_at)[: hi - lo] for owner, (lo, hi) in enumerate(bounds)])
+        ws.data(owner, (slot_rows, n), offset=steps.two_shot_gather_offset(ws))[: hi - lo]
+        for owner, (lo, hi) in enumerate(bounds)])
 
     breadcrumb("copy_engine gemm_ar (two-shot): computing partials")
     ws.begin(plan.credits)

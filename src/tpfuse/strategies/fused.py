@@ -515,13 +515,12 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     if scale_a is not None:
         b = _column_major(b)
         scales = _scale_kwargs(scale_a, scale_b, acc_dtype)
-    bounds = steps.row_bounds(m, world_size)
+    bounds = steps.bounds_of(m, world_size)
     slot_rows = m // world_size
     ws = steps.two_shot_workspace(ctx, acc_dtype, a.device, slot_rows * n)   # copy_engine's layout and credits
-    gather_at = steps.two_shot_gather_offset(ws)
     plan = steps.cached(ws, ("fused ar", m, n), lambda: _PartialsPlan(ws, bounds, slot_rows, n))
     views = steps.cached(ws, ("fused ar gathered", m, n), lambda: [
-        ws.data(owner, (slot_rows, n), offset=gather_at) for owner in range(world_size)])
+        ws.data(owner, (slot_rows, n), offset=steps.two_shot_gather_offset(ws)) for owner in range(world_size)])
     c = new_output((m, n), dtype=acc_dtype, device=a.device)
 
     breadcrumb("fused gemm_ar: the GEMM stores into the owners' inboxes")
