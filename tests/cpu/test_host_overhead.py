@@ -527,3 +527,30 @@ def test_the_model_issues_what_the_code_launches(monkeypatch, op, mode, strategy
     issued = [t.label.removeprefix("issue ") for t in res.tasks if t.rank == 0 and t.engine == "host"]
     assert issued[0] == "dispatch", issued
     assert len(issued) - 1 == len(launches), (issued, launches)
+
+
+def test_gemm_ar_is_timed_against_its_gemm_rs_in_the_same_rounds():
+    """Issue 34 (gemm_ar within 1.5x of gemm_rs): the bed's gemm_ar rows carry their ratio to
+    the same strategy's gemm_rs on the same inputs, taken per round in the same rounds (the bed's
+    host drifts between rounds: one run's gemm_ar rounds split 107 us / 220 us while its gemm_rs
+    stayed level), the partners timed but not reported as rows of their own."""
+    from tpfuse.bench import host
+
+    made = []
+    partners = host.gemm_rs_partners("gemm_ar", 2048, 4, ["copy_engine", "fused"], lambda s: made.append(s))
+    assert list(partners) == ["copy_engine gemm_rs", "fused gemm_rs"]
+    partners["fused gemm_rs"]()
+    assert made == ["fused"]
+    assert host.gemm_rs_partners("gemm_rs", 2048, 4, ["fused"], made.append) == {}
+    assert host.gemm_rs_partners("gemm_ar", 2046, 4, ["fused"], made.append) == {}   # no gemm_rs of uneven M
+    rows = {"fused": {"op": "gemm_ar"}, "copy_engine": {"op": "gemm_ar"}}
+    busy = {"fused": {"host_us": 200.0, "round_host_us": [100.0, 300.0, 220.0]},
+            "fused gemm_rs": {"host_us": 110.0, "round_host_us": [50.0, 200.0, 110.0]},
+            "copy_engine": {"host_us": 50.0, "round_host_us": [50.0]}}
+    host.attach_gemm_rs_ratios(rows, busy)
+    assert rows["fused"]["host_us_vs_gemm_rs"] == 2.0   # per round: 2.0, 1.5, 2.0
+    assert rows["fused"]["gemm_rs_host_us"] == 110.0
+    assert "host_us_vs_gemm_rs" not in rows["copy_engine"] and list(busy) == ["fused", "copy_engine"]
+    assert host.ratio_per_round([3.0, 1.0], [1.0, 1.0]) == 2.0
+    with pytest.raises(ValueError, match="rounds"):
+        host.ratio_per_round([1.0], [1.0, 2.0])

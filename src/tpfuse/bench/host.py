@@ -38,6 +38,8 @@ that waited for the GPU would show it):
 | ``round_host_us`` | ``host_us`` of each round |
 | ``host_us_vs_asynctp`` | ag_gemm / gemm_rs: median over rounds of ``host_us`` / async-TP's ``host_us`` in the same round |
 | ``asynctp_host_us`` | async-TP's ``host_us`` from those rounds |
+| ``host_us_vs_gemm_rs`` | gemm_ar (M divisible by W): median over rounds of ``host_us`` / the same strategy's gemm_rs ``host_us`` on the same inputs in the same round |
+| ``gemm_rs_host_us`` | that gemm_rs's ``host_us`` from those rounds |
 
 ``--profile N`` adds ``profile`` to every tpfuse row: the functions that take the most host
 time in N eager ``tpfuse.<op>`` calls under ``cProfile`` (with ``--bed``, the GPU busy ahead), each
@@ -67,7 +69,8 @@ import torch.distributed as dist
 
 from tpfuse import dtypes
 
-__all__ = ["measure_host_overhead", "measure_busy_ahead", "measure_busy_ahead_interleaved", "profile_calls", "main"]
+__all__ = ["measure_host_overhead", "measure_busy_ahead", "measure_busy_ahead_interleaved", "profile_calls",
+           "ratio_per_round", "gemm_rs_partners", "attach_gemm_rs_ratios", "main"]
 
 
 def _per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
@@ -144,7 +147,7 @@ def measure_busy_ahead_interleaved(fns: dict[str, Callable[[], object]], *, call
     if reference is not None:
         for key in keys:
             if key != reference:
-                rows[key]["host_us_ratio"] = statistics.median(x / y for x, y in zip(each[key], each[reference]))
+                rows[key]["host_us_ratio"] = ratio_per_round(each[key], each[reference])
                 rows[key]["reference_host_us"] = rows[reference]["host_us"]
     return rows
 
@@ -182,6 +185,36 @@ def _short_path(path: str) -> str:
         if parts[i] in ("site-packages", "dist-packages", "src"):
             return "/".join(parts[i + 1:])
     return "/".join(parts[-2:])
+
+
+def ratio_per_round(values: list[float], reference: list[float]) -> float:
+    """Median over rounds of ``values[i] / reference[i]``: two variants timed in the same rounds,
+    so that the host's drift between rounds cancels in each ratio."""
+    if not values or len(values) != len(reference):
+        raise ValueError(f"ratio_per_round: {len(values)} values for {len(reference)} reference rounds")
+    return statistics.median(x / y for x, y in zip(values, reference))
+
+
+def gemm_rs_partners(op: str, m: int, world_size: int, strategies: list[str],
+                     gemm_rs: Callable[[str], object]) -> dict[str, Callable[[], object]]:
+    """For gemm_ar with M divisible by W: each strategy's gemm_rs on the same inputs
+    (``gemm_rs(strategy)`` makes the call), keyed ``"<strategy> gemm_rs"``, to be timed in the same
+    rounds as the gemm_ar calls (:func:`attach_gemm_rs_ratios`); else none."""
+    if op != "gemm_ar" or m % world_size:
+        return {}
+    return {f"{s} gemm_rs": (lambda s=s: gemm_rs(s)) for s in strategies}
+
+
+def attach_gemm_rs_ratios(op_rows: dict[str, dict], busy: dict[str, dict]) -> None:
+    """Each gemm_ar row's ``host_us_vs_gemm_rs`` and ``gemm_rs_host_us`` from its partner's
+    rounds in ``busy`` (:func:`measure_busy_ahead_interleaved`'s result), the partners dropped."""
+    for key in [k for k in busy if k.endswith(" gemm_rs")]:
+        partner = busy.pop(key)
+        strategy = key[:-len(" gemm_rs")]
+        if strategy in busy and strategy in op_rows:
+            op_rows[strategy]["host_us_vs_gemm_rs"] = ratio_per_round(busy[strategy]["round_host_us"],
+                                                                      partner["round_host_us"])
+            op_rows[strategy]["gemm_rs_host_us"] = partner["host_us"]
 
 
 def measure_host_overhead(op: str = "gemm_ar", *, strategy: str = "unfused", m: int = 128, n: int = 256,
@@ -341,16 +374,20 @@ def _bed_rows(rank: int, world_size: int, args: argparse.Namespace) -> list[dict
             op_rows["asynctp"], theirs = _asynctp_row(op, a, b, world_size, args)
             if theirs is not None:
                 busy_fns["asynctp"] = theirs
+        # gemm_ar against gemm_rs in the same rounds too (issue 34: within 1.5x of it)
+        busy_fns.update(gemm_rs_partners(op, m, world_size, args.strategies,
+                                          lambda s: tpfuse.gemm_rs(a, b, strategy=s)))
         # every variant in the same rounds, rotated (the bed's host load drifts: async-TP's own
         # figure moved 2x between runs), and each tpfuse variant's ratio to async-TP per round
         with torch.no_grad():
             busy = measure_busy_ahead_interleaved(busy_fns, calls=args.busy_calls, rounds=args.rounds,
                                                   barrier=dist.barrier,
                                                   reference="asynctp" if "asynctp" in busy_fns else None)
+        attach_gemm_rs_ratios(op_rows, busy)
         if args.profile:   # every rank the same calls, each behind queued GPU work
             with torch.no_grad():
                 for key, call in busy_fns.items():
-                    if key != "asynctp":
+                    if key in op_rows and key != "asynctp":
                         op_rows[key]["profile"] = _profile_busy(call, args.profile)
         for key, row in op_rows.items():
             got = busy.get(key, {})
@@ -429,7 +466,9 @@ def _report(rows: list[dict], path: str | None, meta: dict) -> None:
             busy = (f"  | GPU busy ahead: one call {r['host_ms_gpu_busy']:.2f} ms, {r['host_us']:.1f} us/call"
                     f"{'' if r.get('gpu_stayed_busy') else ' (the GPU went idle: includes waiting)'}"
                     + (f", {r['host_us_vs_asynctp']:.2f}x async-TP's in the same rounds"
-                       if r.get("host_us_vs_asynctp") is not None else ""))
+                       if r.get("host_us_vs_asynctp") is not None else "")
+                    + (f", {r['host_us_vs_gemm_rs']:.2f}x its gemm_rs's in the same rounds"
+                       if r.get("host_us_vs_gemm_rs") is not None else ""))
         print(f"{r['op']:8s} {r['strategy']:11s} W={r['world_size']} tpfuse {us(r['tpfuse_us'])} us  direct "
               f"{us(r['direct_us'])}  overhead {us(r['overhead_us'])}  custom op {us(r['custom_op_us'])}  "
               f"bare {us(r['bare_us'])}  matmul {us(r['matmul_us'])}{busy}", flush=True)
