@@ -230,11 +230,20 @@ def _store_tile(acc, c, off_m, off_n, M, N, stride_cm, dest_offs, stride_dm, chu
                 SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, FROM_WS: tl.constexpr):
     """Store one tile in EPI_SUBTILE column slices: the fp32 tile ``acc`` held in registers or,
     FROM_WS (stream-K), each slice summed from the workspace partials of programs
-    ``q_first..q_last`` (:func:`_sum_segments`; ``acc`` then only gives the tile's shape)."""
+    ``q_first..q_last`` (:func:`_sum_segments`; ``acc`` then only gives the tile's shape). A tile
+    in registers is scaled whole before it is sliced: each row-/column-wise scale is loaded once
+    per tile, before the first slice's store (per slice, the second slice's column scales were
+    loaded after the first slice's store, in the accumulator's replicated layout: 136 global
+    loads and 231 registers per thread on the tuned 8B fc2 config against 14 and 191)."""
     BLOCK_M: tl.constexpr = acc.shape[0]
     BLOCK_N: tl.constexpr = acc.shape[1]
     SUB_N: tl.constexpr = BLOCK_N // EPI_SUBTILE
+    SA: tl.constexpr = SCALE_A if FROM_WS else SCALE_NONE
+    SB: tl.constexpr = SCALE_B if FROM_WS else SCALE_NONE
     if not FROM_WS:
+        # the whole tile scaled at once: every scale load issued before the first subtile's store
+        acc = _scale_tile(acc, off_m + tl.arange(0, BLOCK_M), off_n + tl.arange(0, BLOCK_N), M, N, scale_a, scale_b,
+                          SCALE_A, SCALE_B)
         if EPI_SUBTILE == 2:
             acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, SUB_N)), (0, 2, 1)))
     for s in tl.static_range(EPI_SUBTILE):
@@ -248,7 +257,7 @@ def _store_tile(acc, c, off_m, off_n, M, N, stride_cm, dest_offs, stride_dm, chu
             vals = acc_hi
         _epilogue_store(vals, c, off_m, off_n, M, N, stride_cm, dest_offs, stride_dm, chunk_m, num_chunks,
                         epi_descs, scale_a, scale_b, C_DTYPE, SUB_N, s, USE_TMA, EPILOGUE, DEST_ALIGNED, EPI_TMA,
-                        SCALE_A, SCALE_B)
+                        SA, SB)
 
 
 @triton.jit
