@@ -99,12 +99,19 @@ def test_repeats_launch_what_matmul_launches_for_the_same_tensors(monkeypatch):
     assert env.plans == 1 and env.jit == 0
 
 
-def test_scales_are_taken_per_call(monkeypatch):
+def _called_once_with_unit_scales(monkeypatch):
+    """The arrange step of the scale tests: a fake environment, fused ag's kind of call, its
+    tensors, and a first call with unit row/column scales (planned by matmul, then kept)."""
     env = Env(monkeypatch)
     call = _ag_call()
     a, b, out = _tensors(0)
-    s1, t1 = torch.ones(M, 1), torch.ones(1, N)
-    call(a, b, out=out, scale_a=s1, scale_b=t1)
+    scale_a, scale_b = torch.ones(M, 1), torch.ones(1, N)
+    call(a, b, out=out, scale_a=scale_a, scale_b=scale_b)
+    return env, call, (a, b, out), (scale_a, scale_b)
+
+
+def test_scales_are_taken_per_call(monkeypatch):
+    env, call, (a, b, out), (s1, t1) = _called_once_with_unit_scales(monkeypatch)
     s2, t2 = torch.full((M, 1), 2.0), torch.full((1, N), 3.0)
     call(a, b, out=out, scale_a=s2, scale_b=t2)
     assert env.plans == 1
@@ -190,11 +197,7 @@ def test_another_threads_launch_is_never_kept_for_this_one(monkeypatch):
 
 
 def test_clear_plans_drops_the_kept_launch_and_no_call_holds_its_scales(monkeypatch):
-    env = Env(monkeypatch)
-    call = _ag_call()
-    a, b, out = _tensors(0)
-    scale_a, scale_b = torch.ones(M, 1), torch.ones(1, N)
-    call(a, b, out=out, scale_a=scale_a, scale_b=scale_b)
+    env, call, (a, b, out), (scale_a, scale_b) = _called_once_with_unit_scales(monkeypatch)
     assert not any(x is scale_a or x is scale_b for x in call._kept[4])   # kept arguments: not this call's scales
     L.clear_plans()                                                        # e.g. after tuning: plan again
     call(a, b, out=out, scale_a=scale_a, scale_b=scale_b)
