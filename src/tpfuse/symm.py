@@ -47,7 +47,6 @@ same call.  Outgrown allocations are kept (peers may still be reading them) unti
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import operator
@@ -400,16 +399,15 @@ class Workspace:
             self._fixed[fixed] = (direct, (*args, *constexprs.values()), self.spec.device.index)
         return direct
 
-    def _fire(self, fixed: tuple, stream: torch.cuda.Stream | None = None) -> bool:
-        """Repeat the launch kept under ``fixed`` (:meth:`_launch`) on ``stream`` (None: the
-        current stream); False where none is kept (first launch, not CUDA, interpreted) or it
-        failed (:func:`_run` then says why)."""
+    def _fire(self, fixed: tuple) -> bool:
+        """Repeat the launch kept under ``fixed`` (:meth:`_launch`) on the current stream; False
+        where none is kept (first launch, not CUDA, interpreted) or it failed (:func:`_run` then
+        says why)."""
         hit = self._fixed.get(fixed)
         if hit is None:
             return False
         try:
-            hit[0](_GRID_1, torch._C._cuda_getCurrentRawStream(hit[2]) if stream is None else stream.cuda_stream,
-                   hit[1])
+            hit[0](_GRID_1, torch._C._cuda_getCurrentRawStream(hit[2]), hit[1])
             return True
         except Exception:   # noqa: BLE001 - the caller launches through _run, which warns once and takes the JIT
             self._fixed.clear()
@@ -436,16 +434,14 @@ class Workspace:
         self._launch(wait_kernel, self.gen, addrs, peers, addrs.numel(), lag, bound, self.error, what,
                      self.rank, ADVANCE=advance, USE_ASM=asm, fixed=fixed)
 
-    def signal(self, table: tuple[torch.Tensor, torch.Tensor], stream: torch.cuda.Stream | None = None) -> None:
-        """Enqueue on ``stream`` (None: the current stream): every flag of ``table`` = gen
-        (release, system scope); nothing once the workspace is broken."""
+    def signal(self, table: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Enqueue on the current stream: every flag of ``table`` = gen (release, system scope);
+        nothing once the workspace is broken."""
         signal_kernel = _kernel("tpfuse.kernels.flags", "signal_kernel")
 
         addrs, _ = table
         fixed = ("signal", id(addrs))
-        if self._fire(fixed, stream) or not addrs.numel():
-            return
-        with contextlib.nullcontext() if stream is None else _OnStream(stream):
+        if not self._fire(fixed) and addrs.numel():
             self._launch(signal_kernel, self.gen, addrs, addrs.numel(), self.error, fixed=fixed)
 
     def signal_wait(self, signals: tuple[torch.Tensor, torch.Tensor] | None, waits: tuple[torch.Tensor, torch.Tensor],
