@@ -10,6 +10,7 @@ built once and kept on the workspace (``cached``).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -44,6 +45,15 @@ def bounds_of(m: int, world_size: int) -> tuple[tuple[int, int], ...]:
 def peers(rank: int, world_size: int) -> list[int]:
     """The other ranks in issue order: rank + 1, rank + 2, ... (mod W)."""
     return [(rank + i) % world_size for i in range(1, world_size)]
+
+
+_AS_IS = contextlib.nullcontext()   # stateless: the streams as they are
+
+
+def side_for_spans(ws: symm.Workspace):
+    """``ws.on_stream()`` while a timeline records (its spans time the current stream's work),
+    else the streams as they are: for a block whose every operation names the side stream."""
+    return ws.on_stream() if timeline.current() is not None else _AS_IS
 
 
 def join(waiter, stream, event: torch.cuda.Event) -> None:

@@ -52,7 +52,6 @@ alike), and the next call on the group, :func:`tpfuse.synchronize` or the watchd
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -73,8 +72,6 @@ ORDER = 20
 DTYPES = dtypes.FAST + (dtypes.FP8,)   # fp8: torch._scaled_mm per chunk
 SYMMETRIC_MEMORY = True
 KNOBS = None
-
-_AS_IS = contextlib.nullcontext()   # stateless: the streams as they are
 
 # gemm_ar reads every peer's whole partial in place (one-shot) up to this many output bytes, and
 # reduce-scatters + gathers above it (fused too).  A lead, not a measurement: one-shot moves W
@@ -204,8 +201,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     pulled = [a_full[rows] for rows in plan.rows]   # each peer's rows, sliced once per call
     scales = [scale_full[rows] if rowwise else None for rows in plan.rows]
     base = plan.pulls.bind(a_full)
-    # every side-stream operation names the side stream; only a recorded timeline's spans need it current
-    with ws.on_stream() if timeline.current() is not None else _AS_IS:
+    with steps.side_for_spans(ws):   # every operation below names the side stream
         for i, (p, scale_slot, scale_dest, event, labels) in enumerate(zip(
                 plan.peers, plan.scale_slots, scales, plan.events, plan.labels)):
             with timeline.span("copy", labels[0], device=dev, chunk=p):

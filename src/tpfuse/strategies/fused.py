@@ -52,7 +52,6 @@ must leave SMs free.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -214,8 +213,6 @@ def _local_words(ws: symm.Workspace, name: str, count: int) -> torch.Tensor:
         ws.state[key] = words
     return words
 
-
-_AS_IS = contextlib.nullcontext()   # stateless: the streams as they are
 
 
 def _set_word(words: _driver.Words, index: int, stream: torch.cuda.Stream) -> None:
@@ -401,8 +398,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     # the GEMM's bounded spins (docs/ops.md, tried and not kept).
     steps.join(side, main, plan.fork)
     base = plan.copies.bind(a_full)
-    # every side-stream operation names the side stream; only a recorded timeline's spans need it current
-    with ws.on_stream() if timeline.current() is not None else _AS_IS:
+    with steps.side_for_spans(ws):   # every operation below names the side stream
         for i, (src, lo, hi, chunk, rows, scale_rows, last, label) in enumerate(plan.pulls):
             with timeline.span("copy", label, device=dev, chunk=chunk):
                 plan.copies.copy(i, a_full, base, side)
