@@ -325,6 +325,12 @@ def test_offline_ws_kernel_fp8_with_scales(variant):
         per_thread = block[0] * block[1] // (abi.WS_NUM_WARPS * 32)   # accumulator elements per MMA thread
         muls = len(re.findall(r"\bmul\.(?:rn\.)?f32", ptx))
         assert muls == (2 * per_thread if ws_kw["scale_a"] == 2 else per_thread + 1), muls
+        # global loads besides TMA: the two scales (tensor-wise values or one word per thread of
+        # each row-wise vector, moved into the accumulator's layout through shared memory), the
+        # hook's signal or the wait's two words.  Row-wise vectors loaded in the accumulator's
+        # layout took a load per column a thread holds (67 loads here, 69 with the wait; issue 29)
+        loads = len(re.findall(r"\bLDG\.", sass))
+        assert loads == (5 if wait else 3), loads
 
 
 def test_ws_choice():

@@ -214,18 +214,24 @@ def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: g
 
 @gluon.jit
 def _load_scales(layout: gl.constexpr, off_m, off_n, M, N, sa, sb, scale_a, scale_b, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
+                 BLOCK_N: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr, num_warps: gl.constexpr):
     """A tile's scales in the accumulator's ``layout``: ``(row factor, column factor)``, the
     tensor-wise values ``sa`` / ``sb`` (loaded once per program) or ``scale_a[global row]`` /
-    ``scale_b[column]`` (masked: 0 past M or N, as gemm.py; TMA clips those rows anyway)."""
+    ``scale_b[column]`` (masked: 0 past M or N, as gemm.py; TMA clips those rows anyway).
+
+    A vector is loaded once, spread over the partition's threads (one or two words each), and
+    then moved into the accumulator's slice layout through shared memory: loaded in that layout
+    directly, every thread issued one global load per column it holds (64 of a 256-column tile,
+    replicated across the rows' threads) while the tensor cores waited for the epilogue."""
     fa = sa
     fb = sb
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     if SCALE_A == SCALE_VECTOR:
-        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        fa = gl.load(scale_a + offs_m, mask=offs_m < M, other=0.0)
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=flat)
+        fa = gl.convert_layout(gl.load(scale_a + offs_m, mask=offs_m < M, other=0.0), gl.SliceLayout(1, layout))
     if SCALE_B == SCALE_VECTOR:
-        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        fb = gl.load(scale_b + offs_n, mask=offs_n < N, other=0.0)
+        offs_n = off_n + gl.arange(0, BLOCK_N, layout=flat)
+        fb = gl.convert_layout(gl.load(scale_b + offs_n, mask=offs_n < N, other=0.0), gl.SliceLayout(0, layout))
     return fa, fb
 
 
@@ -295,7 +301,7 @@ def _mma_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.
             pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
                                         BLOCK_M, GROUP_M, TILE_ORDER)
             fa, fb = _load_scales(mma_layout, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, sa, sb, scale_a, scale_b,
-                                  BLOCK_M, BLOCK_N, SCALE_A, SCALE_B)
+                                  BLOCK_M, BLOCK_N, SCALE_A, SCALE_B, num_warps)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
         if SCALE_A != SCALE_NONE or SCALE_B != SCALE_NONE:
