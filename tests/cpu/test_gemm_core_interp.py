@@ -737,6 +737,25 @@ def test_fp8_matches_scaled_mm(mode, a_dtype, b_dtype, out_dtype):
         assert gc.matmul(a, b, config=CFG, scale_a=sa, scale_b=sb).dtype == torch.bfloat16
 
 
+def test_fp8_gluon_config_off_sm90_runs_gemm_kernel_and_says_why():
+    # GemmConfig(gluon=True) where the Gluon kernel cannot run (here: the interpreter, no TMA):
+    # the call never fails; gemm_kernel runs the rest of the config, bitwise as without the
+    # flag, with a warning and the plan's reason naming why
+    m, k, n = 45, 144, 32
+    a, b, sa, sb, ref = _scaled_operands(m, k, n, E4M3, E4M3, "row", seed=7)
+    cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=5, gluon=True)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="gluon=True.*not stored by TMA.*gemm_kernel.*45x32x144"):
+        gc.matmul(a, b, out=out, config=cfg, scale_a=sa, scale_b=sb)
+    plan = gc.last_plan()
+    assert plan.kernel == "gemm_kernel" and plan.config is cfg and not plan.ws_block
+    assert "gluon=True" in plan.explain() and "gemm_kernel with the rest of the config" in plan.explain()
+    _assert_rounded(out, ref, torch.bfloat16)
+    plain = gc.matmul(a, b, config=dataclasses.replace(cfg, gluon=False), scale_a=sa, scale_b=sb)
+    assert torch.equal(plain, out)
+    assert not any("gluon" in r for r in gc.last_plan().reasons)   # no flag: nothing said, as before
+
+
 def test_scales_on_bf16_operands_and_stream_k_sums():
     # the epilogue's scaling of 16-bit operands (the interpreter's stand-in for fp8 dots where a
     # Triton cannot run them), through whole tiles and stream-K's workspace sums (2 subtiles)

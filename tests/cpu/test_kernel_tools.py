@@ -2,6 +2,7 @@
 kernels and count modes, and the offline sm_90 compile (Triton ships ptxas, so no GPU is needed;
 tpfuse/gemm/offline.py)."""
 import dataclasses
+import json
 import os
 import re
 from pathlib import Path
@@ -289,6 +290,13 @@ _WS_FP8 = {
                                dict(wait=True, tile_order=1), ".e4m3.e4m3"),
     "e5m2_e4m3_fp16_tensorwise_stacked": (dict(b_dtype=E4M3, out_dtype=torch.float16, scale_a=1, scale_b=1), 256,
                                           dict(epi_tma=9), ".e5m2.e4m3"),
+    # no hook: a plain call whose config asks for the Gluon kernel (GemmConfig.gluon)
+    "e4m3_bf16_rowwise_plain": (dict(out_dtype=torch.bfloat16, scale_a=2, scale_b=2), 256,
+                                dict(epi_tma=-1), ".e4m3.e4m3"),
+    "e4m3_bf16_tensorwise_plain_128": (dict(out_dtype=torch.bfloat16, scale_a=1, scale_b=1), 128,
+                                       dict(epi_tma=-1), ".e4m3.e4m3"),
+    "e4m3_fp32_rowwise_plain": (dict(out_dtype=torch.float32, scale_a=2, scale_b=2), 256,
+                                dict(epi_tma=-1), ".e4m3.e4m3"),
 }
 
 
@@ -300,14 +308,17 @@ def test_offline_ws_kernel_fp8_with_scales(variant):
     # loads, spills nothing and fits sm_90's shared memory beside its staging buffer; the hook's
     # count and publication (or the wait) as for bf16. The scales: one multiply per accumulator
     # element and operand (a tensor-wise pair: their product once, then one per element).
+    # Without a hook (a gluon=True config's plain call): no count, no publication, no wait.
     compile_ws, sass_of = _offline_ws(pinned=False)
     ws_kw, bn, kw, mma = _WS_FP8[variant]
     dtype = E5M2 if ws_kw.get("b_dtype") == E4M3 else E4M3
-    cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=128, num_warps=8, num_stages=3)
     wait = kw.get("wait", False)
-    (block, stages), _ = launch.ws_choice((9, 0), dtype, cfg, None if wait else object(), object() if wait else None,
-                                          0 if wait else kw["epi_tma"], True, out_tma=True, **ws_kw)
-    assert block[2] == 128 and (block[1] == 128) == (ws_kw["out_dtype"] == torch.float32), block
+    plain = kw.get("epi_tma") == -1
+    cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=128, num_warps=8, num_stages=3, gluon=plain)
+    epi = object() if not (wait or plain) else None
+    (block, stages), _ = launch.ws_choice((9, 0), dtype, cfg, epi, object() if wait else None,
+                                          kw["epi_tma"] if epi else 0, True, out_tma=True, **ws_kw)
+    assert block[2] == 128 and (block[1] == 128) == (ws_kw["out_dtype"] == torch.float32 or bn == 128), block
     m, n, k = 4096, 3584, 4096
     kern = compile_ws(m, n, k, block=block, stages=stages, dtype=dtype, b_dtype=ws_kw.get("b_dtype"),
                       out_dtype=ws_kw["out_dtype"], scale_a=ws_kw["scale_a"], scale_b=ws_kw["scale_b"], **kw)
@@ -318,8 +329,9 @@ def test_offline_ws_kernel_fp8_with_scales(variant):
     assert wgmma and set(wgmma) == {str(block[1])} and "QGMMA" in sass and "UTMALDG" in sass
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     for piece in ("atom.add.acq_rel.gpu", "fence.acq_rel.sys"):
-        assert ptx.count(piece) == (0 if wait else 1), piece
+        assert ptx.count(piece) == (0 if wait or plain else 1), piece
     assert ptx.count("ld.global.acquire.sys.b32") == (1 if wait else 0)
+    assert "UTMASTG" in sass and ("fence.proxy.async.global" in ptx) == (not plain)
     import triton
     if triton.__version__.startswith(KNOWN_TRITON):   # pinned: what this Triton made of the scaling
         per_thread = block[0] * block[1] // (abi.WS_NUM_WARPS * 32)   # accumulator elements per MMA thread
@@ -330,7 +342,7 @@ def test_offline_ws_kernel_fp8_with_scales(variant):
         # hook's signal or the wait's two words.  Row-wise vectors loaded in the accumulator's
         # layout took a load per column a thread holds (67 loads here, 69 with the wait; issue 29)
         loads = len(re.findall(r"\bLDG\.", sass))
-        assert loads == (5 if wait else 3), loads
+        assert loads == (5 if wait else 2 if plain else 3), loads
 
 
 def test_ws_choice():
@@ -410,6 +422,125 @@ def test_ws_choice_fp8():
     # bf16 unscaled as before (its own out dtype given or not)
     assert choice(torch.bfloat16, dataclasses.replace(big, BLOCK_K=64), epi, None, 8, True,
                   out_dtype=torch.bfloat16)[0] == ((128, 256, 64), 3)
+
+
+# ---- GemmConfig.gluon: plain fp8 calls in the Gluon kernel, where the tuner finds it faster ----
+_GLUON_256 = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, gluon=True)
+_GLUON_128 = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=5, gluon=True)
+
+
+def test_gluon_config_round_trip_and_validation():
+    for cfg in (_GLUON_256, dataclasses.replace(_GLUON_128, GROUP_M=4, num_programs=66)):
+        d = cfg.to_dict()
+        assert d["gluon"] is True and gc.GemmConfig.from_dict(json.loads(json.dumps(d))) == cfg
+    old = {key: v for key, v in _GLUON_256.to_dict().items() if key != "gluon"}   # a cache entry from before
+    assert gc.GemmConfig.from_dict(old) == dataclasses.replace(_GLUON_256, gluon=False)
+    assert parse_spec("128x256x128:gluon=true") == _GLUON_256
+    # what the Gluon kernel cannot run is refused when the config is made, naming the fix
+    for kw, match in ((dict(BLOCK_M=64), "64x256x128 tile"), (dict(BLOCK_N=64), "128x64x128 tile"),
+                      (dict(BLOCK_K=64), "128x256x64 tile"), (dict(stream_k=1), "stream_k=1:.*pass stream_k=0"),
+                      (dict(EPI_SUBTILE=2), "EPI_SUBTILE=2"), (dict(flatten=True), "flatten=True"),
+                      (dict(tma_store=False), "tma_store=False:.*or gluon=False")):
+        with pytest.raises(ValueError, match=f"GemmConfig\\(gluon=True\\) with (a )?{match}"):
+            dataclasses.replace(_GLUON_256, **kw)
+        dataclasses.replace(_GLUON_256, gluon=False, **kw)   # without the flag: a config as before
+    with pytest.raises(TypeError, match="GemmConfig.gluon=1"):
+        dataclasses.replace(_GLUON_256, gluon=1)
+
+
+def test_ws_choice_plain_fp8_call_with_a_gluon_config():
+    # no hook: the Gluon kernel only where the config asks for it, for fp8 into a TMA-stored
+    # output on sm_90, at the config's own tile width (no wave-fill narrowing: the tuner chose
+    # it) and the stages that fit; everything else is gemm_kernel with a reason
+    sm90 = (9, 0)
+
+    def choice(cfg, dtype=E4M3, capability=sm90, out_tma=True, **kw):
+        kw = dict(dict(out_dtype=torch.bfloat16, scale_a=2, scale_b=2), **kw)
+        return launch.ws_choice(capability, dtype, cfg, None, None, 0, True, 4096, 3584, 132, out_tma=out_tma, **kw)
+    got, why = choice(_GLUON_256)
+    assert got == ((128, 256, 128), 3) and "gluon=True" in why and "Gluon kernel" in why, why
+    assert choice(_GLUON_128)[0] == ((128, 128, 128), 5)
+    for sa, sb in ((0, 0), (1, 1), (1, 2)):
+        assert choice(_GLUON_256, scale_a=sa, scale_b=sb)[0] == ((128, 256, 128), 3)
+    assert choice(_GLUON_256, dtype=E5M2, b_dtype=E4M3)[0] == ((128, 256, 128), 3)
+    got, why = choice(_GLUON_256, out_dtype=torch.float32)
+    assert got == ((128, 128, 128), 5) and "128-wide" in why
+    # the same config with a hook takes ws_choice's own rule (here: 128-wide tiles fill 4096 x
+    # 3584 on 132 SMs better), as does the config without the flag
+    for cfg in (_GLUON_256, dataclasses.replace(_GLUON_256, gluon=False)):
+        assert launch.ws_choice(sm90, E4M3, cfg, object(), None, 8, True, 4096, 3584, 132,
+                                out_dtype=torch.bfloat16)[0] == ((128, 128, 128), 5)
+    for cfg, kw, reason in ((dataclasses.replace(_GLUON_256, gluon=False), {}, "no hook"),
+                            (_GLUON_256, dict(capability=(10, 0)), "sm_90"),
+                            (_GLUON_256, dict(capability=(8, 0)), "sm_90"),
+                            (_GLUON_256, dict(dtype=torch.bfloat16, b_dtype=torch.bfloat16, scale_a=0, scale_b=0,
+                                              out_dtype=torch.bfloat16), "fp8's"),
+                            (_GLUON_256, dict(b_kmajor=False), "K-major"),
+                            (_GLUON_256, dict(out_tma=False), "not stored by TMA"),
+                            (_GLUON_256, dict(options=gc.GemmOptions(gluon=False)), "gluon=False")):
+        got, why = choice(cfg, **kw)
+        assert got == () and reason in why and "gemm_kernel" in why, (kw, why)
+    got, why = launch.ws_choice(sm90, E4M3, _GLUON_256, None, None, 0, False, out_tma=True, out_dtype=torch.bfloat16)
+    assert got == () and "no inline PTX" in why
+
+
+def test_a_plain_gluon_plan_launches_gemm_ws_without_hooks(monkeypatch):
+    # matmul's launch of a hook-free gemm_ws plan (faked: no GPU): the Gluon kernel's arguments
+    # with EPILOGUE and WAIT off and no hook buffers, a's, b's and out's descriptors at the
+    # plan's block, the scales, the config's GROUP_M and the plan's stages and grid
+    m, n, k = 256, 512, 256
+    plan = launch.LaunchPlan(m=m, n=n, k=k, config=dataclasses.replace(_GLUON_256, GROUP_M=4), kernel="gemm_ws_kernel",
+                             b_kmajor=True, use_tma=True, grid=(4, 1, 1), ws_block=(128, 256, 128), ws_stages=3,
+                             out_dtype=torch.bfloat16, scale_a=2, scale_b=2, num_tiles=4)
+    launched = []
+    monkeypatch.setattr(launch, "_make_plan", lambda *args, **kw: plan)
+    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(launch, "_COMPILED", {})
+    monkeypatch.setattr(launch, "_gluon_descriptor", lambda t, shape, strides, block: (
+        "desc", t.data_ptr(), tuple(shape), tuple(block)))
+    monkeypatch.setattr(launch, "_launch_cached", lambda spec, grid, full, device, jit, direct: launched.append(
+        (grid, full)))
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=g).to(E4M3)
+    b = torch.randn(n, k, generator=g).to(E4M3).t()
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    sa, sb = torch.rand(m, 1, generator=g), torch.rand(1, n, generator=g)
+    assert gc.matmul(a, b, out=out, scale_a=sa, scale_b=sb) is out and gc.last_plan() is plan
+    (grid, full), = launched
+    from tpfuse.kernels.gemm_ws import gemm_ws_kernel
+    args = dict(zip(gemm_ws_kernel.arg_names, full, strict=True))
+    assert grid == (4, 1, 1)
+    assert args["a_desc"] == ("desc", a.data_ptr(), (m, k), (128, 128))
+    assert args["b_desc"] == ("desc", b.data_ptr(), (n, k), (256, 128))
+    assert args["c_desc"] == ("desc", out.data_ptr(), (m, n), (128, 256))
+    assert args["EPILOGUE"] is False and args["WAIT"] is False and args["EPI_TMA"] == 0
+    assert all(args[name] is None for name in ("wait_signal", "err_ptr", "counters", "signal_ptrs", "tile_records"))
+    assert all(args[f"epi_d{q}"] is None for q in range(8))
+    assert args["scale_a"] is sa and args["scale_b"] is sb and (args["SCALE_A"], args["SCALE_B"]) == (2, 2)
+    assert (args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"], args["GROUP_M"], args["STAGES"]) == (128, 256, 128, 4, 3)
+
+
+def test_fp8_candidates_offer_the_gluon_kernel_on_sm90_only():
+    # fp8 on sm_90: one gluon=True config per (BLOCK_N, GROUP_M) of the 128x128x128 and
+    # 128x256x128 candidates, at the Gluon kernel's stages; none for bf16 or another GPU, and
+    # the rest of the space unchanged; the space grows by far less than 1.3x
+    from tpfuse.gemm.config import _SM90_SMEM_BYTES, GLUON_STAGES
+    for m, n, k in ((16384, 4096, 1792), (4096, 3584, 4096), (512, 3584, 4096), (128, 8192, 3584)):
+        cands = gc.candidate_configs(m, n, k, E4M3)
+        ours = [c for c in cands if c.gluon]
+        rest = [c for c in cands if not c.gluon]
+        pairs = {(c.BLOCK_N, c.GROUP_M) for c in rest if c.BLOCK_M == 128 and c.BLOCK_N in (128, 256)
+                 and c.BLOCK_K == 128 and not c.stream_k}
+        assert len(pairs) >= 2 and sorted((c.BLOCK_N, c.GROUP_M) for c in ours) == sorted(pairs), (m, n, k)
+        assert {(128, 8), (256, 8)} <= pairs
+        for c in ours:
+            assert (c.BLOCK_M, c.BLOCK_K, c.num_stages) == (128, 128, GLUON_STAGES[c.BLOCK_N])
+            assert c.smem_bytes(1, 2) <= _SM90_SMEM_BYTES
+        assert len(cands) <= 1.3 * len(rest) and len(set(cands)) == len(cands)
+        for capability in ((10, 0), (8, 9)):
+            assert gc.candidate_configs(m, n, k, E4M3, capability=capability) == rest, capability
+        assert not any(c.gluon for c in gc.candidate_configs(m, n, k, torch.bfloat16))
+    assert GLUON_STAGES == {256: 3, 128: 5}   # ws_choice's rule (the stages that fit sm_90's 227 KiB)
 
 
 def test_rerank_leaders_by_the_median_of_interleaved_timings():

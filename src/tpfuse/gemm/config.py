@@ -27,6 +27,8 @@ _SM90_SMEM_BYTES = 232448
 # Streaming multiprocessors of the NVIDIA H200 SXM (the GPU the heuristics were measured on);
 # the pure heuristics take it as an argument, matmul() passes the real device's count.
 _H200_NUM_SMS = 132
+# Its compute capability (sm_90): the Gluon kernel's candidates are sm_90's
+_H200_CAPABILITY = (9, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -41,7 +43,15 @@ class GemmConfig:
     BLOCK_K steps, so no SM idles at the end (docs/gemm_core.md, "Kernels"); 0 = off.
     ``tma_store`` False keeps TMA loads but stores the output through pointers: no staging
     buffer, so its shared memory can hold one more pipeline stage (hooks and plain-pointer
-    launches are not affected)."""
+    launches are not affected).
+
+    ``gluon`` True: plain calls run the warp-specialized Gluon kernel (gemm_ws) instead of
+    gemm_kernel; sm_90, fp8, 128-row tiles 128 or 256 wide, K-steps of 128. The Gluon kernel
+    takes this config's tile and GROUP_M and its own pipeline depth (3 stages of 128x256, 5 of
+    128x128; ``launch.ws_choice``); where it cannot run (another GPU, 16/32-bit inputs, b not
+    K-major, an output not stored by TMA) the call runs gemm_kernel with the rest of the config,
+    ``num_stages`` included. Hooked calls keep ``ws_choice``'s own rule. The tuner offers it
+    for fp8 on sm_90 (:func:`candidate_configs`) and keeps it where it is faster."""
     BLOCK_M: int = 128
     BLOCK_N: int = 256
     BLOCK_K: int = 64
@@ -53,6 +63,7 @@ class GemmConfig:
     num_programs: Optional[int] = None
     stream_k: int = 0
     tma_store: bool = True
+    gluon: bool = False
 
     def __post_init__(self):
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
@@ -68,6 +79,23 @@ class GemmConfig:
         if self.stream_k not in (0, 1, 2):
             raise ValueError(f"GemmConfig.stream_k={self.stream_k!r}: must be 0 (off), 1 (the last partial "
                              "wave) or 2 (the last partial wave and one full wave)")
+        if not isinstance(self.gluon, bool):
+            raise TypeError(f"GemmConfig.gluon={self.gluon!r}: must be a bool")
+        if self.gluon:
+            self._check_gluon()
+
+    def _check_gluon(self) -> None:
+        """What the Gluon kernel (kernels/gemm_ws.py) cannot run: other tiles, stream-K,
+        subtiled or pointer stores (it stores whole tiles by TMA), a fused tile/K loop."""
+        if self.BLOCK_M != 128 or self.BLOCK_N not in (128, 256) or self.BLOCK_K != 128:
+            raise ValueError(f"GemmConfig(gluon=True) with a {self.BLOCK_M}x{self.BLOCK_N}x{self.BLOCK_K} tile: "
+                             "the Gluon kernel takes 128x128x128 or 128x256x128 (fp8 K-steps of 128); pass one "
+                             "of those or gluon=False")
+        for name, off in (("stream_k", 0), ("EPI_SUBTILE", 1), ("flatten", False), ("tma_store", True)):
+            if getattr(self, name) != off:
+                raise ValueError(f"GemmConfig(gluon=True) with {name}={getattr(self, name)!r}: the Gluon kernel "
+                                 "has no stream-K, stores whole tiles by TMA and keeps its own loops; pass "
+                                 f"{name}={off!r} or gluon=False")
 
     def smem_bytes(self, elem_size: int, out_elem_size: Optional[int] = None) -> int:
         """Shared memory estimate: pipelined A and B stages of ``elem_size``-byte inputs plus one
@@ -159,16 +187,20 @@ def _default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
 
 def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = _types.HEURISTIC_DTYPE,
                       smem_limit: int = _SM90_SMEM_BYTES,
-                      num_sms: int = _H200_NUM_SMS) -> list[GemmConfig]:
+                      num_sms: int = _H200_NUM_SMS, capability: tuple = _H200_CAPABILITY) -> list[GemmConfig]:
     """Small tuning space for one shape, pruned by shared memory; stream-K variants only for
     shapes whose tiles end in a partly filled wave (:func:`_stream_k_candidates`). fp8: the
     16-bit space with BLOCK_K doubled (the same bytes per stage; BLOCK_K 128 for most tiles),
-    a bf16 output's staging buffer counted, plus a few more stages where they fit."""
+    a bf16 output's staging buffer counted, plus a few more stages where they fit, and on
+    sm_90 (``capability`` major 9) the Gluon kernel's variants (:func:`_gluon_candidates`)."""
     elem = _types.element_size(dtype)
     if _types.is_fp8(dtype):
-        base = candidate_configs(m, n, k, _types.HEURISTIC_DTYPE, smem_limit=10**9, num_sms=num_sms)
+        base = candidate_configs(m, n, k, _types.HEURISTIC_DTYPE, smem_limit=10**9, num_sms=num_sms,
+                                 capability=capability)
         out = [dataclasses.replace(c, BLOCK_K=min(2 * c.BLOCK_K, 256)) for c in base]
         out += [dataclasses.replace(c, num_stages=c.num_stages + 1) for c in out if not c.stream_k]
+        if capability[0] == 9:   # the Gluon kernel's wgmma is sm_90's
+            out += _gluon_candidates(out)
         out_elem = _types.element_size(_types.FP8_DEFAULT_OUT)
         return [c for c in dict.fromkeys(out) if c.smem_bytes(elem, out_elem) <= smem_limit]
     out = []
@@ -208,6 +240,26 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = _types.HEURIS
     out += _stream_k_candidates(m, n, k, num_sms)
     # dict.fromkeys: once each (the decode and prefill lists share tiles), in first-seen order
     return [c for c in dict.fromkeys(out) if c.smem_bytes(elem) <= smem_limit]
+
+
+# The Gluon kernel's pipeline depth per tile width (launch.ws_choice): as many stages as fit
+# beside a 16-bit output's staging buffer in sm_90's 227 KiB, for 128-row tiles of K-steps
+# 64 (bf16) or 128 (fp8): the same bytes per stage.
+GLUON_STAGES = {256: 3, 128: 5}
+
+
+def _gluon_candidates(configs: list[GemmConfig]) -> list[GemmConfig]:
+    """gluon=True variants of fp8 candidates the Gluon kernel can take: one per (BLOCK_N,
+    GROUP_M) of the 128x128x128 and 128x256x128 tiles among ``configs``, at the stages it runs
+    (:data:`GLUON_STAGES`; other stages would time the same kernel again). Why: carrying the
+    wait hook, the Gluon kernel was faster than the plain gemm_kernel call on 14 of the 24
+    training/prefill rows of the fp8 GEMM benchmark (H200, 2438ed7,
+    benchmarks/results/gemm_core_fp8_h200.json; 8B fc2 train row-wise by 6.9 %). Not yet timed
+    as plain calls on a GPU."""
+    keys = dict.fromkeys((c.BLOCK_N, c.GROUP_M) for c in configs
+                         if c.BLOCK_M == 128 and c.BLOCK_N in GLUON_STAGES and c.BLOCK_K == 128 and not c.stream_k)
+    return [GemmConfig(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=128, GROUP_M=group_m, num_warps=8,
+                       num_stages=GLUON_STAGES[bn], gluon=True) for bn, group_m in keys]
 
 
 # Tiles that stream-K candidates are made of: the prefill winners (128x256 with the epilogue
@@ -273,7 +325,8 @@ class GemmOptions:
     epi_count      "auto"    how the epilogue hook counts stored tiles: "auto" (4 in flattened
                              tile loops, else 3, where every tile lies in one chunk; else 1),
                              "after_loop" (3 where 4 would be taken), "returning" (always 1)
-    gluon          True      False: never the warp-specialized Gluon kernel (gemm_ws) for hooks
+    gluon          True      False: never the warp-specialized Gluon kernel (gemm_ws), for hooks
+                             or for configs that ask for it (GemmConfig.gluon)
     direct_launch  True      False: every launch through Triton's JIT (no cached direct launch)
     ============== ========= =====================================================================
     """

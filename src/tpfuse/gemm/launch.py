@@ -1,7 +1,8 @@
 """Plans and launches of the GEMM core: :func:`matmul` validates a call once per signature,
 keeps what it decided in a :class:`LaunchPlan` (which kernel, which grid, which epilogue
 stores and counts, and why), and launches ``gemm_kernel`` (``tpfuse/kernels/gemm.py``) or,
-for one hook on sm_90, the warp-specialized Gluon kernel (``tpfuse/kernels/gemm_ws.py``).
+on sm_90, for one hook or a plain fp8 call whose config asks for it (``GemmConfig.gluon``), the
+warp-specialized Gluon kernel (``tpfuse/kernels/gemm_ws.py``; :func:`ws_choice` decides).
 
 The first launch of a kernel specialization goes through Triton's JIT (which compiles and
 caches); later ones call the compiled kernel directly, skipping the JIT's argument binding --
@@ -24,7 +25,7 @@ import torch
 from .._direct import launch_tma
 from ..kernels import _types, abi
 from . import cache
-from .config import DEFAULT_OPTIONS, GemmConfig, GemmOptions, default_config, stream_k_tiles
+from .config import DEFAULT_OPTIONS, GLUON_STAGES, GemmConfig, GemmOptions, default_config, stream_k_tiles
 from .device import device_index, device_info, interpreting, num_sms, triton_modules, warn_once
 from .hooks import ERROR_WORDS, MAX_GENERATION, EpilogueSpec, WaitSpec, check_error_word, new_error_word, stacked_dests
 from .spec import CompileSpec, PersistentSpec
@@ -375,7 +376,10 @@ def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0
               out_tma=False, options: GemmOptions = DEFAULT_OPTIONS, *, b_dtype=None, out_dtype=None,
               scale_a=_types.SCALE_NONE, scale_b=_types.SCALE_NONE, b_kmajor=True) -> tuple[tuple, str]:
     """``((block, stages), why)`` of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py)
-    for a launch with one hook, or ``((), why not)`` for gemm_kernel. Taken on sm_90
+    for a launch with one hook or a hook-free fp8 launch whose config asks for it, or ``((), why
+    not)`` for gemm_kernel.
+
+    Hooks: taken on sm_90
     (``capability`` major 9) for configs of 128-row tiles 128 or 256 wide, with either the
     epilogue hook where it stores by TMA (``epi_tma``: every destination 16-byte aligned,
     per-chunk descriptors or stacked destinations) -- its store warp counts and publishes off
@@ -392,9 +396,21 @@ def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0
     staging buffer is twice a 16-bit one's, so fp8 into float32 takes 128-wide tiles (a
     128x256 one would leave room for 2 stages). No stream-K, so where 128-wide tiles fill the
     waves of ``programs`` better by more than 5 points than 256-wide ones (8B fc1 at M = 4096:
-    0.97 against 0.85), it takes those."""
-    if epilogue is None and wait is None:
+    0.97 against 0.85), it takes those.
+
+    No hook: only with ``cfg.gluon`` (the tuner keeps such a config where it timed faster), for
+    fp8 into a TMA-stored ``out`` (``out_tma``), with the dtype, tile, capability and options
+    rules above; the config's own tile width (the tuner chose it; float32 out: 128-wide), its
+    stages by :data:`~tpfuse.gemm.config.GLUON_STAGES`."""
+    plain = epilogue is None and wait is None
+    if plain and not cfg.gluon:
         return (), "no hook: gemm_kernel"
+    if plain and not _types.is_fp8(dtype):
+        return (), (f"GemmConfig(gluon=True) with {_types.dtype_name(dtype)} inputs: the plain Gluon launch is "
+                    "fp8's; gemm_kernel with the rest of the config")
+    if plain and not out_tma:
+        return (), ("GemmConfig(gluon=True) into an output not stored by TMA (misaligned, or not on sm_90): "
+                    "gemm_kernel with the rest of the config")
     if epilogue is not None and wait is not None:
         return (), "both hooks at once: gemm_kernel (the Gluon kernel takes one)"
     if epilogue is not None and not epi_tma:
@@ -416,14 +432,18 @@ def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0
     bn, narrowed = cfg.BLOCK_N, ""
     if bn == 256 and fp8 and out_dtype == torch.float32:
         bn, narrowed = 128, " with 128-wide tiles (a 128x256 float32 staging buffer leaves room for 2 stages)"
-    if bn == 256 and m and n and programs:
+    if bn == 256 and m and n and programs and not plain:
         fill = {w: _wave_fill(-(-m // 128) * -(-n // w), programs) for w in (128, 256)}
         if fill[128] > fill[256] + 0.05:
             bn, narrowed = 128, " with 128-wide tiles, which fill the waves better"
-    why = ("one hook on sm_90: the warp-specialized Gluon kernel (its "
-           + ("store warp counts and publishes" if epilogue is not None else "load warp waits")
-           + ", not the MMA warps" + (", fp8 scaled in the MMA warps" if fp8 else "") + ")" + narrowed)
-    return ((128, bn, 128 if fp8 else 64), 3 if bn == 256 else 5), why
+    if plain:
+        why = ("GemmConfig(gluon=True), no hook, on sm_90: gemm_ws, not gemm_kernel (the warp-specialized "
+               "Gluon kernel: TMA loads and stores in warps of their own, fp8 scaled in the MMA warps)")
+    else:
+        why = ("one hook on sm_90: the warp-specialized Gluon kernel (its "
+               + ("store warp counts and publishes" if epilogue is not None else "load warp waits")
+               + ", not the MMA warps" + (", fp8 scaled in the MMA warps" if fp8 else "") + ")")
+    return ((128, bn, 128 if fp8 else 64), GLUON_STAGES[bn]), why + narrowed
 
 
 def epi_count_mode(options: GemmOptions = DEFAULT_OPTIONS, eligible_async: bool = True,
@@ -549,8 +569,10 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
     ws, why_ws = ws_choice(capability, a.dtype, cfg, epilogue, wait, epi_tma, use_asm, m, n, programs,
                            out_tma=bool(use_tma) and cfg.tma_store and epilogue is None, options=options,
                            b_dtype=b.dtype, out_dtype=out_dtype, scale_a=mode_a, scale_b=mode_b, b_kmajor=b_kmajor)
-    if epilogue is not None or wait is not None:
+    if epilogue is not None or wait is not None or cfg.gluon:
         reasons.append(why_ws)
+    if cfg.gluon and not ws and epilogue is None and wait is None:
+        warn_once(f"tpfuse.gemm: {why_ws} ({m}x{n}x{k})")
     if ws:   # one program per SM or fewer, no more than tiles of the Gluon kernel's own tile
         num_tiles = triton.cdiv(m, ws[0][0]) * triton.cdiv(n, ws[0][1])
         grid = (min(num_tiles, programs), 1, 1)
@@ -917,6 +939,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
                        generation=epilogue.generation, epi_descs=_epilogue_descriptors(epilogue, plan),
                        tile_records=tile_records, scale_a=scale_a, scale_b=scale_b)
             return None
+        if wait is None:   # a plain call whose config asked for the Gluon kernel (GemmConfig.gluon)
+            _launch_ws(plan, a, b, out=out, tile_records=tile_records, scale_a=scale_a, scale_b=scale_b)
+            return out
         _launch_ws(plan, a, b, out=out, wait_signal=wait.signal, wait_gen=wait.generation,
                    wait_timeout_ns=wait.timeout_ns, err=err, tile_records=tile_records, scale_a=scale_a,
                    scale_b=scale_b)

@@ -11,7 +11,7 @@ import torch
 from ..kernels import _types
 from . import cache, launch
 from .config import GemmConfig, candidate_configs
-from .device import interpreting, num_sms, triton_modules, warn_once
+from .device import device_index, device_info, interpreting, num_sms, triton_modules, warn_once
 
 __all__ = ["tune", "rerank_leaders"]
 
@@ -19,7 +19,8 @@ __all__ = ["tune", "rerank_leaders"]
 def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmConfig]] = None,
          rep_ms: int = 20, save: bool = True, graphs: Optional[bool] = None,
          ) -> tuple[GemmConfig, list[tuple[GemmConfig, float]]]:
-    """Time every candidate config on ``a @ b`` (median, ``triton.testing.do_bench``), store the
+    """Time every candidate config on ``a @ b`` (median, ``triton.testing.do_bench``; fp8 on sm_90:
+    with the Gluon kernel's, ``GemmConfig.gluon``, among them), store the
     fastest in the JSON cache and return ``(best, [(config, ms), ...])``, fastest first (the
     leaders re-timed, :func:`rerank_leaders`; their ms the median of their timings). A config
     that fails to compile or launch (out of shared memory or registers, a Triton limitation) is
@@ -31,8 +32,9 @@ def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmCon
     triton, _, _ = triton_modules()
     m, k = a.shape
     n = b.shape[1]
+    capability = device_info(device_index(a.device))["capability"] if a.device.type == "cuda" else (0, 0)
     configs = (list(configs) if configs is not None
-               else candidate_configs(m, n, k, a.dtype, num_sms=num_sms(a.device)))
+               else candidate_configs(m, n, k, a.dtype, num_sms=num_sms(a.device), capability=capability))
     # fp8 inputs: their default output (the scales change no timing, so tuning runs without them)
     out = torch.empty(m, n, dtype=_types.FP8_DEFAULT_OUT if _types.is_fp8(a.dtype) else a.dtype, device=a.device)
     if graphs is None:
