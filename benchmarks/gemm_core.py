@@ -6,7 +6,10 @@ For each shape: tune the candidate configs of ``tpfuse.gemm.candidate_configs`` 
 checked against cuBLAS first), then time the best config, ``torch.matmul`` (cuBLAS), and the
 best config with hooks on (signals pre-set) in one run: ``triton.testing.do_bench`` median,
 random data, inputs rotated over enough copies to exceed L2 (do_bench also flushes L2).
-Writes ``gemm_core_h200.json`` (``--name`` changes it) and prints a short table last.
+Writes ``gemm_core_h200.json`` (``--name`` changes it) and prints a short table last. Each row
+names the kernel that ran the plain call and each hook (``plain_kernel``, ``wait_kernel``,
+``epilogue_kernel``: "gemm_kernel" or "gemm_ws"); the plain call runs gemm_ws where the tuner
+kept a ``GemmConfig(gluon=True)`` (fp8 on sm_90; "ws" in the table's config column).
 
 ``--dtype fp8``: e4m3 operands (``b = weight.t()``), bf16 output, scales tensor-wise and
 row-wise (``--scaling``; one row per shape and scaling, named ``<shape>-tensorwise`` /
@@ -185,6 +188,23 @@ def hook_specs(s: Shape, out, num_chunks=WORLD_SIZE):
     return chunk_m, wait, epi, esig
 
 
+def kernel_name(plan) -> str:
+    """The kernel a call's plan ran: "gemm_ws" (the Gluon kernel) or "gemm_kernel" (the Triton family)."""
+    return "gemm_ws" if plan.kernel == "gemm_ws_kernel" else "gemm_kernel"
+
+
+def config_label(cfg: dict) -> str:
+    """A config (``GemmConfig.to_dict()``) in a few characters: ``128x256x128 w8s3`` and its
+    switches (``g4`` GROUP_M other than 8, ``sub2``, ``flat``, ``streamK1``, ``ptr`` pointer
+    stores, ``ws``: plain calls run the Gluon kernel, GemmConfig.gluon)."""
+    label = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}s{cfg['num_stages']}"
+    switches = [f"g{cfg['GROUP_M']}" if cfg.get("GROUP_M", 8) != 8 else "",
+                "sub2" if cfg.get("EPI_SUBTILE") == 2 else "", "flat" if cfg.get("flatten") else "",
+                f"streamK{cfg['stream_k']}" if cfg.get("stream_k") else "",
+                "ptr" if cfg.get("tma_store") is False else "", "ws" if cfg.get("gluon") else ""]
+    return " ".join([label] + [x for x in switches if x])
+
+
 def run_shape(s: Shape, dtype, args, log, scaling=None):
     sets = make_inputs(s, dtype, scaling)
     a0, b0, c0, *sc0 = sets[0]
@@ -193,7 +213,8 @@ def run_shape(s: Shape, dtype, args, log, scaling=None):
     s_name = s.name + (f"-{scaling}wise" if scaling else "")
     timings = []
     num_sms = torch.cuda.get_device_properties(a0.device).multi_processor_count
-    cands = gc.candidate_configs(s.m, s.n, s.k, dtype, num_sms=num_sms)
+    cands = gc.candidate_configs(s.m, s.n, s.k, dtype, num_sms=num_sms,
+                                 capability=torch.cuda.get_device_capability(a0.device))
     if args.no_tune:
         cands = [gc.default_config(s.m, s.n, s.k, dtype, num_sms=num_sms)]
     for cfg in cands:
@@ -254,11 +275,13 @@ def run_shape(s: Shape, dtype, args, log, scaling=None):
                 gc.check_error_word(wait.error)
             if "epilogue" in kw and not bool((esig == 7).all()):
                 raise RuntimeError(f"signals after epilogue: {esig.tolist()}")
-            plan = gc.last_plan()   # which kernel took the hook, and why
+            plan = gc.last_plan()   # which kernel ran the call (a hook, or the plain call), and why
+            if key == "ours":
+                row["plain_kernel"] = kernel_name(plan)
             if "wait" in kw:
-                row["wait_kernel"] = "gemm_ws" if plan.kernel == "gemm_ws_kernel" else "gemm_kernel"
+                row["wait_kernel"] = kernel_name(plan)
             if "epilogue" in kw:
-                row["epilogue_kernel"] = "gemm_ws" if plan.kernel == "gemm_ws_kernel" else "gemm_kernel"
+                row["epilogue_kernel"] = kernel_name(plan)
                 row["epilogue_stores"] = {0: "pointers", abi.EPI_TMA_STACKED: "tma_stacked"}.get(
                     plan.epi_tma, "tma_per_chunk")
 
@@ -393,11 +416,7 @@ def main(argv=None):
         print(f"[{time.time() - t0:6.1f}s] {row['name']:24s} {s.m:6d}x{s.n:6d}x{s.k:6d} ours {row['ours_tflops']:6.1f} "
               f"cublas {row['cublas_tflops']:6.1f} ratio {row['ratio']:.3f} graph {row.get('graph_ratio', float('nan')):.3f} "
               f"wait {row.get('wait_overhead', float('nan')):+.3f} epi {row.get('epilogue_overhead', float('nan')):+.3f} "
-              f"{row['config']['BLOCK_M']}x{row['config']['BLOCK_N']}x{row['config']['BLOCK_K']} "
-              f"w{row['config']['num_warps']}s{row['config']['num_stages']}"
-              f"{' sub2' if row['config']['EPI_SUBTILE'] == 2 else ''}{' flat' if row['config']['flatten'] else ''}"
-              f"{' streamK%d' % row['config']['stream_k'] if row['config'].get('stream_k') else ''}",
-              flush=True)
+              f"{config_label(row['config'])} ({row.get('plain_kernel', '?')})", flush=True)
         summary = summarize(rows)
         (out_dir / args.name).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
         (out_dir / args.name.replace(".json", "_tuning_log.json")).write_text(json.dumps(log, indent=0))
@@ -480,14 +499,15 @@ def print_table(rows, summary):
     nan = float("nan")
     print(f"{'shape':24s} {'M':>6s} {'N':>6s} {'K':>6s} {'ours':>7s} {'cuBLAS':>7s} {'ratio':>6s} {'wait%':>6s} "
           f"{'epi%':>6s} | {'graph:ours':>10s} {'cuBLAS':>7s} {'ratio':>6s} {'wait%':>6s} {'epi%':>6s} "
-          f"{'hookW%':>6s} {'hookE%':>6s}")
+          f"{'hookW%':>6s} {'hookE%':>6s}  {'config (plain kernel)'}")
     for r in rows:
         print(f"{r['name']:24s} {r['m']:6d} {r['n']:6d} {r['k']:6d} {r['ours_tflops']:7.1f} {r['cublas_tflops']:7.1f} "
               f"{r['ratio']:6.3f} {100 * r.get('wait_overhead', nan):6.1f} {100 * r.get('epilogue_overhead', nan):6.1f} | "
               f"{r.get('ours_graph_tflops', nan):10.1f} {r.get('cublas_graph_tflops', nan):7.1f} "
               f"{r.get('graph_ratio', nan):6.3f} {100 * r.get('wait_graph_overhead', nan):6.1f} "
               f"{100 * r.get('epilogue_graph_overhead', nan):6.1f} {100 * r.get('wait_hook_graph_overhead', nan):6.1f} "
-              f"{100 * r.get('epilogue_hook_graph_overhead', nan):6.1f}")
+              f"{100 * r.get('epilogue_hook_graph_overhead', nan):6.1f}  "
+              + (f"{config_label(r['config'])} ({r.get('plain_kernel', '?')})" if "config" in r else "-"))
     print(json.dumps(summary))
 
 
