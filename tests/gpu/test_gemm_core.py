@@ -17,6 +17,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 from tpfuse import gemm as gc  # noqa: E402
 from tpfuse import testing  # noqa: E402
 from tpfuse.gemm import cache, launch  # noqa: E402
+from tpfuse.gemm.config import GLUON_STAGES  # noqa: E402
 from tpfuse.kernels import abi  # noqa: E402
 
 
@@ -753,6 +754,36 @@ def test_fp8_gluon_epilogue_hook_per_chunk_matches_the_plain_call_bitwise(mode, 
         torch.cuda.synchronize()
         assert signals.tolist() == [generation] * (m // chunk_m)
         assert torch.equal(torch.cat(dests), plain)
+
+
+@pytest.mark.skipif(not WS_GPU, reason="the Gluon kernel is sm_90's")
+@pytest.mark.parametrize("mode", ["tensor", "row"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(1000, 1024, 776), (4096, 1792, 4096)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("bn", [128, 256])
+def test_fp8_plain_gluon_config_matches_gemm_kernel_bitwise(mode, out_dtype, shape, bn):
+    # GemmConfig(gluon=True): a plain fp8 call in the Gluon kernel (no hook), the tuner's choice
+    # where it times faster. The same wgmma K-steps and scale order as gemm_kernel on the same
+    # tiles: bitwise its result (float32 out: 128-wide tiles in both). Twice: the JIT launch,
+    # then the direct one.
+    m, k, n = shape
+    a, b, sa, sb = _fp8_operands(m, k, n, E4M3, E4M3, mode, seed=7)
+    width = 128 if out_dtype == torch.float32 else bn
+    base = gc.GemmConfig(BLOCK_M=128, BLOCK_N=width, BLOCK_K=128, num_warps=8, num_stages=3 if width == 256 else 5)
+    if out_dtype == torch.float32:
+        base = dataclasses.replace(base, num_stages=3)
+    plain = gc.matmul(a, b, config=base, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    assert gc.last_plan().kernel == "gemm_kernel", gc.last_plan().explain()
+    gluon = gc.GemmConfig(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=128, num_warps=8,
+                          num_stages=GLUON_STAGES[bn], gluon=True)
+    for _ in range(2):
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
+        gc.matmul(a, b, out=out, config=gluon, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        plan = gc.last_plan()
+        assert plan.kernel == "gemm_ws_kernel" and plan.tile_shape == (128, width), plan.explain()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
+    _fp8_close(out, _scaled_mm(a, b, sa, sb, out_dtype), a, b, sa, sb)
 
 
 @pytest.mark.skipif(not FP8, reason="fp8 MMAs need compute capability 8.9+")
