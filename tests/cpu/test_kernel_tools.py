@@ -527,7 +527,7 @@ def test_fp8_candidates_offer_the_gluon_kernel_on_sm90_only():
     from tpfuse.gemm.config import _SM90_SMEM_BYTES, GLUON_STAGES
     for m, n, k in ((16384, 4096, 1792), (4096, 3584, 4096), (512, 3584, 4096), (128, 8192, 3584)):
         cands = gc.candidate_configs(m, n, k, E4M3)
-        ours = [c for c in cands if c.gluon]
+        ours = [c for c in cands if c.gluon and not c.pingpong]   # gemm_pp's: test_pingpong_candidates
         rest = [c for c in cands if not c.gluon]
         pairs = {(c.BLOCK_N, c.GROUP_M) for c in rest if c.BLOCK_M == 128 and c.BLOCK_N in (128, 256)
                  and c.BLOCK_K == 128 and not c.stream_k}
@@ -584,3 +584,151 @@ def test_a_failed_direct_launch_warns_and_is_counted_as_jit(monkeypatch):
     # from now on every launch takes the JIT, even where direct launches are asked for
     launch._launch_cached("spec-under-test", (1, 1, 1), [], torch.device("cpu"), lambda: compiled, True)
     assert gc.launch_counts()["jit"] == before.get("jit", 0) + 2 and "spec-under-test" not in launch._COMPILED
+
+
+# ---- GemmConfig.pingpong: plain fp8 calls in the ping-pong kernel (gemm_pp) ----
+_PP = dataclasses.replace(_GLUON_128, pingpong=True)
+
+
+def test_pingpong_config_round_trip_and_validation():
+    for cfg in (_PP, dataclasses.replace(_PP, GROUP_M=4, num_programs=66)):
+        d = cfg.to_dict()
+        assert d["pingpong"] is True and gc.GemmConfig.from_dict(json.loads(json.dumps(d))) == cfg
+    old = {key: v for key, v in _PP.to_dict().items() if key != "pingpong"}   # a cache entry from before
+    assert gc.GemmConfig.from_dict(old) == _GLUON_128 and not gc.GemmConfig.from_dict(old).pingpong
+    assert parse_spec("128x128x128:num_stages=5,gluon=true,pingpong=true") == _PP
+    # only with the Gluon kernel's 128x128x128 tile; the message names the fix
+    for kw in (dict(gluon=False), dict(BLOCK_N=256), dict(BLOCK_N=256, num_stages=3)):
+        with pytest.raises(ValueError, match=r"GemmConfig\(pingpong=True\).*128x128x128.*or pingpong=False"):
+            dataclasses.replace(_PP, **kw)
+    with pytest.raises(ValueError, match="pingpong=True"):
+        gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, pingpong=True)
+    with pytest.raises(TypeError, match="GemmConfig.pingpong=1"):
+        dataclasses.replace(_PP, pingpong=1)
+    # its shared memory: two staging buffers, one per consumer (5 stages fit beside bf16's)
+    assert _PP.smem_bytes(1, 2) == 5 * 32768 + 2 * 32768 == _GLUON_128.smem_bytes(1, 2) + 32768
+
+
+def test_pp_choice_plain_fp8_call_with_a_pingpong_config():
+    # gemm_pp where ws_choice takes the Gluon kernel for a plain call and the config asks for the
+    # ping-pong variant, at the stages that fit beside its two staging buffers; with a hook or
+    # tile records gemm_ws; wherever ws_choice says gemm_kernel, gemm_kernel (its reason stands)
+    sm90 = (9, 0)
+
+    def choice(cfg, dtype=E4M3, capability=sm90, out_tma=True, hook=False, record_tiles=False, **kw):
+        kw = dict(dict(out_dtype=torch.bfloat16, scale_a=2, scale_b=2), **kw)
+        ws, why_ws = launch.ws_choice(capability, dtype, cfg, object() if hook else None, None, 8 if hook else 0,
+                                      True, 4096, 3584, 132, out_tma=out_tma, **kw)
+        return launch.pp_choice(ws, cfg, not hook, record_tiles, kw["out_dtype"]), why_ws
+    (kernel, ws, why), _ = choice(_PP)
+    assert kernel == "gemm_pp_kernel" and ws == ((128, 128, 128), 5) and "gemm_pp" in why and "5 stages" in why
+    for sa, sb in ((0, 0), (1, 1), (1, 2)):
+        assert choice(_PP, scale_a=sa, scale_b=sb)[0][:2] == ("gemm_pp_kernel", ((128, 128, 128), 5))
+    assert choice(_PP, dtype=E5M2, b_dtype=E4M3)[0][:2] == ("gemm_pp_kernel", ((128, 128, 128), 5))
+    assert choice(_PP, out_dtype=torch.float16)[0][:2] == ("gemm_pp_kernel", ((128, 128, 128), 5))
+    assert choice(_PP, out_dtype=torch.float32)[0][:2] == ("gemm_pp_kernel", ((128, 128, 128), 3))
+    for kw, reason in ((dict(hook=True), "with a hook: gemm_ws"), (dict(record_tiles=True), "tile_records: gemm_ws")):
+        (kernel, ws, why), _ = choice(_PP, **kw)
+        assert kernel == "gemm_ws_kernel" and ws == ((128, 128, 128), 5) and reason in why, (kw, why)
+    (kernel, ws, why), _ = choice(_GLUON_128)   # no pingpong: gemm_ws, nothing more said
+    assert (kernel, ws, why) == ("gemm_ws_kernel", ((128, 128, 128), 5), "")
+    for kw, reason in ((dict(capability=(10, 0)), "sm_90"), (dict(capability=(8, 0)), "sm_90"),
+                       (dict(dtype=torch.bfloat16, b_dtype=torch.bfloat16, scale_a=0, scale_b=0,
+                             out_dtype=torch.bfloat16), "fp8's"),
+                       (dict(b_kmajor=False), "K-major"), (dict(out_tma=False), "not stored by TMA"),
+                       (dict(options=gc.GemmOptions(gluon=False)), "gluon=False")):
+        (kernel, ws, why), why_ws = choice(_PP, **kw)
+        assert (kernel, ws, why) == ("gemm_kernel", (), "") and reason in why_ws and "gemm_kernel" in why_ws, kw
+
+
+def test_a_plain_pingpong_plan_launches_gemm_pp(monkeypatch):
+    # matmul's launch of a gemm_pp plan (faked: no GPU): gemm_ws's argument list, hooks off, the
+    # descriptors at 128x128x128, the plan's stages, 4 warps and gemm_pp's register cap; the
+    # compiled-kernel key names gemm_pp, so it never reuses a gemm_ws kernel of the same shapes
+    m, n, k = 256, 512, 256
+    plan = launch.LaunchPlan(m=m, n=n, k=k, config=dataclasses.replace(_PP, GROUP_M=4), kernel="gemm_pp_kernel",
+                             b_kmajor=True, use_tma=True, grid=(4, 1, 1), ws_block=(128, 128, 128), ws_stages=5,
+                             out_dtype=torch.bfloat16, scale_a=2, scale_b=2, num_tiles=8)
+    launched = []
+    monkeypatch.setattr(launch, "_make_plan", lambda *args, **kw: plan)
+    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(launch, "_COMPILED", {})
+    monkeypatch.setattr(launch, "_gluon_descriptor", lambda t, shape, strides, block: (
+        "desc", t.data_ptr(), tuple(shape), tuple(block)))
+    monkeypatch.setattr(launch, "_launch_cached", lambda spec, grid, full, device, jit, direct: launched.append(
+        (spec, grid, full)))
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=g).to(E4M3)
+    b = torch.randn(n, k, generator=g).to(E4M3).t()
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    sa, sb = torch.rand(m, 1, generator=g), torch.rand(1, n, generator=g)
+    assert gc.matmul(a, b, out=out, scale_a=sa, scale_b=sb) is out and gc.last_plan() is plan
+    (spec, grid, full), = launched
+    from tpfuse.kernels import gemm_pp
+    from tpfuse.kernels.gemm_ws import gemm_ws_kernel
+    assert gemm_pp.gemm_pp_kernel.arg_names == gemm_ws_kernel.arg_names   # one argument list for both
+    args = dict(zip(gemm_pp.gemm_pp_kernel.arg_names, full, strict=True))
+    assert grid == (4, 1, 1) and spec[0] == "gemm_pp_kernel"
+    assert args["a_desc"] == ("desc", a.data_ptr(), (m, k), (128, 128))
+    assert args["b_desc"] == ("desc", b.data_ptr(), (n, k), (128, 128))
+    assert args["c_desc"] == ("desc", out.data_ptr(), (m, n), (128, 128))
+    assert args["EPILOGUE"] is False and args["WAIT"] is False and args["RECORD_TILES"] is False
+    assert args["scale_a"] is sa and args["scale_b"] is sb and (args["SCALE_A"], args["SCALE_B"]) == (2, 2)
+    assert (args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"], args["GROUP_M"], args["STAGES"]) == (128, 128, 128, 4, 5)
+    assert args["num_warps"] == gemm_pp.NUM_WARPS == 4
+
+
+def test_pingpong_candidates():
+    # fp8 on sm_90: one pingpong=True config per GROUP_M of the 128x128x128 candidates (the
+    # gluon one's twin at the same stages: gemm_kernel runs the same config where gemm_pp
+    # cannot), at most 3 more per shape; none for bf16 or another GPU
+    from tpfuse.gemm.config import _SM90_SMEM_BYTES
+    for m, n, k in ((16384, 4096, 1792), (4096, 4096, 1792), (4096, 3584, 4096), (512, 3584, 4096)):
+        cands = gc.candidate_configs(m, n, k, E4M3)
+        pp = [c for c in cands if c.pingpong]
+        groups = {c.GROUP_M for c in cands if (c.BLOCK_M, c.BLOCK_N, c.BLOCK_K) == (128, 128, 128)
+                  and not c.gluon and not c.stream_k}
+        assert 1 <= len(pp) <= 3 and sorted(c.GROUP_M for c in pp) == sorted(groups), (m, n, k)
+        for c in pp:
+            assert dataclasses.replace(c, pingpong=False) in cands and c.gluon
+            assert (c.BLOCK_M, c.BLOCK_N, c.BLOCK_K, c.num_stages) == (128, 128, 128, 5)
+            assert c.smem_bytes(1, 2) <= _SM90_SMEM_BYTES
+        for capability in ((10, 0), (8, 9)):
+            assert not any(c.pingpong for c in gc.candidate_configs(m, n, k, E4M3, capability=capability))
+        assert not any(c.pingpong for c in gc.candidate_configs(m, n, k, torch.bfloat16))
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("scale", [1, 2], ids=["tensorwise", "rowwise"])
+def test_offline_pp_kernel_fp8(out_dtype, scale):
+    # on every supported Triton: gemm_pp at the stages pp_choice takes compiles for sm_90; wgmma
+    # m64n128k32 (QGMMA) fed by TMA loads, whole-tile TMA stores, no spills, sm_90's shared
+    # memory; two consumer partitions, each issuing its own accumulator's wgmma (8 per 128-deep
+    # K-step: 2 row halves x 4 K-steps of 32, so 16 sites), each raising its registers to 232
+    # (setmaxnreg) while the load/store warpgroup drops to 40
+    compile_ws, sass_of = _offline_ws(pinned=False)
+    (kernel, (block, stages), _) = launch.pp_choice(((128, 128, 128), 5), _PP, True, False, out_dtype)
+    assert kernel == "gemm_pp_kernel"
+    kern = compile_ws(4096, 3584, 1792, block=block, stages=stages, tile_order=0, dtype=E4M3, out_dtype=out_dtype,
+                      scale_a=scale, scale_b=scale, pingpong=True)
+    sass, res = sass_of(kern.asm["cubin"])
+    ptx = kern.asm["ptx"]
+    assert "LOCAL:0" in res and "STACK:0" in res, res
+    assert kern.metadata.shared <= 232448, kern.metadata.shared
+    # the two staging buffers and the ring are all there (a smaller allocation: a buffer missing)
+    out_size = torch.empty(0, dtype=out_dtype).element_size()
+    assert kern.metadata.shared >= stages * 32768 + 2 * 128 * 128 * out_size
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3", ptx)
+    assert wgmma == ["m64n128k32"] * 16, wgmma
+    assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) == 16
+    assert "UTMALDG" in sass and "UTMASTG" in sass
+    assert re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx).count("40") >= 2
+    raised = re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+232", ptx)
+    assert len(raised) == 2, raised   # consumer 0 (the default partition: down from 256) and consumer 1
+    # each consumer waits for its turn and hands it over: 2 ordering arrives beside the stages'
+    assert ptx.count("mbarrier.try_wait.parity") >= 6
+    assert "fence.proxy.async.global" not in ptx and "atom.add" not in ptx   # no hook code
+    import triton
+    if triton.__version__.startswith(KNOWN_TRITON):   # pinned: the scales' loads (two per consumer)
+        assert len(re.findall(r"\bLDG\.", sass)) == 4

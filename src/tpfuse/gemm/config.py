@@ -51,7 +51,13 @@ class GemmConfig:
     128x128; ``launch.ws_choice``); where it cannot run (another GPU, 16/32-bit inputs, b not
     K-major, an output not stored by TMA) the call runs gemm_kernel with the rest of the config,
     ``num_stages`` included. Hooked calls keep ``ws_choice``'s own rule. The tuner offers it
-    for fp8 on sm_90 (:func:`candidate_configs`) and keeps it where it is faster."""
+    for fp8 on sm_90 (:func:`candidate_configs`) and keeps it where it is faster.
+
+    ``pingpong`` True (with ``gluon`` True and a 128x128x128 tile): where the Gluon kernel would
+    run a plain call, its ping-pong variant runs it (gemm_pp: two consumer warpgroups on
+    alternate 128x128 tiles, one's epilogue under the other's MMAs; its own stages,
+    :data:`PINGPONG_STAGES`); a hooked call or one with ``tile_records`` runs gemm_ws
+    (``launch.pp_choice`` says why). Bitwise gemm_kernel in the GPU tests (one H200 run)."""
     BLOCK_M: int = 128
     BLOCK_N: int = 256
     BLOCK_K: int = 64
@@ -64,6 +70,7 @@ class GemmConfig:
     stream_k: int = 0
     tma_store: bool = True
     gluon: bool = False
+    pingpong: bool = False
 
     def __post_init__(self):
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
@@ -83,6 +90,12 @@ class GemmConfig:
             raise TypeError(f"GemmConfig.gluon={self.gluon!r}: must be a bool")
         if self.gluon:
             self._check_gluon()
+        if not isinstance(self.pingpong, bool):
+            raise TypeError(f"GemmConfig.pingpong={self.pingpong!r}: must be a bool")
+        if self.pingpong and (not self.gluon or (self.BLOCK_M, self.BLOCK_N, self.BLOCK_K) != (128, 128, 128)):
+            raise ValueError(f"GemmConfig(pingpong=True) with gluon={self.gluon} and a {self.BLOCK_M}x{self.BLOCK_N}x"
+                             f"{self.BLOCK_K} tile: the ping-pong kernel (gemm_pp) is a Gluon kernel of 128x128x128 "
+                             "tiles; pass gluon=True with BLOCK_M=BLOCK_N=BLOCK_K=128, or pingpong=False")
 
     def _check_gluon(self) -> None:
         """What the Gluon kernel (kernels/gemm_ws.py) cannot run: other tiles, stream-K,
@@ -100,10 +113,12 @@ class GemmConfig:
     def smem_bytes(self, elem_size: int, out_elem_size: Optional[int] = None) -> int:
         """Shared memory estimate: pipelined A and B stages of ``elem_size``-byte inputs plus one
         TMA-store subtile of ``out_elem_size``-byte outputs (default: the inputs'; none with
-        ``tma_store=False``: the pointer store's layout conversion reuses the stages)."""
+        ``tma_store=False``: the pointer store's layout conversion reuses the stages; two with
+        ``pingpong``: one per consumer)."""
         out_elem_size = elem_size if out_elem_size is None else out_elem_size
         stages = (self.BLOCK_M + self.BLOCK_N) * self.BLOCK_K * elem_size * self.num_stages
-        return stages + (self.BLOCK_M * (self.BLOCK_N // self.EPI_SUBTILE) * out_elem_size if self.tma_store else 0)
+        staging = self.BLOCK_M * (self.BLOCK_N // self.EPI_SUBTILE) * out_elem_size if self.tma_store else 0
+        return stages + staging * (2 if self.pingpong else 1)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -246,6 +261,11 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = _types.HEURIS
 # beside a 16-bit output's staging buffer in sm_90's 227 KiB, for 128-row tiles of K-steps
 # 64 (bf16) or 128 (fp8): the same bytes per stage.
 GLUON_STAGES = {256: 3, 128: 5}
+# The ping-pong kernel's (gemm_pp) per output element size: as many 32 KiB fp8 stages of
+# 128x128x128 as fit beside its two 128x128 staging buffers in sm_90's 227 KiB (232448 bytes,
+# less ~1 KiB of barriers and the row-wise scales' layout conversion): 16-bit out 2 x 32 KiB,
+# 5 stages; float32 out 2 x 64 KiB, 3 (offline sm_90 compile: 230552 and 230520 bytes row-wise).
+PINGPONG_STAGES = {2: 5, 4: 3}
 
 
 def _gluon_candidates(configs: list[GemmConfig]) -> list[GemmConfig]:
@@ -255,11 +275,18 @@ def _gluon_candidates(configs: list[GemmConfig]) -> list[GemmConfig]:
     wait hook, the Gluon kernel was faster than the plain gemm_kernel call on 14 of the 24
     training/prefill rows of the fp8 GEMM benchmark (H200, 2438ed7,
     benchmarks/results/gemm_core_fp8_h200.json; 8B fc2 train row-wise by 6.9 %). Not yet timed
-    as plain calls on a GPU."""
+    as plain calls on a GPU.
+
+    And the ping-pong variant (``pingpong=True``, gemm_pp) once per GROUP_M of the 128x128x128
+    tiles among ``configs``: torch's row-wise ``_scaled_mm`` (CUTLASS's ping-pong schedule) was
+    ~17 % faster than the Gluon kernel on M=16384 N=4096 K=1792 (issue 29), and gemm_ws's MMA
+    warps idle through each tile's epilogue (5-10 % on short-K shapes). One untuned H200 timing
+    (docs/gemm_core.md): 0-6 % faster than gemm_ws on six fp8 shapes."""
     keys = dict.fromkeys((c.BLOCK_N, c.GROUP_M) for c in configs
                          if c.BLOCK_M == 128 and c.BLOCK_N in GLUON_STAGES and c.BLOCK_K == 128 and not c.stream_k)
-    return [GemmConfig(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=128, GROUP_M=group_m, num_warps=8,
-                       num_stages=GLUON_STAGES[bn], gluon=True) for bn, group_m in keys]
+    out = [GemmConfig(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=128, GROUP_M=group_m, num_warps=8,
+                      num_stages=GLUON_STAGES[bn], gluon=True) for bn, group_m in keys]
+    return out + [dataclasses.replace(c, pingpong=True) for c in out if c.BLOCK_N == 128]
 
 
 # Tiles that stream-K candidates are made of: the prefill winners (128x256 with the epilogue

@@ -2,7 +2,9 @@
 keeps what it decided in a :class:`LaunchPlan` (which kernel, which grid, which epilogue
 stores and counts, and why), and launches ``gemm_kernel`` (``tpfuse/kernels/gemm.py``) or,
 on sm_90, for one hook or a plain fp8 call whose config asks for it (``GemmConfig.gluon``), the
-warp-specialized Gluon kernel (``tpfuse/kernels/gemm_ws.py``; :func:`ws_choice` decides).
+warp-specialized Gluon kernel (``tpfuse/kernels/gemm_ws.py``; :func:`ws_choice` decides) or, for
+a plain call whose config asks for that too (``GemmConfig.pingpong``), its ping-pong variant
+(``tpfuse/kernels/gemm_pp.py``; :func:`pp_choice`).
 
 The first launch of a kernel specialization goes through Triton's JIT (which compiles and
 caches); later ones call the compiled kernel directly, skipping the JIT's argument binding --
@@ -25,7 +27,7 @@ import torch
 from .._direct import launch_tma
 from ..kernels import _types, abi
 from . import cache
-from .config import DEFAULT_OPTIONS, GLUON_STAGES, GemmConfig, GemmOptions, default_config, stream_k_tiles
+from .config import DEFAULT_OPTIONS, GLUON_STAGES, PINGPONG_STAGES, GemmConfig, GemmOptions, default_config, stream_k_tiles
 from .device import device_index, device_info, interpreting, num_sms, triton_modules, warn_once
 from .hooks import ERROR_WORDS, MAX_GENERATION, EpilogueSpec, WaitSpec, check_error_word, new_error_word, stacked_dests
 from .spec import CompileSpec, PersistentSpec
@@ -43,9 +45,10 @@ _SCALE_NAMES = {_types.SCALE_NONE: "none", _types.SCALE_TENSOR: "tensor-wise", _
 @dataclass(frozen=True)
 class LaunchPlan:
     """What one call signature launches, and why (:meth:`explain`). ``kernel``: "gemm_kernel",
-    "gemm_ws_kernel" (the Gluon kernel) or "none" (empty M, N or K: nothing to launch).
+    "gemm_ws_kernel" (the Gluon kernel), "gemm_pp_kernel" (its ping-pong variant, plain fp8
+    calls) or "none" (empty M, N or K: nothing to launch).
     ``config``: the GemmConfig asked for or chosen (``config_source`` says which: "argument",
-    "tuning cache" or "heuristic"); the Gluon kernel takes its tile and GROUP_M and its own
+    "tuning cache" or "heuristic"); the Gluon kernels take its tile and GROUP_M and their own
     ``ws_block`` / ``ws_stages``. ``grid[0]``: persistent programs. ``epi_tma``: the epilogue
     hook's TMA descriptors (0: pointer stores; ``abi.EPI_TMA_STACKED``: one over stacked
     destinations). ``epi_count``: gemm_kernel's epilogue count (``abi.EPI_COUNT_*``; 0 without
@@ -91,7 +94,7 @@ class LaunchPlan:
     @property
     def variant(self) -> str:
         """The Triton kernel launched: "gemm_kernel", "gemm_sk_kernel", "gemm_hooked_kernel",
-        "gemm_ws_kernel" (Gluon) or "none"."""
+        "gemm_ws_kernel", "gemm_pp_kernel" (Gluon) or "none"."""
         return self.spec.KERNEL if self.spec is not None and self.kernel == "gemm_kernel" else self.kernel
 
     @property
@@ -446,6 +449,30 @@ def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0
     return ((128, bn, 128 if fp8 else 64), GLUON_STAGES[bn]), why + narrowed
 
 
+def pp_choice(ws: tuple, cfg: GemmConfig, plain: bool, record_tiles: bool = False,
+              out_dtype=None) -> tuple[str, tuple, str]:
+    """``(kernel, (block, stages), why)`` for a launch that :func:`ws_choice` gave ``ws``:
+    "gemm_pp_kernel" (tpfuse/kernels/gemm_pp.py: two consumer warpgroups on alternate 128x128
+    tiles, one's epilogue under the other's MMAs) at :data:`~tpfuse.gemm.config.PINGPONG_STAGES`
+    for a plain call (``plain``: no hook) whose config asks for it (``cfg.pingpong``), without
+    per-tile records (``record_tiles``: gemm_pp writes none yet); else "gemm_ws_kernel" with
+    ``ws`` where ws_choice took the Gluon kernel, "gemm_kernel" where it did not (``ws`` empty:
+    ws_choice's reason stands). ``why`` is "" where the config does not ask for gemm_pp."""
+    if not ws:
+        return "gemm_kernel", ws, ""
+    if not cfg.pingpong:
+        return "gemm_ws_kernel", ws, ""
+    if not plain:
+        return "gemm_ws_kernel", ws, "GemmConfig(pingpong=True) with a hook: gemm_ws (gemm_pp takes no hooks yet)"
+    if record_tiles:
+        return "gemm_ws_kernel", ws, ("GemmConfig(pingpong=True) with tile_records: gemm_ws (gemm_pp writes no "
+                                      "per-tile records yet)")
+    stages = PINGPONG_STAGES[_types.element_size(out_dtype or _types.FP8_DEFAULT_OUT)]
+    return "gemm_pp_kernel", ((128, 128, 128), stages), (
+        "GemmConfig(pingpong=True): gemm_pp, gemm_ws's ping-pong variant (two consumer warpgroups on alternate "
+        f"128x128 tiles, one's epilogue under the other's MMAs; {stages} stages)")
+
+
 def epi_count_mode(options: GemmOptions = DEFAULT_OPTIONS, eligible_async: bool = True,
                    in_loop: bool = True) -> int:
     """How gemm_kernel's epilogue hook counts stored tiles (kernel constexpr EPI_COUNT).
@@ -573,11 +600,14 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
         reasons.append(why_ws)
     if cfg.gluon and not ws and epilogue is None and wait is None:
         warn_once(f"tpfuse.gemm: {why_ws} ({m}x{n}x{k})")
+    kernel, ws, why_pp = pp_choice(ws, cfg, epilogue is None and wait is None, record_tiles, out_dtype)
+    if why_pp:
+        reasons.append(why_pp)
     if ws:   # one program per SM or fewer, no more than tiles of the Gluon kernel's own tile
         num_tiles = triton.cdiv(m, ws[0][0]) * triton.cdiv(n, ws[0][1])
         grid = (min(num_tiles, programs), 1, 1)
         sk_tiles = 0
-    return LaunchPlan(m, n, k, kernel="gemm_ws_kernel" if ws else "gemm_kernel", use_tma=bool(use_tma), grid=grid,
+    return LaunchPlan(m, n, k, kernel=kernel, use_tma=bool(use_tma), grid=grid,
                       use_asm=use_asm, num_tiles=num_tiles, sk_tiles=sk_tiles, epi_tma=epi_tma,
                       epi_count=epi_count if not ws else 0, ws_block=ws[0] if ws else (),
                       ws_stages=ws[1] if ws else 0, reasons=tuple(reasons), spec=None if ws else spec, **common)
@@ -745,8 +775,14 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, cou
     until ``wait_signal[c] >= wait_gen`` for every chunk ``c`` its rows touch, for at most
     ``wait_timeout_ns``, recording a timeout in ``err``. ``tile_records``: the per-tile timeline
     (RECORD_TILES). ``scale_a`` / ``scale_b``: fp8's scales (modes ``plan.scale_a`` /
-    ``plan.scale_b``), applied by the MMA warps. :func:`matmul` validated everything."""
-    from ..kernels.gemm_ws import gemm_ws_kernel
+    ``plan.scale_b``), applied by the MMA warps. :func:`matmul` validated everything.
+    ``plan.kernel`` "gemm_pp_kernel": the ping-pong variant (no hooks, no records), which takes
+    the same arguments at its own warps and register cap."""
+    if plan.kernel == "gemm_pp_kernel":
+        from ..kernels.gemm_pp import MAXNREG as maxnreg, NUM_WARPS as num_warps, gemm_pp_kernel as kernel
+    else:
+        from ..kernels.gemm_ws import gemm_ws_kernel as kernel
+        num_warps, maxnreg = abi.WS_NUM_WARPS, abi.WS_MAXNREG
     m, k = a.shape
     n = b.shape[1]
     bm, bn, bk = plan.ws_block
@@ -781,13 +817,13 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, cou
     spec = specs.get(local)
     if spec is None:
         spec = specs[local] = (
-            "gemm_ws", a.device, a.dtype, b.dtype, c0.dtype, mode_a, mode_b, m, n, k, a.stride(), b.stride(),
+            plan.kernel, a.device, a.dtype, b.dtype, c0.dtype, mode_a, mode_b, m, n, k, a.stride(), b.stride(),
             c0.stride(), bm, bn, bk, group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma, num_epi,
             wait, record, local[6], local[7])
     head = [None, None, None, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen,
             wait_timeout_ns, err, counters, signal_ptrs, generation]
     tail = [tile_records, scale_a, scale_b, bm, bn, bk, group_m, stages, tile_order_idx, b_kmajor, epilogue, epi_tma,
-            wait, record, mode_a, mode_b, abi.WS_NUM_WARPS]
+            wait, record, mode_a, mode_b, num_warps]
     # The short path: the compiled kernel called with its descriptors expanded here (address,
     # shape, strides), no descriptor objects built (tpfuse/_direct.py, launch_tma)
     direct = _COMPILED.get(spec) if plan.options.direct_launch and not _DIRECT_BROKEN[0] else None
@@ -814,13 +850,13 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, cou
         b_desc = _gluon_descriptor(b, (k, n), (b.stride(0), 1), (bk, bn))
     c_desc = epi[0] if epilogue else _gluon_descriptor(out, (m, n), (out.stride(0), 1), (bm, bn))
     full = [a_desc, b_desc, c_desc] + head[3:] + epi + tail
-    _launch_cached(spec, (grid, 1, 1), full, a.device, lambda: gemm_ws_kernel[(grid, )](
+    _launch_cached(spec, (grid, 1, 1), full, a.device, lambda: kernel[(grid, )](
         a_desc, b_desc, c_desc, m, n, k, chunk_m, num_chunks, start_chunk, wait_signal, wait_gen, wait_timeout_ns,
         err, counters, signal_ptrs, generation, *epi, tile_records, scale_a, scale_b,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages, TILE_ORDER=tile_order_idx,
         B_KMAJOR=b_kmajor, EPILOGUE=epilogue, EPI_TMA=epi_tma, WAIT=wait, RECORD_TILES=record,
         SCALE_A=mode_a, SCALE_B=mode_b,
-        num_warps=abi.WS_NUM_WARPS, maxnreg=abi.WS_MAXNREG), plan.options.direct_launch)
+        num_warps=num_warps, maxnreg=maxnreg), plan.options.direct_launch)
 
 
 # --------------------------------------------------------------------------------------------
@@ -932,14 +968,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
     err = None
     if wait is not None:
         err = wait.error if wait.error is not None else new_error_word(device)
-    if plan.kernel == "gemm_ws_kernel":
+    if plan.kernel in ("gemm_ws_kernel", "gemm_pp_kernel"):
         if epilogue is not None:
             _launch_ws(plan, a, b, dests=epilogue.dests, stacked=plan.epi_tma == abi.EPI_TMA_STACKED,
                        counters=epilogue.counters, signal_ptrs=epilogue.signal_ptrs,
                        generation=epilogue.generation, epi_descs=_epilogue_descriptors(epilogue, plan),
                        tile_records=tile_records, scale_a=scale_a, scale_b=scale_b)
             return None
-        if wait is None:   # a plain call whose config asked for the Gluon kernel (GemmConfig.gluon)
+        if wait is None:   # a plain call whose config asked for a Gluon kernel (GemmConfig.gluon, .pingpong)
             _launch_ws(plan, a, b, out=out, tile_records=tile_records, scale_a=scale_a, scale_b=scale_b)
             return out
         _launch_ws(plan, a, b, out=out, wait_signal=wait.signal, wait_gen=wait.generation,

@@ -131,7 +131,7 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
                       tile_order: int = 2, b_kmajor: bool = True, wait: bool = False, record_tiles: bool = False,
                       dtype: torch.dtype = _types.HEURISTIC_DTYPE, b_dtype: torch.dtype | None = None,
                       out_dtype: torch.dtype | None = None, scale_a: int = _types.SCALE_NONE,
-                      scale_b: int = _types.SCALE_NONE):
+                      scale_b: int = _types.SCALE_NONE, pingpong: bool = False):
     """triton.compile of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py) for
     ``a[m, k] @ b`` (``weight[n, k].t()`` or row-major ``[k, n]``) on sm_90, launched as
     tpfuse.gemm.launch launches it; ``epi_tma``: -1 no hook (plain output), else the epilogue hook through
@@ -140,13 +140,19 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
     timeline on (RECORD_TILES). ``dtype`` (a's; ``b_dtype`` the weight's, default the same),
     ``out_dtype`` (default: the input's, bfloat16 for fp8) and the scale modes ``scale_a`` /
     ``scale_b`` (``kernels/_types.py`` ``SCALE_*``) as :func:`compile_kernel` takes them; fp8
-    wants ``block``'s K at 128 (ws_choice's)."""
+    wants ``block``'s K at 128 (ws_choice's). ``pingpong``: the ping-pong kernel
+    (tpfuse/kernels/gemm_pp.py; fp8, 128x128x128, b K-major, no hook) with its own launch
+    geometry (4 warps per consumer, ``gemm_pp.MAXNREG``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from .launch import _gluon_descriptor as make_descriptor
     W = importlib.import_module("tpfuse.kernels.gemm_ws")
+    kernel, num_warps, maxnreg = W.gemm_ws_kernel, abi.WS_NUM_WARPS, abi.WS_MAXNREG
+    if pingpong:
+        P = importlib.import_module("tpfuse.kernels.gemm_pp")
+        kernel, num_warps, maxnreg = P.gemm_pp_kernel, P.NUM_WARPS, P.MAXNREG
     bm, bn, bk = block
     b_dtype = dtype if b_dtype is None else b_dtype
     if out_dtype is None:
@@ -173,11 +179,11 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
                 scale_a=scales[scale_a], scale_b=scales[scale_b])
     cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, TILE_ORDER=tile_order,
                 B_KMAJOR=b_kmajor, EPILOGUE=hook, EPI_TMA=max(epi_tma, 0), WAIT=wait, RECORD_TILES=record_tiles,
-                SCALE_A=scale_a, SCALE_B=scale_b, num_warps=abi.WS_NUM_WARPS)
-    sig, attrs, constexprs = _signature(W.gemm_ws_kernel.arg_names, args, cons,
+                SCALE_A=scale_a, SCALE_B=scale_b, num_warps=num_warps)
+    sig, attrs, constexprs = _signature(kernel.arg_names, args, cons,
                                         lambda name, v: name in ("M", "N", "K") and v % 16 == 0)
-    src = GluonASTSource(fn=W.gemm_ws_kernel, signature=sig, attrs=attrs, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=abi.WS_NUM_WARPS, maxnreg=abi.WS_MAXNREG))
+    src = GluonASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
 
 
 def sass_of(cubin: bytes) -> tuple[str, str]:

@@ -1,0 +1,217 @@
+"""Ping-pong warp-specialized persistent GEMM (Gluon, sm_90) for plain fp8 calls: ``c = a @ b``.
+
+gemm_ws.py's MMA partition (two warpgroups on one tile) scales, converts and writes a tile's
+accumulator while the tensor cores wait; on short-K fp8 shapes (M=4096 N=4096 K=1792, ~12 us per
+tile on the H200) that epilogue costs 5-10 % (issue 29). Here, as in CUTLASS's
+``KernelTmaWarpSpecializedPingpong``, two consumer warpgroups each own a whole 128x128 tile
+(its fp32 accumulator: 128 registers per thread) and take alternate tiles of the program's
+persistent tile sequence, so one consumer's epilogue runs under the other's MMAs. Partitions:
+
+====================== ======= ========= =====================================================
+partition              warps   registers what
+====================== ======= ========= =====================================================
+consumer 0 (default)   4       232       the program's tiles 0, 2, 4, ...: wgmma, scale,
+                                         convert, write its own staging buffer
+consumer 1             4       232       tiles 1, 3, 5, ...
+load                   1       40        TMA loads of A and B into one ring of ``STAGES``
+                                         stages, in tile order (tile 0's K-steps, tile 1's, ...)
+store                  1       40        TMA stores of the two staging buffers, alternately
+====================== ======= ========= =====================================================
+
+(Triton pads the workers to whole warpgroups: 12 warps, the load/store warpgroup at 40 registers;
+the default partition gets the rest of the 64K, 232.)
+
+mbarriers: ``ready[s]`` / ``empty[s]`` per stage of the shared ring; ``c_ready[c]`` /
+``c_empty[c]`` per consumer's staging buffer; ``turn[c]``, the ordering barrier: consumer ``c``
+starts a tile's mainloop only after the other consumer has issued its previous tile's last
+wgmma. That keeps the two mainloops from interleaving (CUTLASS's ordered barrier) and is also
+what keeps the shared ring's phase parity unambiguous: a consumer waits on ring index
+``r = (local tile) * k_tiles + ki`` with parity ``(r // STAGES) & 1``, which reads right only if
+that stage's previous fill (``r - STAGES``, perhaps the other consumer's) has landed -- true
+once every ring index below this tile's has been waited on. Without it consumer 1 could take
+stage ``s``'s fill for consumer 0 two fills earlier as its own.
+
+Numerics: gemm_ws's. The same wgmma K-steps (32 per instruction, 128 per stage) in the same
+order with the same accumulation (Triton's sm_90 default ``max_num_imprecise_acc``), the scales
+through gemm_ws's ``_load_scales`` / ``_scale_acc`` (gemm.py's ``_scale_tile`` order), the same
+rounding to the output; so a tile is meant to be bitwise gemm_ws's and gemm_kernel's. Dtypes:
+fp8 (e4m3, e4m3 x e5m2 mixes) into bf16/fp16/float32, b K-major, 128x128x128 tiles only. Tile
+order: gemm.py's ``_tile_coords``. Edges: TMA zero-fills loads past M, N, K and clips stores.
+
+Stages: as many 32 KiB fp8 stages as fit beside the two 128x128 staging buffers in sm_90's
+227 KiB: 5 for a 16-bit output (2 x 32 KiB), 3 for float32 (2 x 64 KiB) (the host passes
+them: ``tpfuse.gemm.config.PINGPONG_STAGES``).
+
+Arguments: gemm_ws_kernel's, in its order, so the host's argument list, direct launch and
+PreparedMatmul serve both. No hooks yet (``EPILOGUE``, ``WAIT``, ``RECORD_TILES`` must be off;
+their arguments None): the partitions keep gemm_ws's roles, so the epilogue hook's count would go
+in the store warp and the wait hook in the load warp as there.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+from .gemm import _tile_coords
+from .gemm_ws import SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR, _load_scales, _scale_acc
+
+# Launch geometry (the host passes these; tpfuse/gemm/launch.py, offline.py): the default
+# partition is consumer 0, one warpgroup; the workers add consumer 1 and the load and store warps.
+NUM_WARPS = 4
+# 64K registers over 12 warps (the workers padded to two warpgroups): 168 per thread at launch,
+# then setmaxnreg 232 / 232 / 40 (CUTLASS's ping-pong split: 2 x 232 + 40 <= 512 per thread triple)
+MAXNREG = 168
+CONSUMER_REGS = 232
+DATA_MOVER_REGS = 40
+BLOCK = (128, 128, 128)
+_CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
+_DATA_MOVER_REGS = gl.constexpr(DATA_MOVER_REGS)
+
+@gluon.jit
+def _pp_load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                       STAGES: gl.constexpr, TILE_ORDER: gl.constexpr):
+    """The program's tiles in order, each tile's K-steps into the next ring stages."""
+    (a_desc, b_desc, c_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, turn,
+     M, N, K, chunk_m, num_chunks, start_chunk, scale_a, scale_b) = p
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    it = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+                                    BLOCK_M, GROUP_M, TILE_ORDER)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        for ki in range(k_tiles):
+            s = it % STAGES
+            # free once the consumer of its previous fill (either one) is done with it
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, ki * BLOCK_K], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [off_n, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _pp_store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, TILE_ORDER: gl.constexpr):
+    """The program's tiles in order: tile j from consumer j % 2's staging buffer."""
+    (a_desc, b_desc, c_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, turn,
+     M, N, K, chunk_m, num_chunks, start_chunk, scale_a, scale_b) = p
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    j = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+                                    BLOCK_M, GROUP_M, TILE_ORDER)
+        c = j % 2
+        mbarrier.wait(c_ready.index(c), (j // 2) & 1)
+        tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], c_bufs.index(c))
+        tma.store_wait(0)   # the staging buffer has been read out
+        mbarrier.arrive(c_empty.index(c), count=1)
+        j += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _pp_consumer_partition(p, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                           TILE_ORDER: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
+                           num_warps: gl.constexpr):
+    """Consumer ``CONSUMER`` (0 or 1): the program's tiles ``CONSUMER``, ``CONSUMER + 2``, ...,
+    each a whole 128x128 tile in this warpgroup's accumulator, as gemm_ws's MMA partition
+    computes, scales and stages it."""
+    (a_desc, b_desc, c_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, turn,
+     M, N, K, chunk_m, num_chunks, start_chunk, scale_a, scale_b) = p
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    INSTR_K: gl.constexpr = 256 // a_desc.dtype.primitive_bitwidth
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N, INSTR_K])
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    c_smem = c_bufs.index(CONSUMER)
+    sa = 1.0
+    sb = 1.0
+    if SCALE_A == SCALE_TENSOR:
+        sa = gl.load(scale_a)
+    if SCALE_B == SCALE_TENSOR:
+        sb = gl.load(scale_b)
+    i = 0   # this consumer's tiles so far; its i-th is the program's tile 2 * i + CONSUMER
+    for tile_id in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), num_pid_m * num_pid_n,
+                         2 * gl.num_programs(0)):
+        # our turn at the tensor cores: the other consumer has issued its previous tile (consumer
+        # 0's first wait passes at once, on the fresh barrier's phase before 0)
+        mbarrier.wait(turn.index(CONSUMER), (i & 1) ^ (1 - CONSUMER))
+        it = (2 * i + CONSUMER) * k_tiles   # this tile's first ring index
+        for ki in range(k_tiles):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            # fp8: Triton's sm_90 default max_num_imprecise_acc, as gemm_ws and gemm.py's tl.dot
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=ki > 0,
+                                is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+            it += 1
+        # the other consumer's turn: its next tile's wgmma queue behind this one's last group
+        mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
+        fa = sa
+        fb = sb
+        if SCALE_A == SCALE_VECTOR or SCALE_B == SCALE_VECTOR:
+            pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+                                        BLOCK_M, GROUP_M, TILE_ORDER)
+            fa, fb = _load_scales(mma_layout, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, sa, sb, scale_a, scale_b,
+                                  BLOCK_M, BLOCK_N, SCALE_A, SCALE_B, num_warps)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+        if SCALE_A != SCALE_NONE or SCALE_B != SCALE_NONE:
+            acc = _scale_acc(acc, fa, fb, SCALE_A, SCALE_B)
+        mbarrier.wait(c_empty.index(CONSUMER), (i & 1) ^ 1)
+        c_smem.store(acc.to(c_smem.dtype))
+        fence_async_shared()
+        mbarrier.arrive(c_ready.index(CONSUMER), count=1)
+        i += 1
+
+
+@gluon.jit(do_not_specialize=["chunk_m", "num_chunks", "start_chunk", "epi_gen", "wait_gen", "wait_timeout"],
+           do_not_specialize_on_alignment=["counters", "signal_ptrs", "wait_signal", "err_ptr", "tile_records",
+                                           "scale_a", "scale_b"])
+def gemm_pp_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_chunk,
+                   wait_signal, wait_gen, wait_timeout, err_ptr,
+                   counters, signal_ptrs, epi_gen,
+                   epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7, tile_records, scale_a, scale_b,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                   STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr,
+                   EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr,
+                   SCALE_A: gl.constexpr, SCALE_B: gl.constexpr, num_warps: gl.constexpr):
+    gl.static_assert(not EPILOGUE and not WAIT and not RECORD_TILES, "gemm_pp_kernel: no hooks, no tile records yet")
+    gl.static_assert(B_KMAJOR, "gemm_pp_kernel: b K-major (sm_90's fp8 wgmma)")
+    gl.static_assert((BLOCK_M == 128) & (BLOCK_N == 128) & (BLOCK_K == 128), "gemm_pp_kernel: 128x128x128 tiles")
+    gl.static_assert(num_warps == 4, "gemm_pp_kernel: one warpgroup per consumer")
+    gl.static_assert(a_desc.dtype.primitive_bitwidth == 8, "gemm_pp_kernel: fp8 inputs")
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for c in gl.static_range(2):
+        mbarrier.init(c_ready.index(c), count=1)
+        mbarrier.init(c_empty.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
+    p = (a_desc, b_desc, c_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, turn,
+         M, N, K, chunk_m, num_chunks, start_chunk, scale_a, scale_b)
+    gl.warp_specialize([
+        (_pp_consumer_partition, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
+                                  num_warps)),
+        (_pp_consumer_partition, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
+                                  num_warps)),
+        (_pp_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER)),
+        (_pp_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER)),
+    ], [4, 1, 1], [_CONSUMER_REGS, _DATA_MOVER_REGS, _DATA_MOVER_REGS])
