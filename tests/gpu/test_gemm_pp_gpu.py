@@ -1,0 +1,121 @@
+"""GPU tests of the ping-pong Gluon kernel (tpfuse/kernels/gemm_pp.py, ``GemmConfig.pingpong``):
+a plain fp8 call is bitwise the same call in gemm_kernel (the same wgmma K-steps, accumulation
+and order of scaling) and close to ``torch._scaled_mm``. sm_90 only (27 passed on one H200 run).
+"""
+import dataclasses
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytest.importorskip("triton", reason="triton is not installed")
+
+from tpfuse import gemm as gc  # noqa: E402
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+PP = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=5, gluon=True, pingpong=True)
+PLAIN = dataclasses.replace(PP, gluon=False, pingpong=False)   # gemm_kernel, the same tiles and K-steps
+
+
+@pytest.fixture(autouse=True)
+def _compiled_kernels():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 is set; these tests need compiled kernels")
+    if not SM90:
+        pytest.skip("gemm_pp's wgmma is sm_90's")
+
+
+def _operands(m, n, k, mode, a_dtype=E4M3, b_dtype=E4M3, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = (torch.randn(m, k, generator=g, device="cuda") * 2).to(a_dtype)
+    b = (torch.randn(n, k, generator=g, device="cuda") * 2).to(b_dtype).t()
+    if mode == "tensor":
+        sa, sb = torch.tensor(0.75, device="cuda"), torch.tensor(1.5, device="cuda")
+    else:
+        sa = torch.rand(m, 1, generator=g, device="cuda") + 0.25
+        sb = torch.rand(1, n, generator=g, device="cuda") + 0.25
+    return a, b, sa, sb
+
+
+def _call(a, b, sa, sb, out_dtype, config, **kw):
+    out = torch.full((a.shape[0], b.shape[1]), float("nan"), device="cuda", dtype=out_dtype)
+    gc.matmul(a, b, out=out, config=config, scale_a=sa, scale_b=sb, out_dtype=out_dtype, **kw)
+    return out, gc.last_plan()
+
+
+def _rel_err(got, ref):
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+# (M, N, K): edges in M and N (N a multiple of 16, as fp8 asks, not of 128; TMA clips the
+# stores, zero-fills the loads), one K-step, the
+# short-K prefill shapes of issue 29, and a tall one
+SHAPES = [(1000, 784, 1024), (4096, 4096, 1792), (16384, 4096, 1792), (384, 256, 128), (771, 4096, 4096)]
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("mode", ["tensor", "row"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_pingpong_is_bitwise_gemm_kernel_and_close_to_scaled_mm(shape, mode, out_dtype):
+    m, n, k = shape
+    a, b, sa, sb = _operands(m, n, k, mode)
+    ours, plan = _call(a, b, sa, sb, out_dtype, PP)
+    assert plan.kernel == "gemm_pp_kernel", plan.explain()
+    assert plan.ws_block == (128, 128, 128) and plan.ws_stages == (5 if out_dtype == torch.bfloat16 else 3)
+    assert "gemm_pp" in plan.explain()
+    again, _ = _call(a, b, sa, sb, out_dtype, PP)   # a second call (the direct launch path)
+    ref, ref_plan = _call(a, b, sa, sb, out_dtype, PLAIN)
+    assert ref_plan.kernel == "gemm_kernel", ref_plan.explain()
+    torch.cuda.synchronize()
+    assert not torch.isnan(ours).any() and not torch.isinf(ours).any()
+    assert torch.equal(ours, ref) and torch.equal(again, ref)
+    # against cuBLASLt with the same (fast) accumulation: no further off the float64 product
+    # than twice its own error, or two output roundings
+    theirs = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=True)
+    exact = (a.double() * sa.double()) @ (b.double() * sb.double())
+    eps = torch.finfo(out_dtype).eps if out_dtype != torch.float32 else 1e-5
+    assert _rel_err(ours, exact) <= max(2 * _rel_err(theirs, exact), 2 * eps)
+
+
+@pytest.mark.parametrize("num_sms", [1, 7, 66], ids=lambda s: f"{s}sms")
+def test_pingpong_with_few_programs_alternates_consumers_over_many_tiles(num_sms):
+    # few programs: each runs many tiles, odd and even counts, so both consumers, the shared
+    # ring's phases and the ordering barrier go round many times
+    m, n, k = 2048, 1536, 1792
+    a, b, sa, sb = _operands(m, n, k, "row", seed=3)
+    ours, plan = _call(a, b, sa, sb, torch.bfloat16, PP, num_sms=num_sms)
+    assert plan.kernel == "gemm_pp_kernel" and plan.grid[0] == num_sms, plan.explain()
+    ref, _ = _call(a, b, sa, sb, torch.bfloat16, PLAIN, num_sms=num_sms)
+    assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype,out_dtype", [(E5M2, E4M3, torch.float16), (E4M3, E5M2, torch.bfloat16)])
+def test_pingpong_fp8_mixes(a_dtype, b_dtype, out_dtype):
+    m, n, k = 1000, 784, 1024
+    a, b, sa, sb = _operands(m, n, k, "row", a_dtype, b_dtype, seed=5)
+    ours, plan = _call(a, b, sa, sb, out_dtype, PP)
+    assert plan.kernel == "gemm_pp_kernel", plan.explain()
+    ref, _ = _call(a, b, sa, sb, out_dtype, PLAIN)
+    assert torch.equal(ours, ref)
+
+
+def test_pingpong_is_bitwise_gemm_ws():
+    # the hook-free Gluon kernel on the same tiles: the same wgmma sequence and scaling
+    m, n, k = 4096, 4096, 1792
+    a, b, sa, sb = _operands(m, n, k, "row", seed=7)
+    ours, _ = _call(a, b, sa, sb, torch.bfloat16, PP)
+    ws, plan = _call(a, b, sa, sb, torch.bfloat16, dataclasses.replace(PP, pingpong=False))
+    assert plan.kernel == "gemm_ws_kernel", plan.explain()
+    assert torch.equal(ours, ws)
+
+
+def test_pingpong_with_tile_records_runs_gemm_ws_and_says_why():
+    m, n, k = 1000, 784, 1024
+    a, b, sa, sb = _operands(m, n, k, "tensor")
+    rec = gc.tile_records_for(m, n, PP, device="cuda")
+    ours, plan = _call(a, b, sa, sb, torch.bfloat16, PP, tile_records=rec)
+    assert plan.kernel == "gemm_ws_kernel" and "tile_records: gemm_ws" in plan.explain()
+    ref, _ = _call(a, b, sa, sb, torch.bfloat16, PLAIN)
+    assert torch.equal(ours, ref)
