@@ -8,8 +8,9 @@ best config with hooks on (signals pre-set) in one run: ``triton.testing.do_benc
 random data, inputs rotated over enough copies to exceed L2 (do_bench also flushes L2).
 Writes ``gemm_core_h200.json`` (``--name`` changes it) and prints a short table last. Each row
 names the kernel that ran the plain call and each hook (``plain_kernel``, ``wait_kernel``,
-``epilogue_kernel``: "gemm_kernel" or "gemm_ws"); the plain call runs gemm_ws where the tuner
-kept a ``GemmConfig(gluon=True)`` (fp8 on sm_90; "ws" in the table's config column).
+``epilogue_kernel``: "gemm_kernel", "gemm_ws" or, plain fp8 calls only, "gemm_pp"); the plain
+call runs gemm_ws where the tuner kept a ``GemmConfig(gluon=True)`` (fp8 on sm_90; "ws" in the
+table's config column) and gemm_pp where it kept one with ``pingpong=True`` ("pp").
 
 ``--dtype fp8``: e4m3 operands (``b = weight.t()``), bf16 output, scales tensor-wise and
 row-wise (``--scaling``; one row per shape and scaling, named ``<shape>-tensorwise`` /
@@ -189,19 +190,22 @@ def hook_specs(s: Shape, out, num_chunks=WORLD_SIZE):
 
 
 def kernel_name(plan) -> str:
-    """The kernel a call's plan ran: "gemm_ws" (the Gluon kernel) or "gemm_kernel" (the Triton family)."""
-    return "gemm_ws" if plan.kernel == "gemm_ws_kernel" else "gemm_kernel"
+    """The kernel a call's plan ran: "gemm_ws" (the Gluon kernel), "gemm_pp" (its ping-pong
+    variant) or "gemm_kernel" (the Triton family)."""
+    return {"gemm_ws_kernel": "gemm_ws", "gemm_pp_kernel": "gemm_pp"}.get(plan.kernel, "gemm_kernel")
 
 
 def config_label(cfg: dict) -> str:
     """A config (``GemmConfig.to_dict()``) in a few characters: ``128x256x128 w8s3`` and its
     switches (``g4`` GROUP_M other than 8, ``sub2``, ``flat``, ``streamK1``, ``ptr`` pointer
-    stores, ``ws``: plain calls run the Gluon kernel, GemmConfig.gluon)."""
+    stores, ``ws``: plain calls run the Gluon kernel, GemmConfig.gluon; ``pp``: its ping-pong
+    variant, GemmConfig.pingpong)."""
     label = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}s{cfg['num_stages']}"
     switches = [f"g{cfg['GROUP_M']}" if cfg.get("GROUP_M", 8) != 8 else "",
                 "sub2" if cfg.get("EPI_SUBTILE") == 2 else "", "flat" if cfg.get("flatten") else "",
                 f"streamK{cfg['stream_k']}" if cfg.get("stream_k") else "",
-                "ptr" if cfg.get("tma_store") is False else "", "ws" if cfg.get("gluon") else ""]
+                "ptr" if cfg.get("tma_store") is False else "",
+                "pp" if cfg.get("pingpong") else "ws" if cfg.get("gluon") else ""]
     return " ".join([label] + [x for x in switches if x])
 
 

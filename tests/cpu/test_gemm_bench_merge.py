@@ -94,3 +94,18 @@ def test_merge_from_the_command_line_writes_the_file(bench, tmp_path, capsys):
     written = json.loads((tmp_path / "out" / "gemm_core_fp8_h200.json").read_text())
     assert [r["name"] for r in written["rows"]] == ["8B-fc1-train-tensorwise", "8B-fc1-train-rowwise"]
     assert "missing 58" in capsys.readouterr().out
+
+
+def test_rows_name_the_plain_kernel_and_the_config_switches(bench):
+    # each row says which kernel ran (the ping-pong variant apart from gemm_ws) and the table's
+    # config column shows the Gluon switches
+    from types import SimpleNamespace
+    from tpfuse import gemm as gc
+
+    for kernel, name in (("gemm_kernel", "gemm_kernel"), ("gemm_ws_kernel", "gemm_ws"), ("gemm_pp_kernel", "gemm_pp"),
+                         ("none", "gemm_kernel")):
+        assert bench.kernel_name(SimpleNamespace(kernel=kernel)) == name
+    base = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=5)
+    assert bench.config_label(gc.GemmConfig(**base).to_dict()) == "128x128x128 w8s5"
+    assert bench.config_label(gc.GemmConfig(**base, gluon=True).to_dict()) == "128x128x128 w8s5 ws"
+    assert bench.config_label(gc.GemmConfig(**base, gluon=True, pingpong=True).to_dict()) == "128x128x128 w8s5 pp"
