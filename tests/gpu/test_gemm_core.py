@@ -759,13 +759,15 @@ def test_fp8_gluon_epilogue_hook_per_chunk_matches_the_plain_call_bitwise(mode, 
 @pytest.mark.skipif(not WS_GPU, reason="the Gluon kernel is sm_90's")
 @pytest.mark.parametrize("mode", ["tensor", "row"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("shape", [(1000, 1024, 776), (4096, 1792, 4096)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(1000, 1024, 784), (4096, 1792, 4096)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("bn", [128, 256])
 def test_fp8_plain_gluon_config_matches_gemm_kernel_bitwise(mode, out_dtype, shape, bn):
     # GemmConfig(gluon=True): a plain fp8 call in the Gluon kernel (no hook), the tuner's choice
     # where it times faster. The same wgmma K-steps and scale order as gemm_kernel on the same
     # tiles: bitwise its result (float32 out: 128-wide tiles in both). Twice: the JIT launch,
-    # then the direct one.
+    # then the direct one. (N = 784: fp8 wants N a multiple of 16. The accuracy against float64
+    # is gemm_kernel's, tested above; a float32 output's is the known fast-accumulation bound,
+    # the strict xfail of test_fp8_mixes_and_out_dtypes.)
     m, k, n = shape
     a, b, sa, sb = _fp8_operands(m, k, n, E4M3, E4M3, mode, seed=7)
     width = 128 if out_dtype == torch.float32 else bn
@@ -783,7 +785,8 @@ def test_fp8_plain_gluon_config_matches_gemm_kernel_bitwise(mode, out_dtype, sha
         assert plan.kernel == "gemm_ws_kernel" and plan.tile_shape == (128, width), plan.explain()
         torch.cuda.synchronize()
         assert torch.equal(out, plain)
-    _fp8_close(out, _scaled_mm(a, b, sa, sb, out_dtype), a, b, sa, sb)
+    if out_dtype != torch.float32:
+        _fp8_close(out, _scaled_mm(a, b, sa, sb, out_dtype), a, b, sa, sb)
 
 
 @pytest.mark.skipif(not FP8, reason="fp8 MMAs need compute capability 8.9+")
