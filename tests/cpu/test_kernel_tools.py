@@ -484,6 +484,29 @@ def test_ws_choice_plain_fp8_call_with_a_gluon_config():
     assert got == () and "no inline PTX" in why
 
 
+def _launch_faked(monkeypatch, plan):
+    """One plain row-wise fp8 ``matmul`` on CPU tensors whose plan is ``plan`` (its m, n, k), the
+    Gluon launch faked (no GPU): returns the one launch's ``(spec, grid, arguments)`` (descriptors
+    as ``("desc", address, shape, block)``) and the call's ``a, b, out, scale_a, scale_b``."""
+    m, n, k = plan.m, plan.n, plan.k
+    launched = []
+    monkeypatch.setattr(launch, "_make_plan", lambda *args, **kw: plan)
+    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(launch, "_COMPILED", {})
+    monkeypatch.setattr(launch, "_gluon_descriptor", lambda t, shape, strides, block: (
+        "desc", t.data_ptr(), tuple(shape), tuple(block)))
+    monkeypatch.setattr(launch, "_launch_cached", lambda spec, grid, full, device, jit, direct: launched.append(
+        (spec, grid, full)))
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=g).to(E4M3)
+    b = torch.randn(n, k, generator=g).to(E4M3).t()
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    sa, sb = torch.rand(m, 1, generator=g), torch.rand(1, n, generator=g)
+    assert gc.matmul(a, b, out=out, scale_a=sa, scale_b=sb) is out and gc.last_plan() is plan
+    (one,) = launched
+    return one, a, b, out, sa, sb
+
+
 def test_a_plain_gluon_plan_launches_gemm_ws_without_hooks(monkeypatch):
     # matmul's launch of a hook-free gemm_ws plan (faked: no GPU): the Gluon kernel's arguments
     # with EPILOGUE and WAIT off and no hook buffers, a's, b's and out's descriptors at the
@@ -492,24 +515,10 @@ def test_a_plain_gluon_plan_launches_gemm_ws_without_hooks(monkeypatch):
     plan = launch.LaunchPlan(m=m, n=n, k=k, config=dataclasses.replace(_GLUON_256, GROUP_M=4), kernel="gemm_ws_kernel",
                              b_kmajor=True, use_tma=True, grid=(4, 1, 1), ws_block=(128, 256, 128), ws_stages=3,
                              out_dtype=torch.bfloat16, scale_a=2, scale_b=2, num_tiles=4)
-    launched = []
-    monkeypatch.setattr(launch, "_make_plan", lambda *args, **kw: plan)
-    monkeypatch.setattr(launch, "_PLANS", {})
-    monkeypatch.setattr(launch, "_COMPILED", {})
-    monkeypatch.setattr(launch, "_gluon_descriptor", lambda t, shape, strides, block: (
-        "desc", t.data_ptr(), tuple(shape), tuple(block)))
-    monkeypatch.setattr(launch, "_launch_cached", lambda spec, grid, full, device, jit, direct: launched.append(
-        (grid, full)))
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=g).to(E4M3)
-    b = torch.randn(n, k, generator=g).to(E4M3).t()
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    sa, sb = torch.rand(m, 1, generator=g), torch.rand(1, n, generator=g)
-    assert gc.matmul(a, b, out=out, scale_a=sa, scale_b=sb) is out and gc.last_plan() is plan
-    (grid, full), = launched
+    (spec, grid, full), a, b, out, sa, sb = _launch_faked(monkeypatch, plan)
     from tpfuse.kernels.gemm_ws import gemm_ws_kernel
     args = dict(zip(gemm_ws_kernel.arg_names, full, strict=True))
-    assert grid == (4, 1, 1)
+    assert grid == (4, 1, 1) and spec[0] == "gemm_ws_kernel"
     assert args["a_desc"] == ("desc", a.data_ptr(), (m, k), (128, 128))
     assert args["b_desc"] == ("desc", b.data_ptr(), (n, k), (256, 128))
     assert args["c_desc"] == ("desc", out.data_ptr(), (m, n), (128, 256))
@@ -649,21 +658,7 @@ def test_a_plain_pingpong_plan_launches_gemm_pp(monkeypatch):
     plan = launch.LaunchPlan(m=m, n=n, k=k, config=dataclasses.replace(_PP, GROUP_M=4), kernel="gemm_pp_kernel",
                              b_kmajor=True, use_tma=True, grid=(4, 1, 1), ws_block=(128, 128, 128), ws_stages=5,
                              out_dtype=torch.bfloat16, scale_a=2, scale_b=2, num_tiles=8)
-    launched = []
-    monkeypatch.setattr(launch, "_make_plan", lambda *args, **kw: plan)
-    monkeypatch.setattr(launch, "_PLANS", {})
-    monkeypatch.setattr(launch, "_COMPILED", {})
-    monkeypatch.setattr(launch, "_gluon_descriptor", lambda t, shape, strides, block: (
-        "desc", t.data_ptr(), tuple(shape), tuple(block)))
-    monkeypatch.setattr(launch, "_launch_cached", lambda spec, grid, full, device, jit, direct: launched.append(
-        (spec, grid, full)))
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=g).to(E4M3)
-    b = torch.randn(n, k, generator=g).to(E4M3).t()
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    sa, sb = torch.rand(m, 1, generator=g), torch.rand(1, n, generator=g)
-    assert gc.matmul(a, b, out=out, scale_a=sa, scale_b=sb) is out and gc.last_plan() is plan
-    (spec, grid, full), = launched
+    (spec, grid, full), a, b, out, sa, sb = _launch_faked(monkeypatch, plan)
     from tpfuse.kernels import gemm_pp
     from tpfuse.kernels.gemm_ws import gemm_ws_kernel
     assert gemm_pp.gemm_pp_kernel.arg_names == gemm_ws_kernel.arg_names   # one argument list for both
