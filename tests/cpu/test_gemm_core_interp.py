@@ -756,6 +756,31 @@ def test_fp8_gluon_config_off_sm90_runs_gemm_kernel_and_says_why():
     assert not any("gluon" in r for r in gc.last_plan().reasons)   # no flag: nothing said, as before
 
 
+def test_tune_times_fp8_candidates_with_the_scales_it_is_given(monkeypatch):
+    # tune(scale_a=, scale_b=, out_dtype=): the candidates are timed on the calls they are tuned
+    # for (row-wise scales load in every tile's epilogue); without scales, unscaled into bf16
+    import triton
+
+    m, k, n = 45, 144, 32
+    a, b, sa, sb, _ = _scaled_operands(m, k, n, E4M3, E4M3, "row", seed=8)
+    seen = []
+
+    def one_call(fn, **kw):   # no CUDA events here: each candidate's call runs once
+        fn()
+        plan = gc.last_plan()
+        seen.append((plan.scale_a, plan.scale_b, plan.out_dtype))
+        return 1.0
+
+    monkeypatch.setattr(triton.testing, "do_bench", one_call)
+    best, timings = gc.tune(a, b, configs=[CFG], save=False, graphs=False, scale_a=sa, scale_b=sb,
+                            out_dtype=torch.float32)
+    assert best == CFG and [c for c, _ in timings] == [CFG]
+    assert seen == [(2, 2, torch.float32)]
+    seen.clear()
+    gc.tune(a, b, configs=[CFG], save=False, graphs=False)
+    assert seen == [(0, 0, torch.bfloat16)]
+
+
 def test_scales_on_bf16_operands_and_stream_k_sums():
     # the epilogue's scaling of 16-bit operands (the interpreter's stand-in for fp8 dots where a
     # Triton cannot run them), through whole tiles and stream-K's workspace sums (2 subtiles)

@@ -18,6 +18,8 @@ __all__ = ["tune", "rerank_leaders"]
 
 def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmConfig]] = None,
          rep_ms: int = 20, save: bool = True, graphs: Optional[bool] = None,
+         scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None,
+         out_dtype: Optional[torch.dtype] = None,
          ) -> tuple[GemmConfig, list[tuple[GemmConfig, float]]]:
     """Time every candidate config on ``a @ b`` (median, ``triton.testing.do_bench``; fp8 on sm_90:
     with the Gluon kernel's, ``GemmConfig.gluon``, among them), store the
@@ -28,21 +30,32 @@ def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmCon
     address) ends the search, since nothing can run on that device afterwards.
 
     ``graphs`` (default: on CUDA) times CUDA-graph replays of one call: eager timings of a small
-    GEMM measure the host's launch cost, and would pick a config by launch noise."""
+    GEMM measure the host's launch cost, and would pick a config by launch noise.
+
+    fp8: ``scale_a`` / ``scale_b`` (and ``out_dtype``) as the calls to be tuned for pass them, so
+    that row-wise scales, whose loads sit in every tile's epilogue, are timed (the candidates
+    rank differently with them: the fp8 benchmark tunes each scaling apart). Without them fp8
+    candidates run unscaled into the default output dtype. The cache keeps one config per
+    shape, dtype and layout: the last tuning of a shape wins, whatever its scales."""
     triton, _, _ = triton_modules()
     m, k = a.shape
     n = b.shape[1]
     capability = device_info(device_index(a.device))["capability"] if a.device.type == "cuda" else (0, 0)
     configs = (list(configs) if configs is not None
                else candidate_configs(m, n, k, a.dtype, num_sms=num_sms(a.device), capability=capability))
-    # fp8 inputs: their default output (the scales change no timing, so tuning runs without them)
-    out = torch.empty(m, n, dtype=_types.FP8_DEFAULT_OUT if _types.is_fp8(a.dtype) else a.dtype, device=a.device)
+    if out_dtype is None:
+        out_dtype = _types.FP8_DEFAULT_OUT if _types.is_fp8(a.dtype) else a.dtype
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    # what the tuned calls pass: their scales, and an output dtype other than the input's
+    extra = {} if scale_a is None and scale_b is None else dict(scale_a=scale_a, scale_b=scale_b)
+    if out_dtype != a.dtype:
+        extra["out_dtype"] = out_dtype
     if graphs is None:
         graphs = a.device.type == "cuda" and not interpreting()
 
     def timed(cfg: GemmConfig) -> float:
         def call():
-            launch.matmul(a, b, out=out, config=cfg)
+            launch.matmul(a, b, out=out, config=cfg, **extra)
         if not graphs:
             return triton.testing.do_bench(call, warmup=5, rep=rep_ms, return_mode="median")
         side = torch.cuda.Stream(a.device)
