@@ -828,14 +828,11 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, cou
     # shape, strides), no descriptor objects built (tpfuse/_direct.py, launch_tma)
     direct = _COMPILED.get(spec) if plan.options.direct_launch and not _DIRECT_BROKEN[0] else None
     if direct is not None and direct.tma is not None:
-        descs = {0: (a.data_ptr(), (m, k), (a.stride(0), 1)),
-                 1: (b.data_ptr(), (n, k), (b.stride(1), 1)) if b_kmajor else (b.data_ptr(), (k, n), (b.stride(0), 1))}
+        descs = _operand_descs(plan, a, b, None if epilogue else out)
         if epilogue:
             descs[2] = _desc_triple(epi[0])
             for q in range(num_epi):
                 descs[len(head) + q] = _desc_triple(epi[q])
-        else:
-            descs[2] = (out.data_ptr(), (m, n), (out.stride(0), 1))
         args = head + epi + tail
         if launch_tma(direct, (grid, 1, 1), torch._C._cuda_getCurrentRawStream(a.device.index), args, descs):
             _LAUNCHES["direct"] += 1
@@ -1032,6 +1029,17 @@ def _signature(t: Optional[torch.Tensor]) -> Optional[tuple]:
     return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0
 
 
+def _operand_descs(plan: LaunchPlan, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor]) -> dict:
+    """The Gluon kernel's descriptors of ``a``, ``b`` (and ``out`` if given) as :func:`launch_tma`
+    takes them, ``{position: (address, shape, strides)}``: made per call, the rest of a launch kept."""
+    m, n, k = plan.m, plan.n, plan.k
+    descs = {0: (a.data_ptr(), (m, k), (a.stride(0), 1)),
+             1: (b.data_ptr(), (n, k), (b.stride(1), 1)) if plan.b_kmajor else (b.data_ptr(), (k, n), (b.stride(0), 1))}
+    if out is not None:
+        descs[2] = (out.data_ptr(), (m, n), (out.stride(0), 1))
+    return descs
+
+
 def _cuda_index(t: torch.Tensor) -> int:
     """``t``'s CUDA device index, -1 off CUDA."""
     return t.get_device() if t.is_cuda else -1
@@ -1079,13 +1087,7 @@ class PreparedMatmul:
                 args = list(args)
                 args[at_scales] = scale_a
                 args[at_scales + 1] = scale_b
-                descs = dict(descs)
-                m, n, k = plan.m, plan.n, plan.k
-                descs[0] = (a.data_ptr(), (m, k), (a.stride(0), 1))
-                descs[1] = ((b.data_ptr(), (n, k), (b.stride(1), 1)) if plan.b_kmajor
-                            else (b.data_ptr(), (k, n), (b.stride(0), 1)))
-                if out is not None:
-                    descs[2] = (out.data_ptr(), (m, n), (out.stride(0), 1))
+                descs = {**descs, **_operand_descs(plan, a, b, out)}
                 if launch_tma(direct, grid, torch._C._cuda_getCurrentRawStream(index), args, descs):
                     _LAST_PLAN[0] = plan
                     _LAUNCHES["direct"] += 1
