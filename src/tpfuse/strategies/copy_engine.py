@@ -52,6 +52,7 @@ alike), and the next call on the group, :func:`tpfuse.synchronize` or the watchd
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -85,18 +86,12 @@ def ar_one_shot(m: int, n: int, element_size: int) -> bool:
     return m * n * element_size <= ONE_SHOT_MAX_BYTES
 
 
+@functools.lru_cache(maxsize=None)   # it sits on every gemm_rs / gemm_ar call
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
     """dtype of the partial products RS/AR move between ranks: the input's own (rounded once, then
     summed in float32), or for fp8 inputs the policy's reduce dtype (float32: the scaled GEMM's
     output is reduced before it is rounded to ``out_dtype``)."""
-    hit = _PARTIAL_DTYPES.get(dtype)
-    if hit is None:
-        hit = _PARTIAL_DTYPES[dtype] = (dtypes.reduce_dtype(dtype, DTYPES) if dtypes.rule(DTYPES, dtype) is dtypes.FP8
-                                        else dtype)
-    return hit
-
-
-_PARTIAL_DTYPES: dict = {}   # partial_dtype's answers: it sits on every gemm_rs / gemm_ar call
+    return dtypes.reduce_dtype(dtype, DTYPES) if dtypes.rule(DTYPES, dtype) is dtypes.FP8 else dtype
 
 
 def _chunk_mm(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, out: torch.Tensor,

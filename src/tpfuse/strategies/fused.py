@@ -214,7 +214,6 @@ def _local_words(ws: symm.Workspace, name: str, count: int) -> torch.Tensor:
     return words
 
 
-
 def _set_word(words: _driver.Words, index: int, stream: torch.cuda.Stream) -> None:
     """``words[index] = 1`` on ``stream`` as a stream memory operation (no SM)."""
     words.set(index, stream)
