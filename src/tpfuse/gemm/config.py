@@ -274,14 +274,15 @@ def _gluon_candidates(configs: list[GemmConfig]) -> list[GemmConfig]:
     (:data:`GLUON_STAGES`; other stages would time the same kernel again). Why: carrying the
     wait hook, the Gluon kernel was faster than the plain gemm_kernel call on 14 of the 24
     training/prefill rows of the fp8 GEMM benchmark (H200, 2438ed7,
-    benchmarks/results/gemm_core_fp8_h200.json; 8B fc2 train row-wise by 6.9 %). Not yet timed
-    as plain calls on a GPU.
+    benchmarks/results/gemm_core_fp8_h200.json; 8B fc2 train row-wise by 6.9 %). As plain calls
+    (the same benchmark at 8a0facf) the tuner kept them on 7 of the 60 rows.
 
     And the ping-pong variant (``pingpong=True``, gemm_pp) once per GROUP_M of the 128x128x128
     tiles among ``configs``: torch's row-wise ``_scaled_mm`` (CUTLASS's ping-pong schedule) was
     ~17 % faster than the Gluon kernel on M=16384 N=4096 K=1792 (issue 29), and gemm_ws's MMA
-    warps idle through each tile's epilogue (5-10 % on short-K shapes). One untuned H200 timing
-    (docs/gemm_core.md): 0-6 % faster than gemm_ws on six fp8 shapes."""
+    warps idle through each tile's epilogue (5-10 % on short-K shapes). The fp8 benchmark at
+    8a0facf: kept on 15 of the 60 rows (8B fc2 train row-wise 0.890 of _scaled_mm, 0.78-0.83 in
+    gemm_kernel)."""
     keys = dict.fromkeys((c.BLOCK_N, c.GROUP_M) for c in configs
                          if c.BLOCK_M == 128 and c.BLOCK_N in GLUON_STAGES and c.BLOCK_K == 128 and not c.stream_k)
     out = [GemmConfig(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=128, GROUP_M=group_m, num_warps=8,
