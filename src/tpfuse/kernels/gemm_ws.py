@@ -122,6 +122,63 @@ def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_p
 
 
 @gluon.jit
+def _before_tile_loads(tile_id, pid_m, pid_n, num_pid_n, M, chunk_m, wait_signal, wait_gen, wait_timeout, err_ptr,
+                       tile_records, status, verified, BLOCK_M: gl.constexpr, WAIT: gl.constexpr,
+                       RECORD_TILES: gl.constexpr):
+    """The load warp's steps before the loads of tile ``(pid_m, pid_n)`` (gemm_ws's and
+    gemm_pp's): the wait hook and the start of the tile's record. Returns ``(status,
+    verified)`` of :func:`_wait_chunks`, carried over the program's tiles."""
+    off_m = pid_m * BLOCK_M
+    if RECORD_TILES:
+        t_start = tile_clock(0, 0, True)
+    if WAIT:
+        # gemm.py's wait hook, here in the load warp: the MMA warps only ever wait for the
+        # operands. A failed (timed-out) wait is recorded in the error word and the loads go
+        # on, so every partition finishes and the host raises TimeoutError.
+        c_lo = off_m // chunk_m
+        c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
+        status, verified = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr,
+                                        status, verified)
+        gl.inline_asm_elementwise(_PROXY_FENCE_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    if RECORD_TILES:
+        t_wait = t_start
+        if WAIT:
+            t_wait = tile_clock(0, 1, True)
+        record_start(tile_records, pid_m * num_pid_n + pid_n, t_start, t_wait, True)
+    return status, verified
+
+
+@gluon.jit
+def _store_tile_and_count(c_smem, c_empty, epi_descs, off_m, off_n, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                          epi_gen, BLOCK_M: gl.constexpr, EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr):
+    """The store warp's work on one staged tile (gemm_ws's and gemm_pp's): the TMA store of
+    ``c_smem`` to the tile at ``(off_m, off_n)`` -- through ``epi_descs[0]`` (the output, or
+    the stacked destinations' one descriptor) or, per-chunk descriptors, the tile's chunk's --,
+    ``c_empty`` arrived once the buffer has been read out, then with the epilogue hook the
+    count of the tile in every chunk its rows touch (``_COUNT_ASM``: the count completing a
+    chunk publishes it)."""
+    if EPILOGUE and EPI_TMA != EPI_TMA_STACKED:
+        # one descriptor per chunk, over that chunk's rows (the tile lies in one chunk)
+        q_tile = off_m // chunk_m
+        for q in gl.static_range(EPI_TMA):
+            if q == q_tile:
+                tma.async_copy_shared_to_global(epi_descs[q], [off_m - q * chunk_m, off_n], c_smem)
+    else:
+        tma.async_copy_shared_to_global(epi_descs[0], [off_m, off_n], c_smem)
+    tma.store_wait(0)   # the staging buffer has been read out
+    mbarrier.arrive(c_empty, count=1)
+    if EPILOGUE:
+        c_lo = off_m // chunk_m
+        c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
+        for cc in range(c_lo, c_hi + 1):
+            row_end = gl.minimum((cc + 1) * chunk_m, M)
+            total = ((row_end - 1) // BLOCK_M - (cc * chunk_m) // BLOCK_M + 1) * num_pid_n
+            sig = gl.load(signal_ptrs + cc)
+            gl.inline_asm_elementwise(_COUNT_ASM, "=r,l,r,r,l,r", [counters + cc, 1, total, sig, epi_gen],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
                     EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr):
@@ -140,22 +197,9 @@ def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl
                                     BLOCK_M, GROUP_M, TILE_ORDER)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        if RECORD_TILES:
-            t_start = tile_clock(0, 0, True)
-        if WAIT:
-            # gemm.py's wait hook, here in the load warp: the MMA warps only ever wait for the
-            # operands. A failed (timed-out) wait is recorded in the error word and the loads go
-            # on, so every partition finishes and the host raises TimeoutError.
-            c_lo = off_m // chunk_m
-            c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
-            status, verified = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr,
-                                            status, verified)
-            gl.inline_asm_elementwise(_PROXY_FENCE_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        if RECORD_TILES:
-            t_wait = t_start
-            if WAIT:
-                t_wait = tile_clock(0, 1, True)
-            record_start(tile_records, pid_m * num_pid_n + pid_n, t_start, t_wait, True)
+        status, verified = _before_tile_loads(tile_id, pid_m, pid_n, num_pid_n, M, chunk_m, wait_signal, wait_gen,
+                                              wait_timeout, err_ptr, tile_records, status, verified, BLOCK_M, WAIT,
+                                              RECORD_TILES)
         for ki in range(k_tiles):
             s = it % STAGES
             # stage s is free once the MMA warps have consumed its previous fill (a fresh
@@ -177,7 +221,6 @@ def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: g
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
      wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b) = p
-    c_desc = epi_descs[0]
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     tc = 0
@@ -187,25 +230,8 @@ def _store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: g
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         mbarrier.wait(c_ready, tc & 1)
-        if EPILOGUE and EPI_TMA != EPI_TMA_STACKED:
-            # one descriptor per chunk, over that chunk's rows (the tile lies in one chunk)
-            q_tile = off_m // chunk_m
-            for q in gl.static_range(EPI_TMA):
-                if q == q_tile:
-                    tma.async_copy_shared_to_global(epi_descs[q], [off_m - q * chunk_m, off_n], c_smem)
-        else:
-            tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
-        tma.store_wait(0)   # the staging buffer has been read out
-        mbarrier.arrive(c_empty, count=1)
-        if EPILOGUE:
-            c_lo = off_m // chunk_m
-            c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
-            for cc in range(c_lo, c_hi + 1):
-                row_end = gl.minimum((cc + 1) * chunk_m, M)
-                total = ((row_end - 1) // BLOCK_M - (cc * chunk_m) // BLOCK_M + 1) * num_pid_n
-                sig = gl.load(signal_ptrs + cc)
-                gl.inline_asm_elementwise(_COUNT_ASM, "=r,l,r,r,l,r", [counters + cc, 1, total, sig, epi_gen],
-                                          dtype=gl.int32, is_pure=False, pack=1)
+        _store_tile_and_count(c_smem, c_empty, epi_descs, off_m, off_n, M, chunk_m, num_pid_n, counters, signal_ptrs,
+                              epi_gen, BLOCK_M, EPILOGUE, EPI_TMA)
         if RECORD_TILES:
             record_end(tile_records, pid_m * num_pid_n + pid_n, tile_clock(0, 2, True))
         tc += 1
