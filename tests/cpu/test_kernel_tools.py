@@ -650,6 +650,86 @@ def test_pp_choice_plain_fp8_call_with_a_pingpong_config():
         assert (kernel, ws, why) == ("gemm_kernel", (), "") and reason in why_ws and "gemm_kernel" in why_ws, kw
 
 
+def _partitions_with(ptx: str, piece: str) -> list[str]:
+    """The stretches of a warp-specialized kernel's PTX between one ``setmaxnreg`` and the
+    next (each partition's code starts with one: 232 for the consumers, 40 for the load and
+    store warps) that hold ``piece``."""
+    return [seg for seg in re.split(r"\n\s*setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+;", ptx) if piece in seg]
+
+
+_TMA_LOAD_PTX = "cp.async.bulk.tensor.2d.shared::cluster.global"
+_TMA_STORE_PTX = "cp.async.bulk.tensor.2d.global.shared"
+
+
+def _compile_pp(**kw):
+    compile_ws, sass_of = _offline_ws()
+    kw = dict(dict(block=(128, 128, 128), stages=5, dtype=E4M3, scale_a=2, scale_b=2, pingpong=True), **kw)
+    kern = compile_ws(4096, 4096, 1792, **kw)
+    sass, res = sass_of(kern.asm["cubin"])
+    assert "LOCAL:0" in res and "STACK:0" in res and kern.metadata.shared <= 232448, (res, kern.metadata.shared)
+    assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) == 16   # both consumers' wgmma
+    return kern, sass
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
+@pytest.mark.parametrize("out_dtype,stages", [(torch.bfloat16, 5), (torch.float32, 3)], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("epi_tma", [8, abi.EPI_TMA_STACKED], ids=["8_descriptors", "stacked"])
+def test_offline_pp_kernel_counts_and_publishes_on_its_store_warp(epi_tma, out_dtype, stages):
+    # gemm_pp with the epilogue hook (owner order, row-wise): gemm_ws's store-warp code, once,
+    # in the partition that holds the TMA stores and neither wgmma nor TMA loads: the wait for
+    # the TMA writes, the proxy fence, the returning GPU-scope count and the system-scope
+    # publication; the store paths as gemm_ws's (one per descriptor, or the plain one)
+    plain, plain_sass = _compile_pp(epi_tma=-1, tile_order=0, stages=stages, out_dtype=out_dtype)
+    kern, sass = _compile_pp(epi_tma=epi_tma, tile_order=2, stages=stages, out_dtype=out_dtype)
+    ptx = kern.asm["ptx"]
+    hook = ("atom.add.acq_rel.gpu", "fence.acq_rel.sys", "cp.async.bulk.wait_group 0;", "fence.proxy.async.global",
+            "st.relaxed.sys.global")
+    for piece in hook:
+        assert ptx.count(piece) == 1 and piece not in plain.asm["ptx"], piece
+    (store,) = _partitions_with(ptx, "atom.add.acq_rel.gpu")
+    assert all(piece in store for piece in hook)
+    assert _TMA_STORE_PTX in store and "wgmma" not in store and _TMA_LOAD_PTX not in store
+    assert len(_partitions_with(ptx, "wgmma.mma_async")) == 2   # the two consumers, no hook code in them
+    per_path = plain_sass.count("UTMASTG")
+    assert per_path > 0 and sass.count("UTMASTG") == (8 if epi_tma == 8 else 1) * per_path
+    assert kern.metadata.shared >= stages * 32768 + 2 * 128 * 128 * torch.empty(0, dtype=out_dtype).element_size()
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
+def test_offline_pp_kernel_waits_in_its_load_warp():
+    # gemm_pp with the wait hook (round order): gemm_ws's bounded spin (acquire at system scope,
+    # %globaltimer, the error word), the first timeout's claim of the error word and the proxy
+    # fence, once, in the partition that issues the TMA loads (no wgmma, no TMA store); no
+    # count, no publication
+    kern, _ = _compile_pp(wait=True, tile_order=1)
+    ptx = kern.asm["ptx"]
+    for piece, count in (("ld.global.acquire.sys.b32", 1), ("mov.u64 t0, %globaltimer", 1),
+                         ("fence.proxy.async.global", 1), ("atom.add.acq_rel.gpu", 0), ("fence.acq_rel.sys", 0)):
+        assert ptx.count(piece) == count, piece
+    assert re.search(r"atom\.[a-z_.]*cas", ptx)
+    (load,) = _partitions_with(ptx, "ld.global.acquire.sys.b32")
+    assert "fence.proxy.async.global" in load and re.search(r"atom\.[a-z_.]*cas", load)
+    assert _TMA_LOAD_PTX in load and "wgmma" not in load and _TMA_STORE_PTX not in load
+    assert load.index("ld.global.acquire.sys.b32") < load.index("fence.proxy.async.global") < load.rindex(_TMA_LOAD_PTX)
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
+@pytest.mark.parametrize("hook", ["none", "wait", "epilogue"])
+def test_offline_pp_kernel_records_tiles_in_its_load_and_store_warps(hook):
+    # RECORD_TILES: the start (and, with the wait, wait-done) times in the load warp, the end in
+    # the store warp, as gemm_ws; the consumers read no clock
+    kw = dict(none=dict(epi_tma=-1, tile_order=0), wait=dict(wait=True, tile_order=1),
+              epilogue=dict(epi_tma=8, tile_order=2))[hook]
+    kern, _ = _compile_pp(record_tiles=True, **kw)
+    ptx = kern.asm["ptx"]
+    clocks = _partitions_with(ptx, "%globaltimer")
+    assert len(clocks) == 2 and not any("wgmma" in seg for seg in clocks)
+    (load,) = [seg for seg in clocks if _TMA_LOAD_PTX in seg]
+    (store,) = [seg for seg in clocks if _TMA_STORE_PTX in seg]
+    # mov.u64 of %globaltimer: the wait's spin takes two, the record start, wait done and end one each
+    assert load.count("%globaltimer") == (4 if hook == "wait" else 1) and store.count("%globaltimer") == 1
+
+
 def test_a_plain_pingpong_plan_launches_gemm_pp(monkeypatch):
     # matmul's launch of a gemm_pp plan (faked: no GPU): gemm_ws's argument list, hooks off, the
     # descriptors at 128x128x128, the plan's stages, 4 warps and gemm_pp's register cap; the

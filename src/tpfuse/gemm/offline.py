@@ -141,8 +141,8 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
     ``out_dtype`` (default: the input's, bfloat16 for fp8) and the scale modes ``scale_a`` /
     ``scale_b`` (``kernels/_types.py`` ``SCALE_*``) as :func:`compile_kernel` takes them; fp8
     wants ``block``'s K at 128 (ws_choice's). ``pingpong``: the ping-pong kernel
-    (tpfuse/kernels/gemm_pp.py; fp8, 128x128x128, b K-major, no hook) with its own launch
-    geometry (4 warps per consumer, ``gemm_pp.MAXNREG``)."""
+    (tpfuse/kernels/gemm_pp.py; fp8, 128x128x128, b K-major; the hooks and records as for
+    gemm_ws) with its own launch geometry (4 warps per consumer, ``gemm_pp.MAXNREG``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource

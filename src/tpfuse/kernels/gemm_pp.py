@@ -1,4 +1,4 @@
-"""Ping-pong warp-specialized persistent GEMM (Gluon, sm_90) for plain fp8 calls: ``c = a @ b``.
+"""Ping-pong warp-specialized persistent GEMM (Gluon, sm_90) for fp8 calls: ``c = a @ b``.
 
 gemm_ws.py's MMA partition (two warpgroups on one tile) scales, converts and writes a tile's
 accumulator while the tensor cores wait; on short-K fp8 shapes (M=4096 N=4096 K=1792, ~12 us per
@@ -14,8 +14,10 @@ consumer 0 (default)   4       232       the program's tiles 0, 2, 4, ...: wgmma
                                          convert, write its own staging buffer
 consumer 1             4       232       tiles 1, 3, 5, ...
 load                   1       40        TMA loads of A and B into one ring of ``STAGES``
-                                         stages, in tile order (tile 0's K-steps, tile 1's, ...)
-store                  1       40        TMA stores of the two staging buffers, alternately
+                                         stages, in tile order (tile 0's K-steps, tile 1's, ...);
+                                         the wait hook before a tile's loads
+store                  1       40        TMA stores of the two staging buffers, alternately;
+                                         the epilogue hook's count and publication after each
 ====================== ======= ========= =====================================================
 
 (Triton pads the workers to whole warpgroups: 12 warps, the load/store warpgroup at 40 registers;
@@ -43,9 +45,20 @@ Stages: as many 32 KiB fp8 stages as fit beside the two 128x128 staging buffers 
 them: ``tpfuse.gemm.config.PINGPONG_STAGES``).
 
 Arguments: gemm_ws_kernel's, in its order, so the host's argument list, direct launch and
-PreparedMatmul serve both. No hooks yet (``EPILOGUE``, ``WAIT``, ``RECORD_TILES`` must be off;
-their arguments None): the partitions keep gemm_ws's roles, so the epilogue hook's count would go
-in the store warp and the wait hook in the load warp as there.
+PreparedMatmul serve both.
+
+Hooks, one at a time (not ``EPILOGUE`` and ``WAIT`` together), and ``RECORD_TILES``: gemm_ws's
+protocol, run by gemm_ws's own per-tile code in the same roles (gemm_ws.py's docstring states
+it). The load warp calls ``_before_tile_loads`` before each tile's loads (the wait hook's
+bounded ``_wait_chunks``, then ``fence.proxy.async.global``; a timeout is recorded in the error
+word and the loads go on; the tile record's start); the consumers wait only for operands. The
+store warp calls ``_store_tile_and_count`` on each consumer's staging buffer in turn (the TMA
+store through the output's descriptor, the stacked destinations' one or the tile's chunk's,
+then per chunk the tile touches the count, the chunk's last tile publishing the generation) and
+writes the tile record's end. All three kinds of partition walk the same tiles in the same
+order (``_tile_coords`` with the call's ``chunk_m``, ``num_chunks``, ``start_chunk``), so the
+round and owner orders of hooked calls hold here as in gemm_ws. Offline sm_90 compile only:
+the hooked variants have not been run on a GPU.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -53,7 +66,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from .gemm import _tile_coords
-from .gemm_ws import SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR, _load_scales, _scale_acc
+# gemm_ws's hooks as its load and store warps run them, per tile (one protocol, one code)
+from .gemm_ws import (EPI_TMA_STACKED, SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR, _before_tile_loads, _load_scales,
+                      _scale_acc, _store_tile_and_count)
+from .tile_records import record_end, tile_clock
 
 # Launch geometry (the host passes these; tpfuse/gemm/launch.py, offline.py): the default
 # partition is consumer 0, one warpgroup; the workers add consumer 1 and the load and store warps.
@@ -69,20 +85,31 @@ _DATA_MOVER_REGS = gl.constexpr(DATA_MOVER_REGS)
 
 @gluon.jit
 def _pp_load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, TILE_ORDER: gl.constexpr):
-    """The program's tiles in order, each tile's K-steps into the next ring stages."""
-    (a_desc, b_desc, c_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, turn,
-     M, N, K, chunk_m, num_chunks, start_chunk, scale_a, scale_b) = p
+                       STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, WAIT: gl.constexpr,
+                       RECORD_TILES: gl.constexpr):
+    """The program's tiles in order, each tile's K-steps into the next ring stages; before a
+    tile's loads, gemm_ws's load-warp steps (``_before_tile_loads``: the wait hook, then the
+    proxy fence; the tile record's start)."""
+    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, turn,
+     M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
+     wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b) = p
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    status = gl.to_tensor(0)   # WAIT: 0 until a wait of this program fails
+    verified = gl.to_tensor(0).to(gl.int64)   # WAIT: bit c set once signal[c] >= wait_gen was seen
     it = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
                                     BLOCK_M, GROUP_M, TILE_ORDER)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
+        # the consumers wait only for the operands: a timed-out wait is recorded in the error
+        # word and the loads go on, so every partition finishes and the host raises TimeoutError
+        status, verified = _before_tile_loads(tile_id, pid_m, pid_n, num_pid_n, M, chunk_m, wait_signal, wait_gen,
+                                              wait_timeout, err_ptr, tile_records, status, verified, BLOCK_M, WAIT,
+                                              RECORD_TILES)
         for ki in range(k_tiles):
             s = it % STAGES
             # free once the consumer of its previous fill (either one) is done with it
@@ -95,10 +122,13 @@ def _pp_load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K:
 
 @gluon.jit
 def _pp_store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, TILE_ORDER: gl.constexpr):
-    """The program's tiles in order: tile j from consumer j % 2's staging buffer."""
-    (a_desc, b_desc, c_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, turn,
-     M, N, K, chunk_m, num_chunks, start_chunk, scale_a, scale_b) = p
+                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, TILE_ORDER: gl.constexpr,
+                        EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, RECORD_TILES: gl.constexpr):
+    """The program's tiles in order: tile j from consumer j % 2's staging buffer, stored and
+    (epilogue hook) counted by gemm_ws's ``_store_tile_and_count``; the tile record's end."""
+    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, turn,
+     M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
+     wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b) = p
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     j = 0
@@ -107,9 +137,10 @@ def _pp_store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K
                                     BLOCK_M, GROUP_M, TILE_ORDER)
         c = j % 2
         mbarrier.wait(c_ready.index(c), (j // 2) & 1)
-        tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], c_bufs.index(c))
-        tma.store_wait(0)   # the staging buffer has been read out
-        mbarrier.arrive(c_empty.index(c), count=1)
+        _store_tile_and_count(c_bufs.index(c), c_empty.index(c), epi_descs, pid_m * BLOCK_M, pid_n * BLOCK_N, M,
+                              chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, BLOCK_M, EPILOGUE, EPI_TMA)
+        if RECORD_TILES:
+            record_end(tile_records, pid_m * num_pid_n + pid_n, tile_clock(0, 2, True))
         j += 1
     tma.store_wait(0)
 
@@ -122,8 +153,9 @@ def _pp_consumer_partition(p, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLO
     """Consumer ``CONSUMER`` (0 or 1): the program's tiles ``CONSUMER``, ``CONSUMER + 2``, ...,
     each a whole 128x128 tile in this warpgroup's accumulator, as gemm_ws's MMA partition
     computes, scales and stages it."""
-    (a_desc, b_desc, c_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, turn,
-     M, N, K, chunk_m, num_chunks, start_chunk, scale_a, scale_b) = p
+    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, turn,
+     M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
+     wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b) = p
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
@@ -185,7 +217,7 @@ def gemm_pp_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
                    STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr,
                    EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr,
                    SCALE_A: gl.constexpr, SCALE_B: gl.constexpr, num_warps: gl.constexpr):
-    gl.static_assert(not EPILOGUE and not WAIT and not RECORD_TILES, "gemm_pp_kernel: no hooks, no tile records yet")
+    gl.static_assert(not (EPILOGUE and WAIT), "gemm_pp_kernel: one hook at a time (as gemm_ws)")
     gl.static_assert(B_KMAJOR, "gemm_pp_kernel: b K-major (sm_90's fp8 wgmma)")
     gl.static_assert((BLOCK_M == 128) & (BLOCK_N == 128) & (BLOCK_K == 128), "gemm_pp_kernel: 128x128x128 tiles")
     gl.static_assert(num_warps == 4, "gemm_pp_kernel: one warpgroup per consumer")
@@ -205,13 +237,22 @@ def gemm_pp_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
         mbarrier.init(c_ready.index(c), count=1)
         mbarrier.init(c_empty.index(c), count=1)
         mbarrier.init(turn.index(c), count=1)
-    p = (a_desc, b_desc, c_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, turn,
-         M, N, K, chunk_m, num_chunks, start_chunk, scale_a, scale_b)
+    # the store warp's descriptors, as gemm_ws builds them: per chunk, stacked, or the output's
+    if EPILOGUE and EPI_TMA == EPI_TMA_STACKED:
+        epi_descs = (epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0)
+    elif EPILOGUE:
+        epi_descs = (epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7)
+    else:
+        epi_descs = (c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc)
+    p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, turn,
+         M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
+         wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b)
     gl.warp_specialize([
         (_pp_consumer_partition, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
                                   num_warps)),
         (_pp_consumer_partition, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
                                   num_warps)),
-        (_pp_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER)),
-        (_pp_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER)),
+        (_pp_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, WAIT, RECORD_TILES)),
+        (_pp_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, EPILOGUE, EPI_TMA,
+                               RECORD_TILES)),
     ], [4, 1, 1], [_CONSUMER_REGS, _DATA_MOVER_REGS, _DATA_MOVER_REGS])

@@ -1,7 +1,8 @@
 """Per-tile timeline of the GEMM kernels (``matmul(tile_records=...)``): what a program writes
 into its tiles' rows of an int64 ``[num_tiles, TILE_RECORD_COLUMNS]`` tensor.
 
-Off by default: ``gemm_kernel`` (gemm.py) and ``gemm_ws_kernel`` (gemm_ws.py) call these only
+Off by default: ``gemm_kernel`` (gemm.py), ``gemm_ws_kernel`` (gemm_ws.py) and ``gemm_pp_kernel``
+(gemm_pp.py, through gemm_ws's per-tile helpers) call these only
 under ``if RECORD_TILES:``, a constexpr, so a launch without records compiles to the kernel
 without them. Row and column layout, and the clock without inline PTX: ``abi.py``.
 Plain scalar stores and scalar inline PTX, so the Gluon kernel calls them as they are.
