@@ -484,10 +484,12 @@ def test_ws_choice_plain_fp8_call_with_a_gluon_config():
     assert got == () and "no inline PTX" in why
 
 
-def _launch_faked(monkeypatch, plan):
-    """One plain row-wise fp8 ``matmul`` on CPU tensors whose plan is ``plan`` (its m, n, k), the
-    Gluon launch faked (no GPU): returns the one launch's ``(spec, grid, arguments)`` (descriptors
-    as ``("desc", address, shape, block)``) and the call's ``a, b, out, scale_a, scale_b``."""
+def _launch_faked(monkeypatch, plan, **hook):
+    """One row-wise fp8 ``matmul`` on CPU tensors whose plan is ``plan`` (its m, n, k), plain or
+    with ``hook`` (matmul's ``wait=`` or ``epilogue=``, and their keywords), the Gluon launch
+    faked (no GPU): returns the one launch's ``(spec, grid, arguments)`` (descriptors as
+    ``("desc", address, shape, block)``) and the call's ``a, b, out, scale_a, scale_b`` (with
+    the epilogue hook ``out`` is not passed: the tiles go to its destinations)."""
     m, n, k = plan.m, plan.n, plan.k
     launched = []
     monkeypatch.setattr(launch, "_make_plan", lambda *args, **kw: plan)
@@ -502,7 +504,9 @@ def _launch_faked(monkeypatch, plan):
     b = torch.randn(n, k, generator=g).to(E4M3).t()
     out = torch.empty(m, n, dtype=torch.bfloat16)
     sa, sb = torch.rand(m, 1, generator=g), torch.rand(1, n, generator=g)
-    assert gc.matmul(a, b, out=out, scale_a=sa, scale_b=sb) is out and gc.last_plan() is plan
+    epilogue = "epilogue" in hook
+    got = gc.matmul(a, b, out=None if epilogue else out, scale_a=sa, scale_b=sb, **hook)
+    assert got is (None if epilogue else out) and gc.last_plan() is plan
     (one,) = launched
     return one, a, b, out, sa, sb
 
@@ -620,15 +624,16 @@ def test_pingpong_config_round_trip_and_validation():
 
 def test_pp_choice_plain_fp8_call_with_a_pingpong_config():
     # gemm_pp where ws_choice takes the Gluon kernel for a plain call and the config asks for the
-    # ping-pong variant, at the stages that fit beside its two staging buffers; with a hook or
-    # tile records gemm_ws; wherever ws_choice says gemm_kernel, gemm_kernel (its reason stands)
+    # ping-pong variant, at the stages that fit beside its two staging buffers; wherever
+    # ws_choice says gemm_kernel, gemm_kernel (its reason stands). Hooked calls:
+    # test_pp_choice_one_hook_with_a_pingpong_config
     sm90 = (9, 0)
 
-    def choice(cfg, dtype=E4M3, capability=sm90, out_tma=True, hook=False, record_tiles=False, **kw):
+    def choice(cfg, dtype=E4M3, capability=sm90, out_tma=True, **kw):
         kw = dict(dict(out_dtype=torch.bfloat16, scale_a=2, scale_b=2), **kw)
-        ws, why_ws = launch.ws_choice(capability, dtype, cfg, object() if hook else None, None, 8 if hook else 0,
-                                      True, 4096, 3584, 132, out_tma=out_tma, **kw)
-        return launch.pp_choice(ws, cfg, not hook, record_tiles, kw["out_dtype"]), why_ws
+        ws, why_ws = launch.ws_choice(capability, dtype, cfg, None, None, 0, True, 4096, 3584, 132, out_tma=out_tma,
+                                      **kw)
+        return launch.pp_choice(ws, cfg, "", kw["out_dtype"]), why_ws
     (kernel, ws, why), _ = choice(_PP)
     assert kernel == "gemm_pp_kernel" and ws == ((128, 128, 128), 5) and "gemm_pp" in why and "5 stages" in why
     for sa, sb in ((0, 0), (1, 1), (1, 2)):
@@ -636,9 +641,6 @@ def test_pp_choice_plain_fp8_call_with_a_pingpong_config():
     assert choice(_PP, dtype=E5M2, b_dtype=E4M3)[0][:2] == ("gemm_pp_kernel", ((128, 128, 128), 5))
     assert choice(_PP, out_dtype=torch.float16)[0][:2] == ("gemm_pp_kernel", ((128, 128, 128), 5))
     assert choice(_PP, out_dtype=torch.float32)[0][:2] == ("gemm_pp_kernel", ((128, 128, 128), 3))
-    for kw, reason in ((dict(hook=True), "with a hook: gemm_ws"), (dict(record_tiles=True), "tile_records: gemm_ws")):
-        (kernel, ws, why), _ = choice(_PP, **kw)
-        assert kernel == "gemm_ws_kernel" and ws == ((128, 128, 128), 5) and reason in why, (kw, why)
     (kernel, ws, why), _ = choice(_GLUON_128)   # no pingpong: gemm_ws, nothing more said
     assert (kernel, ws, why) == ("gemm_ws_kernel", ((128, 128, 128), 5), "")
     for kw, reason in ((dict(capability=(10, 0)), "sm_90"), (dict(capability=(8, 0)), "sm_90"),
@@ -648,6 +650,45 @@ def test_pp_choice_plain_fp8_call_with_a_pingpong_config():
                        (dict(options=gc.GemmOptions(gluon=False)), "gluon=False")):
         (kernel, ws, why), why_ws = choice(_PP, **kw)
         assert (kernel, ws, why) == ("gemm_kernel", (), "") and reason in why_ws and "gemm_kernel" in why_ws, kw
+
+
+def test_pp_choice_one_hook_with_a_pingpong_config():
+    # a pingpong config's call with one hook: gemm_pp wherever ws_choice takes the Gluon kernel
+    # for it (the epilogue hook through TMA descriptors, per chunk or stacked; the wait hook into
+    # a TMA-stored output), at gemm_pp's stages, saying which warp runs the hook; wherever
+    # ws_choice says gemm_kernel (pointer stores, an output not stored by TMA, both hooks, ...)
+    # gemm_kernel; a bf16 call (ws_choice's 128x128x64) gemm_ws
+    sm90 = (9, 0)
+
+    def choice(cfg, hook, dtype=E4M3, epi_tma=8, out_tma=True, both=False, capability=sm90, **kw):
+        kw = dict(dict(out_dtype=torch.bfloat16, scale_a=2, scale_b=2), **kw)
+        epi = object() if hook == "epilogue" or both else None
+        wait = object() if hook == "wait" or both else None
+        ws, _ = launch.ws_choice(capability, dtype, cfg, epi, wait, epi_tma if epi else 0, True, 4096, 3584, 132,
+                                 out_tma=out_tma, **kw)
+        return ws, launch.pp_choice(ws, cfg, hook, kw["out_dtype"])
+    for hook, role in (("epilogue", "store warp counts and publishes"), ("wait", "load warp waits")):
+        for out_dtype, stages in ((torch.bfloat16, 5), (torch.float16, 5), (torch.float32, 3)):
+            for sa, sb in ((0, 0), (1, 1), (2, 2)):
+                ws, (kernel, got, why) = choice(_PP, hook, out_dtype=out_dtype, scale_a=sa, scale_b=sb)
+                assert ws and kernel == "gemm_pp_kernel" and got == ((128, 128, 128), stages), (hook, out_dtype, why)
+                assert f"with the {hook} hook: gemm_pp" in why and role in why and f"{stages} stages" in why
+        assert choice(_PP, hook, dtype=E5M2, b_dtype=E4M3)[1][0] == "gemm_pp_kernel"
+        # the same call of a config without the flag: gemm_ws, nothing more said
+        assert choice(_GLUON_128, hook)[1] == ("gemm_ws_kernel", ((128, 128, 128), 5), "")
+        # bf16: ws_choice's K-steps of 64, which gemm_pp has no form of
+        kernel, got, why = choice(_PP, hook, dtype=torch.bfloat16, b_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
+                                  scale_a=0, scale_b=0)[1]
+        assert (kernel, got) == ("gemm_ws_kernel", ((128, 128, 64), 5)) and "gemm_pp is fp8's" in why, why
+    assert choice(_PP, "epilogue", epi_tma=abi.EPI_TMA_STACKED)[1][:2] == ("gemm_pp_kernel", ((128, 128, 128), 5))
+    # where ws_choice does not take the Gluon kernel, neither kernel runs it (same conditions)
+    for hook, kw in (("epilogue", dict(epi_tma=0)), ("wait", dict(out_tma=False)), ("epilogue", dict(both=True)),
+                     ("wait", dict(capability=(10, 0))), ("epilogue", dict(b_kmajor=False)),
+                     ("wait", dict(options=gc.GemmOptions(gluon=False)))):
+        ws, picked = choice(_PP, hook, **kw)
+        assert ws == () and picked == ("gemm_kernel", (), ""), (hook, kw)
+    with pytest.raises(AssertionError):
+        launch.pp_choice(((128, 128, 128), 5), _PP, True)   # the old (plain: bool) form
 
 
 def _partitions_with(ptx: str, piece: str) -> list[str]:
@@ -753,6 +794,52 @@ def test_a_plain_pingpong_plan_launches_gemm_pp(monkeypatch):
     assert args["num_warps"] == gemm_pp.NUM_WARPS == 4
 
 
+
+@pytest.mark.parametrize("hook", ["epilogue", "wait"])
+def test_a_hooked_pingpong_plan_launches_gemm_pp_with_the_hook(monkeypatch, hook):
+    # matmul's launch of a hooked gemm_pp plan (faked: no GPU): gemm_ws's hooked argument list,
+    # the epilogue's per-chunk destinations as Gluon descriptors at gemm_pp's 128x128 block (as
+    # for gemm_ws; Triton's descriptors at the config's block would not fit the kernel), its
+    # counters, signals and generation; or the wait's signal, generation, bound and error word
+    # with out's descriptor; the owner / round order with its chunks; 4 warps
+    m, n, k, chunk_m = 512, 256, 256, 128
+    order = "owner" if hook == "epilogue" else "round"
+    plan = launch.LaunchPlan(m=m, n=n, k=k, config=_PP, kernel="gemm_pp_kernel", b_kmajor=True, use_tma=True,
+                             grid=(4, 1, 1), ws_block=(128, 128, 128), ws_stages=5, out_dtype=torch.bfloat16,
+                             scale_a=2, scale_b=2, num_tiles=8, tile_order=order, chunk_m=chunk_m, num_chunks=4,
+                             start_chunk=1, epi_tma=4 if hook == "epilogue" else 0)
+    if hook == "epilogue":
+        gapped = torch.empty(4 * (chunk_m + 8), n, dtype=torch.bfloat16)   # not stacked: 4 descriptors
+        dests = [gapped[q * (chunk_m + 8):q * (chunk_m + 8) + chunk_m] for q in range(4)]
+        spec = gc.EpilogueSpec.from_tensors(dests, torch.zeros(4, dtype=torch.int32), 3, chunk_m)
+        kw = dict(epilogue=spec, tile_order=order, start_chunk=1)
+    else:
+        spec = gc.WaitSpec(torch.zeros(4, dtype=torch.int32), 3, chunk_m, timeout_ns=12345,
+                           error=torch.zeros(launch.ERROR_WORDS, dtype=torch.int32))
+        kw = dict(wait=spec, tile_order=order, start_chunk=1, check=False)
+    (key, grid, full), a, b, out, sa, sb = _launch_faked(monkeypatch, plan, **kw)
+    from tpfuse.kernels import gemm_pp
+    args = dict(zip(gemm_pp.gemm_pp_kernel.arg_names, full, strict=True))
+    assert key[0] == "gemm_pp_kernel" and grid == (4, 1, 1) and args["num_warps"] == gemm_pp.NUM_WARPS
+    assert args["a_desc"] == ("desc", a.data_ptr(), (m, k), (128, 128))
+    assert args["TILE_ORDER"] == launch.TILE_ORDERS.index(order)
+    assert (args["chunk_m"], args["num_chunks"], args["start_chunk"]) == (chunk_m, 4, 1)
+    assert args["scale_a"] is sa and args["scale_b"] is sb and args["STAGES"] == 5
+    if hook == "epilogue":
+        assert args["EPILOGUE"] is True and args["WAIT"] is False and args["EPI_TMA"] == 4
+        for q in range(8):
+            assert args[f"epi_d{q}"] == (("desc", dests[q].data_ptr(), (chunk_m, n), (128, 128)) if q < 4 else None)
+        assert args["c_desc"] == args["epi_d0"]
+        assert args["counters"] is spec.counters and args["signal_ptrs"] is spec.signal_ptrs and args["epi_gen"] == 3
+        assert args["wait_signal"] is None and args["err_ptr"] is None
+    else:
+        assert args["WAIT"] is True and args["EPILOGUE"] is False and args["EPI_TMA"] == 0
+        assert args["wait_signal"] is spec.signal and args["wait_gen"] == 3 and args["wait_timeout"] == 12345
+        assert args["err_ptr"] is spec.error
+        assert args["c_desc"] == ("desc", out.data_ptr(), (m, n), (128, 128))
+        assert args["counters"] is None and all(args[f"epi_d{q}"] is None for q in range(8))
+
+
 def test_pingpong_candidates():
     # fp8 on sm_90: one pingpong=True config per GROUP_M of the 128x128x128 candidates (the
     # gluon one's twin at the same stages: gemm_kernel runs the same config where gemm_pp
@@ -783,7 +870,7 @@ def test_offline_pp_kernel_fp8(out_dtype, scale):
     # K-step: 2 row halves x 4 K-steps of 32, so 16 sites), each raising its registers to 232
     # (setmaxnreg) while the load/store warpgroup drops to 40
     compile_ws, sass_of = _offline_ws(pinned=False)
-    (kernel, (block, stages), _) = launch.pp_choice(((128, 128, 128), 5), _PP, True, False, out_dtype)
+    (kernel, (block, stages), _) = launch.pp_choice(((128, 128, 128), 5), _PP, "", out_dtype)
     assert kernel == "gemm_pp_kernel"
     kern = compile_ws(4096, 3584, 1792, block=block, stages=stages, tile_order=0, dtype=E4M3, out_dtype=out_dtype,
                       scale_a=scale, scale_b=scale, pingpong=True)

@@ -22,10 +22,10 @@ class Env:
     """The faked launch path: every C launch's arguments in ``launches``; ``plans`` counts the
     plans made (a call that went through matmul's planning)."""
 
-    def __init__(self, monkeypatch, epilogue=False):
+    def __init__(self, monkeypatch, epilogue=False, kernel="gemm_ws_kernel"):
         self.launches, self.plans, self.jit = [], 0, 0
         plan = L.LaunchPlan(m=M, n=N, k=K, config=GemmConfig(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64),
-                            kernel="gemm_ws_kernel", b_kmajor=True, grid=(4, 1, 1),
+                            kernel=kernel, b_kmajor=True, grid=(4, 1, 1),
                             tile_order="owner" if epilogue else "round", chunk_m=M // W, num_chunks=W,
                             start_chunk=1, ws_block=(128, 64, 64), ws_stages=3, out_dtype=torch.bfloat16,
                             epi_tma=L.abi.EPI_TMA_STACKED if epilogue else 0)
@@ -78,8 +78,14 @@ def _ag_call() -> PreparedMatmul:
     return PreparedMatmul(tile_order="round", start_chunk=1, wait=_wait(), check=False, num_sms=4)
 
 
-def test_repeats_launch_what_matmul_launches_for_the_same_tensors(monkeypatch):
-    env = Env(monkeypatch)
+# the Gluon kernels' hooked launches share one argument list and launch code (gemm_pp takes
+# gemm_ws's arguments), so a prepared call keeps either
+GLUON_KERNELS = ["gemm_ws_kernel", "gemm_pp_kernel"]
+
+
+@pytest.mark.parametrize("kernel", GLUON_KERNELS)
+def test_repeats_launch_what_matmul_launches_for_the_same_tensors(monkeypatch, kernel):
+    env = Env(monkeypatch, kernel=kernel)
     wait = _wait()
     fixed = dict(tile_order="round", start_chunk=1, wait=wait, check=False, num_sms=4)
     call = PreparedMatmul(**fixed)
@@ -96,7 +102,7 @@ def test_repeats_launch_what_matmul_launches_for_the_same_tensors(monkeypatch):
         assert ours[13] == ("map", a.data_ptr(), 128, 2, 8, (128, 64), (M, K), (K, 1), 0)
         assert ("map", b.data_ptr()) == ours[18][:2] and ("map", out.data_ptr()) == ours[23][:2]
         assert launch_counts()["direct_tma"] == before + 2 and last_plan().m == M
-    assert env.plans == 1 and env.jit == 0
+    assert env.plans == 1 and env.jit == 0 and last_plan().kernel == kernel
 
 
 def _called_once_with_unit_scales(monkeypatch):
@@ -141,8 +147,9 @@ def test_a_call_of_another_kind_goes_through_matmul_again(monkeypatch, change):
     assert len(L._PLANS) + env.plans > calls      # a new matmul key (and plan) for it
 
 
-def test_the_epilogue_hooks_descriptors_are_kept(monkeypatch):
-    env = Env(monkeypatch, epilogue=True)
+@pytest.mark.parametrize("kernel", GLUON_KERNELS)
+def test_the_epilogue_hooks_descriptors_are_kept(monkeypatch, kernel):
+    env = Env(monkeypatch, epilogue=True, kernel=kernel)
     dests = torch.empty(M, N, dtype=torch.bfloat16)
     spec = EpilogueSpec.from_tensors([dests[:M // W], dests[M // W:]], torch.zeros(W, dtype=torch.int32),
                                      generation=1, chunk_m=M // W)
@@ -153,7 +160,7 @@ def test_the_epilogue_hooks_descriptors_are_kept(monkeypatch):
     a, b, _ = _tensors(1)
     call(a, b)
     L.matmul(a, b, **fixed)
-    assert env.launches[-2] == env.launches[-1] and env.plans == 1
+    assert env.launches[-2] == env.launches[-1] and env.plans == 1 and last_plan().kernel == kernel
 
 
 @pytest.mark.parametrize("why", ["no error word", "host check"])

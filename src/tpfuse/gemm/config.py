@@ -54,10 +54,12 @@ class GemmConfig:
     for fp8 on sm_90 (:func:`candidate_configs`) and keeps it where it is faster.
 
     ``pingpong`` True (with ``gluon`` True and a 128x128x128 tile): where the Gluon kernel would
-    run a plain call, its ping-pong variant runs it (gemm_pp: two consumer warpgroups on
-    alternate 128x128 tiles, one's epilogue under the other's MMAs; its own stages,
-    :data:`PINGPONG_STAGES`); a hooked call or one with ``tile_records`` runs gemm_ws
-    (``launch.pp_choice`` says why). Bitwise gemm_kernel in the GPU tests (one H200 run)."""
+    run an fp8 call at 128x128x128 -- plain, with one hook, with ``tile_records`` -- its
+    ping-pong variant runs it (gemm_pp: two consumer warpgroups on alternate 128x128 tiles, one's
+    epilogue under the other's MMAs; its own stages, :data:`PINGPONG_STAGES`; the hooks in
+    gemm_ws's warps and code; ``launch.pp_choice`` says why). Plain calls: bitwise gemm_kernel
+    in the GPU tests (one H200 run); hooked calls and records: offline sm_90 compile only, not
+    run on a GPU."""
     BLOCK_M: int = 128
     BLOCK_N: int = 256
     BLOCK_K: int = 64

@@ -3,7 +3,7 @@ keeps what it decided in a :class:`LaunchPlan` (which kernel, which grid, which 
 stores and counts, and why), and launches ``gemm_kernel`` (``tpfuse/kernels/gemm.py``) or,
 on sm_90, for one hook or a plain fp8 call whose config asks for it (``GemmConfig.gluon``), the
 warp-specialized Gluon kernel (``tpfuse/kernels/gemm_ws.py``; :func:`ws_choice` decides) or, for
-a plain call whose config asks for that too (``GemmConfig.pingpong``), its ping-pong variant
+an fp8 call whose config asks for that too (``GemmConfig.pingpong``), its ping-pong variant
 (``tpfuse/kernels/gemm_pp.py``; :func:`pp_choice`).
 
 The first launch of a kernel specialization goes through Triton's JIT (which compiles and
@@ -45,7 +45,7 @@ _SCALE_NAMES = {_types.SCALE_NONE: "none", _types.SCALE_TENSOR: "tensor-wise", _
 @dataclass(frozen=True)
 class LaunchPlan:
     """What one call signature launches, and why (:meth:`explain`). ``kernel``: "gemm_kernel",
-    "gemm_ws_kernel" (the Gluon kernel), "gemm_pp_kernel" (its ping-pong variant, plain fp8
+    "gemm_ws_kernel" (the Gluon kernel), "gemm_pp_kernel" (its ping-pong variant, fp8
     calls) or "none" (empty M, N or K: nothing to launch).
     ``config``: the GemmConfig asked for or chosen (``config_source`` says which: "argument",
     "tuning cache" or "heuristic"); the Gluon kernels take its tile and GROUP_M and their own
@@ -449,25 +449,32 @@ def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0
     return ((128, bn, 128 if fp8 else 64), GLUON_STAGES[bn]), why + narrowed
 
 
-def pp_choice(ws: tuple, cfg: GemmConfig, plain: bool, record_tiles: bool = False,
-              out_dtype=None) -> tuple[str, tuple, str]:
+def pp_choice(ws: tuple, cfg: GemmConfig, hook: str = "", out_dtype=None) -> tuple[str, tuple, str]:
     """``(kernel, (block, stages), why)`` for a launch that :func:`ws_choice` gave ``ws``:
     "gemm_pp_kernel" (tpfuse/kernels/gemm_pp.py: two consumer warpgroups on alternate 128x128
     tiles, one's epilogue under the other's MMAs) at :data:`~tpfuse.gemm.config.PINGPONG_STAGES`
-    for a plain call (``plain``: no hook) whose config asks for it (``cfg.pingpong``), without
-    per-tile records (``record_tiles``: gemm_pp writes none yet); else "gemm_ws_kernel" with
-    ``ws`` where ws_choice took the Gluon kernel, "gemm_kernel" where it did not (``ws`` empty:
-    ws_choice's reason stands). ``why`` is "" where the config does not ask for gemm_pp."""
+    where the config asks for it (``cfg.pingpong``) and ws_choice took the Gluon kernel at
+    gemm_pp's 128x128x128 (fp8): a plain call (``hook`` "") or one with one hook (``hook``
+    "wait" or "epilogue"), which ws_choice takes only where gemm_ws can run it -- the epilogue
+    hook through TMA descriptors, the wait hook into a TMA-stored output -- and gemm_pp runs it
+    in the same warps, with gemm_ws's per-tile hook code; per-tile records too. Else
+    "gemm_ws_kernel" with ``ws`` where ws_choice took the Gluon kernel, "gemm_kernel" where it
+    did not (``ws`` empty: ws_choice's reason stands). ``why`` is "" where the config does not
+    ask for gemm_pp."""
+    assert hook in ("", "wait", "epilogue"), hook
     if not ws:
         return "gemm_kernel", ws, ""
     if not cfg.pingpong:
         return "gemm_ws_kernel", ws, ""
-    if not plain:
-        return "gemm_ws_kernel", ws, "GemmConfig(pingpong=True) with a hook: gemm_ws (gemm_pp takes no hooks yet)"
-    if record_tiles:
-        return "gemm_ws_kernel", ws, ("GemmConfig(pingpong=True) with tile_records: gemm_ws (gemm_pp writes no "
-                                      "per-tile records yet)")
+    if ws[0] != (128, 128, 128):
+        return "gemm_ws_kernel", ws, (f"GemmConfig(pingpong=True) with a {ws[0][0]}x{ws[0][1]}x{ws[0][2]} Gluon "
+                                      "launch: gemm_ws (gemm_pp is fp8's, 128x128x128)")
     stages = PINGPONG_STAGES[_types.element_size(out_dtype or _types.FP8_DEFAULT_OUT)]
+    if hook:
+        role = "its store warp counts and publishes" if hook == "epilogue" else "its load warp waits"
+        return "gemm_pp_kernel", ((128, 128, 128), stages), (
+            f"GemmConfig(pingpong=True) with the {hook} hook: gemm_pp, gemm_ws's ping-pong variant ({role}, as "
+            f"gemm_ws's; {stages} stages)")
     return "gemm_pp_kernel", ((128, 128, 128), stages), (
         "GemmConfig(pingpong=True): gemm_pp, gemm_ws's ping-pong variant (two consumer warpgroups on alternate "
         f"128x128 tiles, one's epilogue under the other's MMAs; {stages} stages)")
@@ -600,7 +607,8 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
         reasons.append(why_ws)
     if cfg.gluon and not ws and epilogue is None and wait is None:
         warn_once(f"tpfuse.gemm: {why_ws} ({m}x{n}x{k})")
-    kernel, ws, why_pp = pp_choice(ws, cfg, epilogue is None and wait is None, record_tiles, out_dtype)
+    kernel, ws, why_pp = pp_choice(ws, cfg, "epilogue" if epilogue is not None else "wait" if wait is not None else "",
+                                   out_dtype)
     if why_pp:
         reasons.append(why_pp)
     if ws:   # one program per SM or fewer, no more than tiles of the Gluon kernel's own tile
@@ -627,8 +635,8 @@ def _epilogue_descriptors(epilogue: EpilogueSpec, plan: LaunchPlan) -> tuple:
     destinations, one over all M rows from the first), kept on the spec (so they live as long
     as it does) per launch geometry."""
     cfg = plan.config
-    ws = plan.kernel == "gemm_ws_kernel"
-    # the Gluon kernel stores whole tiles through descriptors that carry their layout
+    ws = plan.kernel in ("gemm_ws_kernel", "gemm_pp_kernel")
+    # the Gluon kernels store whole tiles through descriptors that carry their layout
     block = plan.ws_block[:2] if ws else (cfg.BLOCK_M, cfg.BLOCK_N // cfg.EPI_SUBTILE)
     cache_ = epilogue.__dict__.setdefault("_tma_descs", {})   # frozen dataclass: not a field
     key = (plan.m, plan.n, plan.chunk_m, plan.epi_tma, block, ws)
@@ -776,8 +784,8 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, cou
     ``wait_timeout_ns``, recording a timeout in ``err``. ``tile_records``: the per-tile timeline
     (RECORD_TILES). ``scale_a`` / ``scale_b``: fp8's scales (modes ``plan.scale_a`` /
     ``plan.scale_b``), applied by the MMA warps. :func:`matmul` validated everything.
-    ``plan.kernel`` "gemm_pp_kernel": the ping-pong variant (no hooks, no records), which takes
-    the same arguments at its own warps and register cap."""
+    ``plan.kernel`` "gemm_pp_kernel": the ping-pong variant (the same hooks, one at a time, and
+    records), which takes the same arguments at its own warps and register cap."""
     if plan.kernel == "gemm_pp_kernel":
         from ..kernels.gemm_pp import MAXNREG as maxnreg, NUM_WARPS as num_warps, gemm_pp_kernel as kernel
     else:
