@@ -1,9 +1,13 @@
 """GPU tests of the ping-pong Gluon kernel (tpfuse/kernels/gemm_pp.py, ``GemmConfig.pingpong``):
 a plain fp8 call is bitwise the same call in gemm_kernel (the same wgmma K-steps, accumulation
-and order of scaling) and close to ``torch._scaled_mm``. sm_90 only (27 passed on one H200 run).
+and order of scaling) and close to ``torch._scaled_mm``. sm_90 only (the plain-call tests: 27
+passed on one H200 run). The hooked calls and tile records (the tests from
+``test_pingpong_hooks_match_the_plain_call_bitwise`` on, mirroring tests/gpu/test_gemm_core.py's
+hooked fp8 tests) have NOT been run on a GPU yet.
 """
 import dataclasses
 import os
+import time
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 pytest.importorskip("triton", reason="triton is not installed")
 
 from tpfuse import gemm as gc  # noqa: E402
+from tpfuse.kernels import abi  # noqa: E402
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -111,11 +116,102 @@ def test_pingpong_is_bitwise_gemm_ws():
     assert torch.equal(ours, ws)
 
 
-def test_pingpong_with_tile_records_runs_gemm_ws_and_says_why():
-    m, n, k = 1000, 784, 1024
+def test_pingpong_hooks_match_the_plain_call_bitwise():
+    # the wait hook (round order, signals already set) and the epilogue hook (owner order,
+    # stacked destinations: one descriptor) change neither the sums nor the scaling: bitwise
+    # the plain gemm_pp call; every chunk published, the counters back at zero
+    m, n, k, chunk_m = 1024, 1024, 2048, 256
+    a, b, sa, sb = _operands(m, n, k, "row", seed=2)
+    plain, plan = _call(a, b, sa, sb, torch.bfloat16, PP)
+    assert plan.kernel == "gemm_pp_kernel", plan.explain()
+    signal = torch.full((m // chunk_m,), 5, dtype=torch.int32, device="cuda")
+    waited, plan = _call(a, b, sa, sb, torch.bfloat16, PP, tile_order="round", start_chunk=2,
+                         wait=gc.WaitSpec(signal, generation=5, chunk_m=chunk_m, timeout_ns=10**9))
+    assert plan.kernel == "gemm_pp_kernel" and "wait hook: gemm_pp" in plan.explain(), plan.explain()
+    dests = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    signals = torch.zeros(m // chunk_m, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(m // chunk_m, dtype=torch.int32, device="cuda")
+    spec = gc.EpilogueSpec.from_tensors(list(dests.split(chunk_m)), signals, 1, chunk_m, counters=counters)
+    gc.matmul(a, b, config=PP, tile_order="owner", start_chunk=1, epilogue=spec, scale_a=sa, scale_b=sb)
+    plan = gc.last_plan()
+    assert plan.kernel == "gemm_pp_kernel" and plan.epi_tma == abi.EPI_TMA_STACKED, plan.explain()
+    assert "epilogue hook: gemm_pp" in plan.explain()
+    torch.cuda.synchronize()
+    assert torch.equal(waited, plain) and torch.equal(dests, plain)
+    assert signals.tolist() == [1] * 4 and not counters.any()
+
+
+@pytest.mark.parametrize("mode", ["tensor", "row"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_pingpong_epilogue_hook_per_chunk_matches_the_plain_call_bitwise(mode, out_dtype):
+    # gemm_rs's case: one destination per chunk (per-chunk TMA descriptors, 8 rows apart so not
+    # stacked), gemm_pp's store warp counting and publishing; bitwise the plain gemm_pp call and
+    # gemm_kernel's; two generations: the JIT launch, then the direct one
+    m, n, k, chunk_m = 1024, 1024, 2048, 256
+    a, b, sa, sb = _operands(m, n, k, mode, seed=5)
+    plain, plan = _call(a, b, sa, sb, out_dtype, PP)
+    assert plan.kernel == "gemm_pp_kernel", plan.explain()
+    ref, _ = _call(a, b, sa, sb, out_dtype, PLAIN)
+    gapped = torch.empty((m // chunk_m * (chunk_m + 8), n), dtype=out_dtype, device="cuda")
+    dests = [gapped[q * (chunk_m + 8):q * (chunk_m + 8) + chunk_m] for q in range(m // chunk_m)]
+    signals = torch.zeros(m // chunk_m, dtype=torch.int32, device="cuda")
+    for generation in (1, 2):
+        for d in dests:
+            d.fill_(float("nan"))
+        spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m)
+        gc.matmul(a, b, config=PP, tile_order="owner", start_chunk=1, epilogue=spec, scale_a=sa, scale_b=sb,
+                  out_dtype=out_dtype)
+        plan = gc.last_plan()
+        assert plan.kernel == "gemm_pp_kernel" and plan.epi_tma == m // chunk_m, plan.explain()
+        assert plan.ws_stages == (5 if out_dtype == torch.bfloat16 else 3)
+        torch.cuda.synchronize()
+        assert signals.tolist() == [generation] * (m // chunk_m)
+        assert torch.equal(torch.cat(dests), plain) and torch.equal(plain, ref)
+
+
+def test_pingpong_wait_timeout_is_bounded():
+    # a wait that never sees its flag (chunk 2 stays at 6 < 7): gemm_pp's load warp records the
+    # timeout and its loads go on, so the kernel ends and the host raises within the bound
+    m, n, k = 1024, 512, 512
+    a, b, sa, sb = _operands(m, n, k, "tensor", seed=4)
+    signal = torch.tensor([7, 7, 6, 7], dtype=torch.int32, device="cuda")
+    t0 = time.time()
+    with pytest.raises(TimeoutError, match=r"rank 3.*chunk=2\] >= generation 7, last value seen 6"):
+        gc.matmul(a, b, config=PP, scale_a=sa, scale_b=sb,
+                  wait=gc.WaitSpec(signal, 7, 256, timeout_ns=20_000_000, max_spins=100_000, rank=3))
+    assert time.time() - t0 < 30 and gc.last_plan().kernel == "gemm_pp_kernel", gc.last_plan().explain()
+
+
+@pytest.mark.parametrize("hook", ["none", "wait", "epilogue"])
+def test_pingpong_with_tile_records(hook):
+    # tile_records: gemm_pp writes every tile's row (start and wait done in the load warp, end
+    # in the store warp) and the result does not change
+    m, n, k, chunk_m = 1000, 784, 1024, 250
     a, b, sa, sb = _operands(m, n, k, "tensor")
+    plain, _ = _call(a, b, sa, sb, torch.bfloat16, PP)
     rec = gc.tile_records_for(m, n, PP, device="cuda")
-    ours, plan = _call(a, b, sa, sb, torch.bfloat16, PP, tile_records=rec)
-    assert plan.kernel == "gemm_ws_kernel" and "tile_records: gemm_ws" in plan.explain()
-    ref, _ = _call(a, b, sa, sb, torch.bfloat16, PLAIN)
-    assert torch.equal(ours, ref)
+    kw = {}
+    if hook == "wait":
+        kw = dict(tile_order="round", start_chunk=1,
+                  wait=gc.WaitSpec(torch.full((4,), 2, dtype=torch.int32, device="cuda"), 2, chunk_m,
+                                   timeout_ns=10**9))
+    if hook == "epilogue":
+        dests = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        signals = torch.zeros(4, dtype=torch.int32, device="cuda")
+        spec = gc.EpilogueSpec.from_tensors(list(dests.split(chunk_m)), signals, 1, chunk_m)
+        gc.matmul(a, b, config=PP, tile_order="owner", start_chunk=1, epilogue=spec, scale_a=sa, scale_b=sb,
+                  tile_records=rec)
+        plan, ours = gc.last_plan(), dests
+    else:
+        ours, plan = _call(a, b, sa, sb, torch.bfloat16, PP, tile_records=rec, **kw)
+    assert plan.kernel == "gemm_pp_kernel", plan.explain()
+    torch.cuda.synchronize()
+    assert torch.equal(ours, plain)
+    rows = rec[:plan.num_tiles].cpu()
+    assert plan.num_tiles == 8 * 7 and (rows != -1).all()
+    assert rows[:, abi.REC_TILE].tolist() == list(range(plan.num_tiles))
+    assert ((rows[:, abi.REC_PROGRAM] >= 0) & (rows[:, abi.REC_PROGRAM] < plan.programs)).all()
+    start, wait, end = (rows[:, c] for c in (abi.REC_START_NS, abi.REC_WAIT_NS, abi.REC_END_NS))
+    assert (start <= wait).all() and (wait <= end).all()
+    if hook != "wait":
+        assert torch.equal(start, wait)
