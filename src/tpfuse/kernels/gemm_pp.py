@@ -50,7 +50,7 @@ PreparedMatmul serve both.
 Hooks, one at a time (not ``EPILOGUE`` and ``WAIT`` together), and ``RECORD_TILES``: gemm_ws's
 protocol, run by gemm_ws's own per-tile code in the same roles (gemm_ws.py's docstring states
 it). The load warp calls ``_before_tile_loads`` before each tile's loads (the wait hook's
-bounded ``_wait_chunks``, then ``fence.proxy.async.global``; a timeout is recorded in the error
+bounded ``_wait_chunks``, then ``fence.proxy.async.global`` if it read a flag; a timeout is recorded in the error
 word and the loads go on; the tile record's start); the consumers wait only for operands. The
 store warp calls ``_store_tile_and_count`` on each consumer's staging buffer in turn (the TMA
 store through the output's descriptor, the stacked destinations' one or the tile's chunk's,

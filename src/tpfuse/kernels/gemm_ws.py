@@ -43,8 +43,9 @@ tile inside one chunk) or one over stacked destinations (``EPI_TMA_STACKED``: a 
 straddle chunks then; it is stored once and counted in each).
 
 Wait hook (``WAIT``, the AG consumer side, without the epilogue hook): gemm.py's bounded wait
-runs in the load warp before a tile's loads, followed by ``fence.proxy.async.global`` (the TMA
-loads are async-proxy reads of rows a peer wrote); the MMA warps wait only for operands. A timed
+runs in the load warp before a tile's loads, followed by ``fence.proxy.async.global`` when it read
+a flag (the TMA loads are async-proxy reads of rows a peer wrote; a chunk already seen ready is
+not read again, and the earlier fence covers it); the MMA warps wait only for operands. A timed
 out wait is recorded in the error word and the loads go on, so the kernel ends and the host
 raises TimeoutError. No stream-K: the host (tpfuse/gemm/launch.py, ``ws_choice``)
 takes this kernel for one hook at a time on those paths.
@@ -104,7 +105,10 @@ _PROXY_FENCE_ASM = gl.constexpr("fence.proxy.async.global;\n\tmov.u32 $0, 0;")
 def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr, status, verified):
     """The wait hook of one tile in the load warp, as gemm.py's ``_wait_chunks`` (which Gluon
     cannot call: its scalars come from ``tl.full``): poll every chunk the tile's rows touch that
-    this program has not yet seen ready (bit c of ``verified``; chunks >= 62 every time)."""
+    this program has not yet seen ready (bit c of ``verified``; chunks >= 62 every time).
+    Returns ``(status, verified, polled)``: ``polled`` 1 if a flag was read (then the caller's
+    proxy fence orders the TMA loads after it), 0 if every chunk was already seen ready."""
+    polled = gl.to_tensor(0)
     if status == 0:
         for cc in range(c_lo, c_hi + 1):
             one = gl.to_tensor(1).to(gl.int64)
@@ -113,12 +117,13 @@ def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_p
                 st, seen = gl.inline_asm_elementwise(_WAIT_ASM, "=r,=r,l,r,l,l",
                                                      [wait_signal + cc, wait_gen, wait_timeout, err_ptr],
                                                      dtype=(gl.int32, gl.int32), is_pure=False, pack=1)
+                polled = 1
                 if st == 1:
                     record_timeout(err_ptr, tile_id, cc, wait_gen, seen)
                 status = st
                 if st == 0:
                     verified = verified | bit
-    return status, verified
+    return status, verified, polled
 
 
 @gluon.jit
@@ -137,9 +142,13 @@ def _before_tile_loads(tile_id, pid_m, pid_n, num_pid_n, M, chunk_m, wait_signal
         # on, so every partition finishes and the host raises TimeoutError.
         c_lo = off_m // chunk_m
         c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
-        status, verified = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr,
-                                        status, verified)
-        gl.inline_asm_elementwise(_PROXY_FENCE_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        status, verified, polled = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout,
+                                                err_ptr, status, verified)
+        # the proxy fence only after a flag was read: a fence after an earlier tile's read
+        # already orders every later TMA load of this thread after it (a fence on every tile
+        # sat in the load warp's path between two tiles' loads)
+        if polled != 0:
+            gl.inline_asm_elementwise(_PROXY_FENCE_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     if RECORD_TILES:
         t_wait = t_start
         if WAIT:
