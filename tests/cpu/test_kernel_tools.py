@@ -578,6 +578,27 @@ def test_rerank_leaders_by_the_median_of_interleaved_timings():
     assert gc.rerank_leaders([("Z", 1.0)], gone) == [("Z", 1.0, [1.0])]
 
 
+def test_prefer_gluon_keeps_a_gluon_finalist_within_the_tie_margin():
+    # a gemm_kernel winner gives way to the fastest re-timed Gluon finalist within 2 % (its
+    # hooked calls run the kernel that was timed); not to one further off, not to a candidate
+    # timed once, and a Gluon winner stays
+    plain = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=4)
+    other = dataclasses.replace(plain, num_stages=3)
+    ws = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=5, gluon=True)
+    pp = dataclasses.replace(ws, pingpong=True)
+    assert gc.GLUON_TIE == 0.02
+    ranked = [(plain, 49.7, [49.0, 49.7]), (other, 50.0, [50.0, 50.1]), (pp, 50.3, [50.2, 50.3]),
+              (ws, 50.4, [50.4, 50.5])]
+    assert [c for c, _, _ in gc.prefer_gluon(ranked)] == [pp, plain, other, ws]
+    far = [(plain, 49.0, [49.0, 49.0]), (pp, 50.3, [50.3, 50.3])]   # 2.7 % slower
+    assert gc.prefer_gluon(far) == far
+    once = [(plain, 49.7, [49.7, 49.7]), (pp, 49.8, [49.8])]         # never re-timed
+    assert gc.prefer_gluon(once) == once
+    won = [(ws, 49.7, [49.7, 49.7]), (plain, 49.8, [49.8, 49.8])]
+    assert gc.prefer_gluon(won) == won and gc.prefer_gluon([]) == []
+    assert [c for c, _, _ in gc.prefer_gluon(far, margin=0.03)] == [pp, plain]
+
+
 def test_a_failed_direct_launch_warns_and_is_counted_as_jit(monkeypatch):
     # The library's fallback (a change of Triton's launcher) must show: a warning, the JIT path
     # from then on, and launch_counts() that a GPU test asserting direct launches would fail on.

@@ -13,7 +13,11 @@ from . import cache, launch
 from .config import GemmConfig, candidate_configs
 from .device import device_index, device_info, interpreting, num_sms, triton_modules, warn_once
 
-__all__ = ["tune", "rerank_leaders"]
+__all__ = ["tune", "rerank_leaders", "prefer_gluon", "GLUON_TIE"]
+
+# How much slower (median of the finalists' re-timings) a Gluon config (``GemmConfig.gluon``)
+# may be than a non-Gluon winner and still be kept in its place (:func:`prefer_gluon`).
+GLUON_TIE = 0.02
 
 
 def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmConfig]] = None,
@@ -24,7 +28,9 @@ def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmCon
     """Time every candidate config on ``a @ b`` (median, ``triton.testing.do_bench``; fp8 on sm_90:
     with the Gluon kernel's, ``GemmConfig.gluon``, among them), store the
     fastest in the JSON cache and return ``(best, [(config, ms), ...])``, fastest first (the
-    leaders re-timed, :func:`rerank_leaders`; their ms the median of their timings). A config
+    leaders re-timed, :func:`rerank_leaders`; their ms the median of their timings), except
+    that a Gluon finalist within :data:`GLUON_TIE` of a non-Gluon winner is kept in its place
+    (:func:`prefer_gluon`). A config
     that fails to compile or launch (out of shared memory or registers, a Triton limitation) is
     skipped with a warning; only an error that leaves the CUDA context unusable (an illegal
     address) ends the search, since nothing can run on that device afterwards.
@@ -82,7 +88,7 @@ def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmCon
         timings.append((cfg, ms))
     if not timings:
         raise RuntimeError(f"tpfuse.gemm.tune: no config ran for shape {m}x{n}x{k}")
-    timings = [(cfg, ms) for cfg, ms, _ in rerank_leaders(timings, timed)]
+    timings = [(cfg, ms) for cfg, ms, _ in prefer_gluon(rerank_leaders(timings, timed))]
     best = timings[0][0]
     if save and a.device.type == "cuda":
         cache.store(m, n, k, a.dtype, b.stride(0) == 1 and b.stride(1) != 1, a.device, best,
@@ -115,3 +121,25 @@ def rerank_leaders(timings: Sequence[tuple], timed, finalists: int = 6, rounds: 
     out = sorted(((cfg, statistics.median(ts), ts) for cfg, ts in lead if ts is not None), key=lambda t: t[1])
     return out + [(cfg, ms, [ms]) for cfg, ms in ranked[len(lead):]]
 
+
+def prefer_gluon(ranked: Sequence[tuple], margin: float = GLUON_TIE) -> list[tuple]:
+    """``ranked`` (:func:`rerank_leaders`' ``[(config, ms, timings)]``, fastest first) with the
+    fastest re-timed Gluon config (``config.gluon``; fp8 on sm_90) moved first when the winner is
+    not one and the Gluon config's median is within ``margin`` of the winner's.
+
+    Why: the cache keeps one config per shape for plain and hooked calls alike. A Gluon
+    config's hooked calls run the kernel its plain calls were timed in (gemm_ws, or gemm_pp with
+    ``pingpong``); a gemm_kernel winner's hooked fp8 calls run gemm_ws at its tile width, a
+    kernel that was not timed for the shape (``launch.ws_choice``). In the fp8 benchmark at
+    711a2e0 (H200, BENCHMARKS.md) 8B fc2 prefill row-wise (4096 x 4096 x 1792) kept gemm_kernel
+    128x256 by 1.2 % over a gemm_pp finalist, and its hooked calls (gemm_ws) cost +6.0 % (wait)
+    and +10.4 % (epilogue) over the plain call; the shapes whose plain calls ran gemm_pp paid
+    -2.7 to +4.0 %. Two percent is within one config's timing spread under the power cap
+    (:func:`rerank_leaders`). Only finalists (re-timed) are considered."""
+    ranked = list(ranked)
+    if not ranked or ranked[0][0].gluon:
+        return ranked
+    for i, (cfg, ms, timings) in enumerate(ranked):
+        if cfg.gluon and len(timings) > 1 and ms <= ranked[0][1] * (1.0 + margin):
+            return [ranked[i]] + ranked[:i] + ranked[i + 1:]
+    return ranked
