@@ -49,16 +49,19 @@ PreparedMatmul serve both.
 
 Hooks, one at a time (not ``EPILOGUE`` and ``WAIT`` together), and ``RECORD_TILES``: gemm_ws's
 protocol, run by gemm_ws's own per-tile code in the same roles (gemm_ws.py's docstring states
-it). The load warp calls ``_before_tile_loads`` before each tile's loads (the wait hook's
-bounded ``_wait_chunks``, then ``fence.proxy.async.global`` if it read a flag; a timeout is recorded in the error
-word and the loads go on; the tile record's start); the consumers wait only for operands. The
+it). The load warp is gemm_ws's own ``_load_partition`` (it takes gemm_ws's argument tuple,
+with the two staging buffers and their barriers in the places of gemm_ws's one, which it does
+not touch): before each tile's loads ``_before_tile_loads`` runs the wait hook's bounded
+``_wait_chunks``, then ``fence.proxy.async.global`` if it read a flag (a timeout is recorded in
+the error word and the loads go on), and the tile record's start; the consumers wait only for
+operands. The
 store warp calls ``_store_tile_and_count`` on each consumer's staging buffer in turn (the TMA
 store through the output's descriptor, the stacked destinations' one or the tile's chunk's,
 then per chunk the tile touches the count, the chunk's last tile publishing the generation) and
 writes the tile record's end. All three kinds of partition walk the same tiles in the same
 order (``_tile_coords`` with the call's ``chunk_m``, ``num_chunks``, ``start_chunk``), so the
-round and owner orders of hooked calls hold here as in gemm_ws. Offline sm_90 compile only:
-the hooked variants have not been run on a GPU.
+round and owner orders of hooked calls hold here as in gemm_ws. GPU: tests/gpu/test_gemm_pp_gpu.py
+(H200, 4cd5880 and 711a2e0).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -67,8 +70,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .gemm import _tile_coords
 # gemm_ws's hooks as its load and store warps run them, per tile (one protocol, one code)
-from .gemm_ws import (EPI_TMA_STACKED, SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR, _before_tile_loads, _load_scales,
-                      _scale_acc, _store_tile_and_count)
+from .gemm_ws import (SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR, _load_partition, _load_scales, _scale_acc,
+                      _store_descriptors, _store_tile_and_count)
 from .tile_records import record_end, tile_clock
 
 # Launch geometry (the host passes these; tpfuse/gemm/launch.py, offline.py): the default
@@ -84,49 +87,12 @@ _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
 _DATA_MOVER_REGS = gl.constexpr(DATA_MOVER_REGS)
 
 @gluon.jit
-def _pp_load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, WAIT: gl.constexpr,
-                       RECORD_TILES: gl.constexpr):
-    """The program's tiles in order, each tile's K-steps into the next ring stages; before a
-    tile's loads, gemm_ws's load-warp steps (``_before_tile_loads``: the wait hook, then the
-    proxy fence; the tile record's start)."""
-    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, turn,
-     M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
-     wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b) = p
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_tiles = gl.cdiv(K, BLOCK_K)
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    status = gl.to_tensor(0)   # WAIT: 0 until a wait of this program fails
-    verified = gl.to_tensor(0).to(gl.int64)   # WAIT: bit c set once signal[c] >= wait_gen was seen
-    it = 0
-    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
-                                    BLOCK_M, GROUP_M, TILE_ORDER)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        # the consumers wait only for the operands: a timed-out wait is recorded in the error
-        # word and the loads go on, so every partition finishes and the host raises TimeoutError
-        status, verified = _before_tile_loads(tile_id, pid_m, pid_n, num_pid_n, M, chunk_m, wait_signal, wait_gen,
-                                              wait_timeout, err_ptr, tile_records, status, verified, BLOCK_M, WAIT,
-                                              RECORD_TILES)
-        for ki in range(k_tiles):
-            s = it % STAGES
-            # free once the consumer of its previous fill (either one) is done with it
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(a_desc, [off_m, ki * BLOCK_K], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(b_desc, [off_n, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
-            it += 1
-
-
-@gluon.jit
 def _pp_store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, TILE_ORDER: gl.constexpr,
                         EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, RECORD_TILES: gl.constexpr):
     """The program's tiles in order: tile j from consumer j % 2's staging buffer, stored and
     (epilogue hook) counted by gemm_ws's ``_store_tile_and_count``; the tile record's end."""
-    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, turn,
+    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
      wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b) = p
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -146,14 +112,14 @@ def _pp_store_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K
 
 
 @gluon.jit
-def _pp_consumer_partition(p, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _pp_consumer_partition(p, turn, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                            TILE_ORDER: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
                            num_warps: gl.constexpr):
     """Consumer ``CONSUMER`` (0 or 1): the program's tiles ``CONSUMER``, ``CONSUMER + 2``, ...,
     each a whole 128x128 tile in this warpgroup's accumulator, as gemm_ws's MMA partition
     computes, scales and stages it."""
-    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, turn,
+    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
      wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b) = p
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -237,22 +203,21 @@ def gemm_pp_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
         mbarrier.init(c_ready.index(c), count=1)
         mbarrier.init(c_empty.index(c), count=1)
         mbarrier.init(turn.index(c), count=1)
-    # the store warp's descriptors, as gemm_ws builds them: per chunk, stacked, or the output's
-    if EPILOGUE and EPI_TMA == EPI_TMA_STACKED:
-        epi_descs = (epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0)
-    elif EPILOGUE:
-        epi_descs = (epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7)
-    else:
-        epi_descs = (c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc)
-    p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, turn,
+    # the store warp's descriptors as gemm_ws builds them; gemm_ws's argument tuple (the two
+    # staging buffers and their barriers in the places of its one), so that its load warp serves
+    # here as it is; the consumers take the ordering barriers besides
+    epi_descs = _store_descriptors(c_desc, epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7, EPILOGUE,
+                                   EPI_TMA)
+    p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty,
          M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
          wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b)
     gl.warp_specialize([
-        (_pp_consumer_partition, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
+        (_pp_consumer_partition, (p, turn, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
                                   num_warps)),
-        (_pp_consumer_partition, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
+        (_pp_consumer_partition, (p, turn, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
                                   num_warps)),
-        (_pp_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, WAIT, RECORD_TILES)),
+        (_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, True, EPILOGUE, EPI_TMA, WAIT,
+                           RECORD_TILES)),
         (_pp_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, EPILOGUE, EPI_TMA,
                                RECORD_TILES)),
     ], [4, 1, 1], [_CONSUMER_REGS, _DATA_MOVER_REGS, _DATA_MOVER_REGS])
