@@ -19,6 +19,7 @@ from tpfuse import testing  # noqa: E402
 from tpfuse.gemm import cache, launch  # noqa: E402
 from tpfuse.gemm.config import GLUON_STAGES  # noqa: E402
 from tpfuse.kernels import abi  # noqa: E402
+from _fp8_inputs import fp8_operands  # noqa: E402  (tests/gpu)
 
 
 @pytest.fixture(autouse=True)
@@ -636,15 +637,7 @@ FP8_NARROW = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, n
 
 
 def _fp8_operands(m, k, n, a_dtype, b_dtype, mode, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    a = (torch.randn(m, k, generator=g, device="cuda") * 2).to(a_dtype)
-    b = (torch.randn(n, k, generator=g, device="cuda") * 2).to(b_dtype).t()
-    if mode == "tensor":
-        sa, sb = torch.tensor(0.75, device="cuda"), torch.tensor(1.5, device="cuda")
-    else:
-        sa = torch.rand(m, 1, generator=g, device="cuda") + 0.25
-        sb = torch.rand(1, n, generator=g, device="cuda") + 0.25
-    return a, b, sa, sb
+    return fp8_operands(m, n, k, mode, a_dtype, b_dtype, seed)   # tests/gpu/_fp8_inputs.py
 
 
 def _scaled_mm(a, b, sa, sb, out_dtype):

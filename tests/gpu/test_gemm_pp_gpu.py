@@ -17,6 +17,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from tpfuse import gemm as gc  # noqa: E402
 from tpfuse.kernels import abi  # noqa: E402
+from _fp8_inputs import fp8_operands as _operands  # noqa: E402  (tests/gpu)
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -30,18 +31,6 @@ def _compiled_kernels():
         pytest.skip("TRITON_INTERPRET=1 is set; these tests need compiled kernels")
     if not SM90:
         pytest.skip("gemm_pp's wgmma is sm_90's")
-
-
-def _operands(m, n, k, mode, a_dtype=E4M3, b_dtype=E4M3, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    a = (torch.randn(m, k, generator=g, device="cuda") * 2).to(a_dtype)
-    b = (torch.randn(n, k, generator=g, device="cuda") * 2).to(b_dtype).t()
-    if mode == "tensor":
-        sa, sb = torch.tensor(0.75, device="cuda"), torch.tensor(1.5, device="cuda")
-    else:
-        sa = torch.rand(m, 1, generator=g, device="cuda") + 0.25
-        sb = torch.rand(1, n, generator=g, device="cuda") + 0.25
-    return a, b, sa, sb
 
 
 def _call(a, b, sa, sb, out_dtype, config, **kw):
