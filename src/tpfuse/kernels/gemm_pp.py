@@ -65,13 +65,12 @@ round and owner orders of hooked calls hold here as in gemm_ws. GPU: tests/gpu/t
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from .gemm import _tile_coords
 # gemm_ws's hooks as its load and store warps run them, per tile (one protocol, one code)
-from .gemm_ws import (SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR, _load_partition, _load_scales, _scale_acc,
-                      _store_descriptors, _store_tile_and_count)
+from .gemm_ws import SCALE_TENSOR, _load_partition, _stage_tile, _store_descriptors, _store_tile_and_count
 from .tile_records import record_end, tile_clock
 
 # Launch geometry (the host passes these; tpfuse/gemm/launch.py, offline.py): the default
@@ -154,21 +153,10 @@ def _pp_consumer_partition(p, turn, CONSUMER: gl.constexpr, BLOCK_M: gl.constexp
             it += 1
         # the other consumer's turn: its next tile's wgmma queue behind this one's last group
         mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
-        fa = sa
-        fb = sb
-        if SCALE_A == SCALE_VECTOR or SCALE_B == SCALE_VECTOR:
-            pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
-                                        BLOCK_M, GROUP_M, TILE_ORDER)
-            fa, fb = _load_scales(mma_layout, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, sa, sb, scale_a, scale_b,
-                                  BLOCK_M, BLOCK_N, SCALE_A, SCALE_B, num_warps)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-        if SCALE_A != SCALE_NONE or SCALE_B != SCALE_NONE:
-            acc = _scale_acc(acc, fa, fb, SCALE_A, SCALE_B)
-        mbarrier.wait(c_empty.index(CONSUMER), (i & 1) ^ 1)
-        c_smem.store(acc.to(c_smem.dtype))
-        fence_async_shared()
-        mbarrier.arrive(c_ready.index(CONSUMER), count=1)
+        acc = _stage_tile(acc, tile_id, it, sa, sb, scale_a, scale_b, M, N, num_pid_m, num_pid_n, chunk_m,
+                          num_chunks, start_chunk, empty, c_smem, c_empty.index(CONSUMER), c_ready.index(CONSUMER),
+                          (i & 1) ^ 1, mma_layout, BLOCK_M, BLOCK_N, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
+                          num_warps)
         i += 1
 
 

@@ -304,6 +304,37 @@ def _scale_acc(acc, fa, fb, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
 
 
 @gluon.jit
+def _stage_tile(acc, tile_id, it, sa, sb, scale_a, scale_b, M, N, num_pid_m, num_pid_n, chunk_m, num_chunks,
+                start_chunk, empty, c_smem, c_empty, c_ready, c_phase, layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TILE_ORDER: gl.constexpr,
+                SCALE_A: gl.constexpr, SCALE_B: gl.constexpr, num_warps: gl.constexpr):
+    """The MMA warps' end of tile ``tile_id`` (gemm_ws's and each gemm_pp consumer's), whose last
+    wgmma group (ring index ``it - 1``) is in flight: the row-/column-wise scales loaded while
+    it runs, its wait and the last stage freed, the scales applied, then the fp32 accumulator
+    converted into the staging buffer ``c_smem`` once ``c_empty`` (phase ``c_phase``) says the
+    store warp has read it out, and ``c_ready`` arrived. Returns the accumulator (its registers
+    carry on into the next tile's wgmma)."""
+    fa = sa
+    fb = sb
+    if SCALE_A == SCALE_VECTOR or SCALE_B == SCALE_VECTOR:
+        # row-/column-wise scales: loaded while the tile's last wgmma group runs
+        pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+                                    BLOCK_M, GROUP_M, TILE_ORDER)
+        fa, fb = _load_scales(layout, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, sa, sb, scale_a, scale_b,
+                              BLOCK_M, BLOCK_N, SCALE_A, SCALE_B, num_warps)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+    if SCALE_A != SCALE_NONE or SCALE_B != SCALE_NONE:
+        acc = _scale_acc(acc, fa, fb, SCALE_A, SCALE_B)
+    # the staging buffer is free once the store warp's previous TMA store has read it
+    mbarrier.wait(c_empty, c_phase)
+    c_smem.store(acc.to(c_smem.dtype))
+    fence_async_shared()
+    mbarrier.arrive(c_ready, count=1)
+    return acc
+
+
+@gluon.jit
 def _mma_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
                     EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr, SCALE_A: gl.constexpr,
@@ -343,23 +374,9 @@ def _mma_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.
             acc = warpgroup_mma_wait(1, deps=(acc, ))
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ki > 0)
             it += 1
-        fa = sa
-        fb = sb
-        if SCALE_A == SCALE_VECTOR or SCALE_B == SCALE_VECTOR:
-            # row-/column-wise scales: loaded while the tile's last wgmma group runs
-            pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
-                                        BLOCK_M, GROUP_M, TILE_ORDER)
-            fa, fb = _load_scales(mma_layout, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, sa, sb, scale_a, scale_b,
-                                  BLOCK_M, BLOCK_N, SCALE_A, SCALE_B, num_warps)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-        if SCALE_A != SCALE_NONE or SCALE_B != SCALE_NONE:
-            acc = _scale_acc(acc, fa, fb, SCALE_A, SCALE_B)
-        # the staging buffer is free once the store warp's previous TMA store has read it
-        mbarrier.wait(c_empty, (tc & 1) ^ 1)
-        c_smem.store(acc.to(c_smem.dtype))
-        fence_async_shared()
-        mbarrier.arrive(c_ready, count=1)
+        acc = _stage_tile(acc, tile_id, it, sa, sb, scale_a, scale_b, M, N, num_pid_m, num_pid_n, chunk_m,
+                          num_chunks, start_chunk, empty, c_smem, c_empty, c_ready, (tc & 1) ^ 1, mma_layout,
+                          BLOCK_M, BLOCK_N, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B, num_warps)
         tc += 1
 
 
