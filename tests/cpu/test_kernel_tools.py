@@ -915,3 +915,18 @@ def test_offline_pp_kernel_fp8(out_dtype, scale):
     import triton
     if triton.__version__.startswith(KNOWN_TRITON):   # pinned: the scales' loads (two per consumer)
         assert len(re.findall(r"\bLDG\.", sass)) == 4
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
+@pytest.mark.parametrize("pingpong", [False, True], ids=["ws", "pp"])
+def test_offline_epilogue_hook_compiles_with_fewer_descriptors_than_eight(pingpong):
+    # gemm_rs at W < 8: the per-chunk descriptors past the last chunk are None.  A @gluon.jit
+    # helper that returned the eight as a tuple failed to compile there ("cannot convert None
+    # ... to tensor"; only the H200 runs caught it): both kernels build the tuple inline, one
+    # store path per descriptor given
+    compile_ws, sass_of = _offline_ws()
+    kw = dict(block=(128, 128, 128), stages=5, dtype=E4M3, scale_a=2, scale_b=2, pingpong=True) if pingpong else {}
+    plain = compile_ws(4096, 4096, 1792, epi_tma=-1, tile_order=0, **kw)
+    kern = compile_ws(4096, 4096, 1792, epi_tma=4, tile_order=2, **kw)
+    per_path = sass_of(plain.asm["cubin"])[0].count("UTMASTG")
+    assert per_path > 0 and sass_of(kern.asm["cubin"])[0].count("UTMASTG") == 4 * per_path

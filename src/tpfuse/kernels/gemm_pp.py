@@ -70,7 +70,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma,
 
 from .gemm import _tile_coords
 # gemm_ws's hooks as its load and store warps run them, per tile (one protocol, one code)
-from .gemm_ws import SCALE_TENSOR, _load_partition, _stage_tile, _store_descriptors, _store_tile_and_count
+from .gemm_ws import EPI_TMA_STACKED, SCALE_TENSOR, _load_partition, _stage_tile, _store_tile_and_count
 from .tile_records import record_end, tile_clock
 
 # Launch geometry (the host passes these; tpfuse/gemm/launch.py, offline.py): the default
@@ -194,8 +194,12 @@ def gemm_pp_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
     # the store warp's descriptors as gemm_ws builds them; gemm_ws's argument tuple (the two
     # staging buffers and their barriers in the places of its one), so that its load warp serves
     # here as it is; the consumers take the ordering barriers besides
-    epi_descs = _store_descriptors(c_desc, epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7, EPILOGUE,
-                                   EPI_TMA)
+    if EPILOGUE and EPI_TMA == EPI_TMA_STACKED:
+        epi_descs = (epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0)
+    elif EPILOGUE:
+        epi_descs = (epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7)
+    else:
+        epi_descs = (c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc)
     p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty,
          M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
          wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b)

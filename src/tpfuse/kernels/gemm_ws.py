@@ -188,20 +188,6 @@ def _store_tile_and_count(c_smem, c_empty, epi_descs, off_m, off_n, M, chunk_m, 
 
 
 @gluon.jit
-def _store_descriptors(c_desc, epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7, EPILOGUE: gl.constexpr,
-                       EPI_TMA: gl.constexpr):
-    """The store warp's eight descriptors (gemm_ws's and gemm_pp's): the chunks' own (per-chunk
-    destinations), the stacked destinations' one eight times, or the output's."""
-    if EPILOGUE and EPI_TMA == EPI_TMA_STACKED:
-        epi_descs = (epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0)
-    elif EPILOGUE:
-        epi_descs = (epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7)
-    else:
-        epi_descs = (c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc)
-    return epi_descs
-
-
-@gluon.jit
 def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
                     EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr):
@@ -406,8 +392,14 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
         mbarrier.init(empty.index(i), count=1)
     mbarrier.init(c_ready, count=1)
     mbarrier.init(c_empty, count=1)
-    epi_descs = _store_descriptors(c_desc, epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7, EPILOGUE,
-                                   EPI_TMA)
+    # the store warp's eight descriptors, inline: a @gluon.jit helper returning this tuple failed to
+    # compile where the per-chunk ones include None (fewer than eight chunks; found on the H200)
+    if EPILOGUE and EPI_TMA == EPI_TMA_STACKED:
+        epi_descs = (epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0, epi_d0)
+    elif EPILOGUE:
+        epi_descs = (epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7)
+    else:
+        epi_descs = (c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc, c_desc)
     p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
          M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
          wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b)
