@@ -278,18 +278,19 @@ class Workspace:
         return hit
 
     def reduce(self, key: object, sources: list[torch.Tensor], out: torch.Tensor, *,
-               out2: torch.Tensor | None = None, signal: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+               out2: torch.Tensor | None = None, signal: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple | None:
         """Enqueue ``out = sum(sources)`` in float32, in list order, rounded once (every source a
         ``[rows, cols]`` view with the same row stride and unit column stride; NaN when broken),
         in the same launch also into ``out2`` (same shape and dtype, unit column stride) and, once
-        every program is done, :meth:`signal` of ``signal`` (tpfuse/kernels/reduce.py)."""
+        every program is done, :meth:`signal` of ``signal`` (tpfuse/kernels/reduce.py).  Returns
+        (kept key, grid, arguments) of the launch (None: an empty output, nothing reduced)."""
         reduce_kernel = _kernel("tpfuse.kernels.reduce", "reduce_kernel")
 
         rows, cols = out.shape
         if rows * cols == 0:
             if signal is not None:
                 self.signal(signal)
-            return
+            return None
         # what depends on the sources (fixed per key: views of the workspace) and the shape only,
         # checked and built once: the sources' walk cost more host time than the launch
         fixed_key = (key, out2 is None, None if signal is None else id(signal[0]))
@@ -320,6 +321,19 @@ class Workspace:
         kept = ("reduce", table_aligned, sig_aligned, out.dtype, out.data_ptr() % 16 == 0, dst2.data_ptr() % 16 == 0,
                 rows, cols, stride, out.stride(0), dst2.stride(0), out2 is None, signal is None)
         self._launch_kept(kept, reduce_kernel, grid, args, constexprs, 4)
+        return kept, grid, (*args, *constexprs.values())
+
+    def reducer(self, key: object, sources: list[torch.Tensor], shape: tuple[int, int], *,
+                signal: tuple[torch.Tensor, torch.Tensor] | None = None, into: torch.Tensor | None = None,
+                rows: tuple[int, int] | None = None) -> "_Reducer":
+        """``f(out)`` = :meth:`reduce` ``(key, sources, out, signal=signal)`` for a plan that
+        reduces the same sources into a new contiguous ``shape`` output every call (gemm_rs);
+        with ``into`` (a tensor of ``shape`` that outlives the calls) ``f(full)`` =
+        :meth:`reduce` ``(key, sources, into, out2=full[rows[0]:rows[1]], signal=signal)``, ``full``
+        a new contiguous output with rows as long as ``into``'s (two-shot gemm_ar's own rows).
+        After the first call of a compiled variant (the new output's 16-byte alignment) a call
+        fills in its address and launches, without :meth:`reduce`'s per-call checks and keys."""
+        return _Reducer(self, key, sources, tuple(shape), signal, into, rows)
 
     def _launch_kept(self, kept: tuple, kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int) -> None:
         """:meth:`_launch` of ``kernel``, whose launch for call key ``kept`` is kept after the first:
@@ -396,7 +410,7 @@ class Workspace:
         arguments or keys.  Returns what :func:`_run` does."""
         direct = _run(kernel, grid, args, constexprs, num_warps, self.spec.device)
         if fixed is not None and direct is not None:
-            self._fixed[fixed] = (direct, (*args, *constexprs.values()), self.spec.device.index)
+            self._fixed[fixed] = (direct, _addresses((*args, *constexprs.values())), self.spec.device.index)
         return direct
 
     def _fire(self, fixed: tuple) -> bool:
@@ -488,10 +502,15 @@ class Workspace:
         copies.  ``src``/``scale``: 2-D with unit column stride (any row stride), copied as
         bytes; destinations contiguous.  Broken: nothing is copied, signalled or waited for (the
         generation still advances, the local words are still set: the outputs are NaN anyway)."""
-        publish_kernel = _kernel("tpfuse.kernels.flags", "publish_kernel")
-
         self.check(self.spec.op)
         self.calls += 1
+        self._publish_launch(credits, ready, src, slot, dst2, scale, scale_slot, scale_dst2, local, local_value,
+                             what, wait_in)
+
+    def _publish_launch(self, credits, ready, src, slot, dst2, scale, scale_slot, scale_dst2, local, local_value,
+                        what, wait_in) -> tuple:
+        """:meth:`publish`'s launch (no check, no count); returns (kept key, grid, its arguments)."""
+        publish_kernel = _kernel("tpfuse.kernels.flags", "publish_kernel")
         key = (id(credits[0]), id(ready[0]), None if local is None else id(local), what,
                None if wait_in is None else id(wait_in[0]), slot.data_ptr(),
                tuple(src.shape), src.dtype, dst2 is None, scale is None, None if scale_slot is None else scale_slot.data_ptr())
@@ -544,6 +563,18 @@ class Workspace:
                 b_args[0].data_ptr() % 16 == 0, b_args[3].data_ptr() % 16 == 0,
                 a_stride < 2**31, b_args[1] < 2**31)
         self._launch_kept(("publish", key, spec), publish_kernel, grid, args, constexprs, _PUBLISH_WARPS)
+        return ("publish", key, spec), grid, (*args, *constexprs.values())
+
+    def publisher(self, credits: tuple[torch.Tensor, torch.Tensor], ready: tuple[torch.Tensor, torch.Tensor],
+                  slot: torch.Tensor, rows: tuple[int, int], *,
+                  wait_in: tuple[torch.Tensor, torch.Tensor] | None = None) -> "_Publisher":
+        """``f(src, full)`` = :meth:`publish` ``(credits, ready, src, slot, full[rows[0]:rows[1]],
+        wait_in=wait_in)`` (no scale rows, no local words) for a plan that makes that publish every
+        call with a new ``full`` (ag_gemm's gathered output: contiguous, the same shape and dtype
+        every call; ``src`` of ``slot``'s shape): after the first call of a compiled variant (the
+        source's strides and both tensors' 16-byte alignment) a call fills in the addresses and
+        launches, without :meth:`publish`'s per-call checks, keys and slicing."""
+        return _Publisher(self, credits, ready, slot, rows, wait_in)
 
     def gather(self, key: object, ready: tuple[torch.Tensor, torch.Tensor], sources: list[torch.Tensor],
                offsets: list[int], out: torch.Tensor, done: tuple[torch.Tensor, torch.Tensor],
@@ -603,14 +634,15 @@ class Workspace:
         return grid, head, where, low, out.numel(), asm
 
     def poison_on_error(self, *outputs: torch.Tensor, zero: torch.Tensor | None = None,
-                        signal: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                        signal: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple | None:
         """Enqueue: NaN into ``outputs`` (floating point, the workspace's dtype) if the workspace
         is broken -- a wait of this call or of an earlier one timed out.  Runs on every call that
         has no other kernel to fill its outputs (the reduce does it for gemm_rs); one launch per
         two outputs.  ``zero``: contiguous int32 words set to 0 in the first launch, broken or
         not (fused ag_gemm's arrival words: one launch less per call than their own ``zero_``).
         ``signal``: a flag table raised (:meth:`signal`, nothing when broken) in the first launch
-        (two-shot gemm_ar's DONE2 after its pulls: one launch less per call)."""
+        (two-shot gemm_ar's DONE2 after its pulls: one launch less per call).  Returns (kept key,
+        grid, arguments) of its last launch (None: nothing launched)."""
         poison_on_error_kernel = _kernel("tpfuse.kernels.flags", "poison_on_error_kernel")
 
         todo = [t for t in outputs if t is not None and t.numel() and t.is_floating_point()]
@@ -619,8 +651,9 @@ class Workspace:
                 zero.zero_()
             if signal is not None:
                 self.signal(signal)
-            return
+            return None
         block = 1024
+        launched = None
         for i in range(0, len(todo), 2):
             out = todo[i]
             out2 = todo[i + 1] if i + 1 < len(todo) else out
@@ -632,8 +665,19 @@ class Workspace:
             numel = out.numel()
             kept = ("poison", words.dtype, words.data_ptr() % 16 == 0, sig.data_ptr() % 16 == 0, out.dtype, out2.dtype, out.data_ptr() % 16 == 0,
                     out2.data_ptr() % 16 == 0, numel, n2, num_words, num_sig)
-            self._launch_kept(kept, poison_on_error_kernel, grid, (self.error, out, numel, out2, n2, words, num_words,
-                                                                  self.gen, sig, num_sig), dict(BLOCK=block), 4)
+            args = (self.error, out, numel, out2, n2, words, num_words, self.gen, sig, num_sig)
+            self._launch_kept(kept, poison_on_error_kernel, grid, args, dict(BLOCK=block), 4)
+            launched = kept, grid, (*args, block)
+        return launched
+
+    def poisoner(self, shape: tuple[int, ...], dtype: torch.dtype, shape2: tuple[int, ...] | None,
+                 dtype2: torch.dtype | None, *, signal: tuple[torch.Tensor, torch.Tensor] | None = None) -> "_Poisoner":
+        """``f(out, out2)`` = :meth:`poison_on_error` ``(out, out2, signal=signal)`` for a plan whose
+        calls end with the NaN fill of two new contiguous floating-point outputs of these shapes and
+        dtypes (``shape2`` None: ``f(out)``, one output), none empty (one launch): after the first
+        call of a compiled variant (their 16-byte alignment) a call fills in the addresses and
+        launches."""
+        return _Poisoner(self, tuple(shape), dtype, None if shape2 is None else tuple(shape2), dtype2, signal)
 
     def failed(self) -> bool:
         """True once a wait of this workspace timed out, as far as the host can see now (its
@@ -688,6 +732,146 @@ class _OnStream:
         prev = self.prev
         torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
 
+
+def _addresses(args: tuple) -> tuple:
+    """``args`` with every tensor replaced by its address.  Triton's launcher takes an int for a
+    pointer argument as it is, where for a tensor it calls ``data_ptr()`` and asks the driver
+    for the device pointer (``cuPointerGetAttribute``, one driver call per pointer per launch);
+    under UVA the two are the same address for every tensor the workspace's kernels take."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+class _Site:
+    """The kept launches of one plan's call site (its publish, NaN fill or reduce): per compiled
+    variant -- what the per-call tensors change in the compiled kernel (their 16-byte
+    alignment, a stride) -- the direct launcher and the argument list with every tensor as its
+    address; a call puts the per-call addresses at ``holes`` and launches.  Not CUDA, under
+    the interpreter, or before a variant's first launch: the caller takes the general path and
+    keeps what it launched (:meth:`keep`)."""
+
+    __slots__ = ("ws", "holes", "variants")
+
+    def __init__(self, ws: "Workspace", holes: tuple[int, ...]):
+        self.ws = ws
+        self.holes = holes
+        self.variants: dict = {}
+
+    def launch(self, variant, values: tuple) -> bool:
+        hit = self.variants.get(variant)
+        if hit is None:
+            return False
+        direct, args, grid = hit
+        args = list(args)
+        for i, v in zip(self.holes, values):
+            args[i] = v
+        direct(grid, torch._C._cuda_getCurrentRawStream(self.ws.spec.device.index), args)
+        return True
+
+    def keep(self, variant, launched: tuple | None) -> None:
+        """Keep the launch the general path just made (``launched``: (kept key, grid, arguments))
+        where it went through a direct launcher."""
+        if launched is None:
+            return
+        kept, grid, args = launched
+        direct = self.ws._kept.get(kept)
+        if direct is not None:
+            if len(self.variants) >= 16:
+                self.variants.clear()
+            self.variants[variant] = (direct, _addresses(args), grid + (1,) * (3 - len(grid)))
+
+
+def _healthy(ws: "Workspace") -> bool:
+    """Not broken as far as the host knows (the general path raises what it knows)."""
+    return ws.broken is None and not ws.host.failed()
+
+
+# the per-call arguments of the kernels (tpfuse/kernels/flags.py, reduce.py), by position
+_PUBLISH_A_SRC, _PUBLISH_A_DST2, _PUBLISH_B_SRC = 18, 21, 24
+_POISON_OUT, _POISON_OUT2 = 1, 3
+_REDUCE_OUT, _REDUCE_DST2 = 2, 8
+
+
+class _Publisher:
+    """:meth:`Workspace.publisher`."""
+
+    __slots__ = ("ws", "credits", "ready", "slot", "lo", "hi", "offset", "wait_in", "site")
+
+    def __init__(self, ws, credits, ready, slot, rows, wait_in):
+        self.ws, self.credits, self.ready, self.slot, self.wait_in = ws, credits, ready, slot, wait_in
+        self.lo, self.hi = rows
+        self.offset = rows[0] * (slot.shape[1] if slot.dim() == 2 else 1) * slot.element_size()   # bytes into full
+        self.site = _Site(ws, (_PUBLISH_A_SRC, _PUBLISH_A_DST2, _PUBLISH_B_SRC))
+
+    def __call__(self, src: torch.Tensor, full: torch.Tensor) -> None:
+        ws = self.ws
+        if src.stride(-1) != 1 and src.shape[-1] > 1:
+            src = src.contiguous()
+        ptr, dst2 = src.data_ptr(), full.data_ptr() + self.offset
+        variant = (src.stride(0), ptr % 16, dst2 % 16)
+        if _healthy(ws) and self.site.launch(variant, (ptr, dst2, ptr)):
+            ws.calls += 1
+            return
+        ws.check(ws.spec.op)
+        ws.calls += 1
+        self.site.keep(variant, ws._publish_launch(self.credits, self.ready, src, self.slot, full[self.lo:self.hi],
+                                                   None, None, None, None, 1, WAIT_CREDIT, self.wait_in))
+
+
+class _Poisoner:
+    """:meth:`Workspace.poisoner`."""
+
+    __slots__ = ("ws", "spec", "signal", "site", "two")
+
+    def __init__(self, ws, shape, dtype, shape2, dtype2, signal):
+        self.two = shape2 is not None
+        outs = ((shape, dtype), (shape2, dtype2)) if self.two else ((shape, dtype),)
+        if any(not d.is_floating_point or 0 in sh for sh, d in outs):
+            raise AssertionError(f"poisoner: outputs {outs}: non-empty floating-point ones")
+        self.ws, self.spec, self.signal = ws, (shape, dtype, shape2, dtype2), signal
+        self.site = _Site(ws, (_POISON_OUT, _POISON_OUT2))
+
+    def __call__(self, out: torch.Tensor, out2: torch.Tensor | None = None) -> None:
+        ptr = out.data_ptr()
+        ptr2 = out2.data_ptr() if self.two else ptr
+        if self.site.launch((ptr % 16, ptr2 % 16), (ptr, ptr2)):
+            return
+        shape, dtype, shape2, dtype2 = self.spec
+        got = (tuple(out.shape), out.dtype) + ((tuple(out2.shape), out2.dtype) if self.two else (None, None))
+        if got != self.spec or not out.is_contiguous() or (self.two and not out2.is_contiguous()):
+            raise AssertionError(f"poisoner: outputs {got} for a plan of {self.spec}")
+        self.site.keep((ptr % 16, ptr2 % 16), self.ws.poison_on_error(out, out2, signal=self.signal))
+
+
+class _Reducer:
+    """:meth:`Workspace.reducer`."""
+
+    __slots__ = ("ws", "key", "sources", "shape", "signal", "into", "rows", "offset", "site")
+
+    def __init__(self, ws, key, sources, shape, signal, into, rows):
+        self.ws, self.key, self.sources, self.shape, self.signal, self.into = ws, key, sources, shape, signal, into
+        self.rows = rows
+        if into is not None and (tuple(into.shape) != shape or into.stride() != (shape[1], 1) or rows is None
+                                 or rows[1] - rows[0] != shape[0]):
+            raise AssertionError(f"reducer: into {tuple(into.shape)} {into.stride()}, rows {rows} for {shape}")
+        self.offset = 0 if into is None else rows[0] * shape[1] * into.element_size()   # bytes into full
+        self.site = _Site(ws, (_REDUCE_OUT, _REDUCE_DST2) if into is None else (_REDUCE_DST2,))
+
+    def __call__(self, out: torch.Tensor) -> None:
+        ptr = out.data_ptr() + self.offset
+        if self.site.launch(ptr % 16, (ptr, ptr) if self.into is None else (ptr,)):
+            return
+        if self.into is None:
+            if tuple(out.shape) != self.shape or not out.is_contiguous():
+                raise AssertionError(f"reducer: output {tuple(out.shape)} (contiguous: {out.is_contiguous()}) for a "
+                                     f"plan of {self.shape}")
+            launched = self.ws.reduce(self.key, self.sources, out, signal=self.signal)
+        else:
+            if out.dim() != 2 or out.shape[1] != self.shape[1] or out.shape[0] < self.rows[1] or not out.is_contiguous():
+                raise AssertionError(f"reducer: output {tuple(out.shape)} (contiguous: {out.is_contiguous()}) for "
+                                     f"rows {self.rows} of {self.shape[1]} columns")
+            launched = self.ws.reduce(self.key, self.sources, self.into, out2=out[self.rows[0]:self.rows[1]],
+                                      signal=self.signal)
+        self.site.keep(ptr % 16, launched)
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)

@@ -18,14 +18,33 @@ def host_rows(rank, world_size):
             for op in ("ag_gemm", "gemm_rs", "gemm_ar") for s in ("unfused", "ring")]
 
 
+def eager_calls_through_the_dispatcher(rank, world_size):
+    """How many eager tpfuse calls of plain tensors entered the custom op (none should)."""
+    from unittest import mock
+
+    entered = []
+    a, b = torch.randn(8, 16), torch.randn(16, 8)
+    with mock.patch.object(torch.ops.tpfuse, "ag_gemm", side_effect=lambda *x: entered.append("ag_gemm")), \
+            mock.patch.object(torch.ops.tpfuse, "gemm_rs", side_effect=lambda *x: entered.append("gemm_rs")), \
+            mock.patch.object(torch.ops.tpfuse, "gemm_ar", side_effect=lambda *x: entered.append("gemm_ar")):
+        for strategy in ("unfused", "ring"):
+            tpfuse.ag_gemm(a, b, strategy=strategy)
+            tpfuse.gemm_rs(a, b, strategy=strategy)
+            tpfuse.gemm_ar(a, b, strategy=strategy)
+    return entered
+
+
 def test_eager_calls_skip_the_custom_op_dispatcher(rank_pool):
     """tpfuse.<op> used to cost the custom op's dispatch plus validation (~16 us against ~13 us for
-    the dispatcher alone on the 2-core box); now it costs less than the dispatcher alone."""
+    the dispatcher alone on the 2-core box): an eager call of plain tensors calls the strategy
+    directly.  Checked by what the calls enter, not by their timings (which the bench reports:
+    a timed assertion here failed on a loaded CI box); the bench's rows carry every figure."""
+    (entered,) = rank_pool(1).run(eager_calls_through_the_dispatcher, timeout=120)
+    assert entered == []
     (rows,) = rank_pool(1).run(host_rows, timeout=120)
     for row in rows:
-        assert row["tpfuse_us"] < row["custom_op_us"], row
-        assert row["overhead_us"] < 0.5 * row["dispatcher_us"], row
-        assert {"bare_us", "matmul_us", "direct_us"} <= set(row)
+        assert {"bare_us", "matmul_us", "direct_us", "custom_op_us", "overhead_us", "dispatcher_us"} <= set(row), row
+        assert all(row[key] > 0 for key in ("tpfuse_us", "direct_us", "custom_op_us")), row
 
 
 def host_main_with_profile(rank, world_size, path):
@@ -554,3 +573,78 @@ def test_gemm_ar_is_timed_against_its_gemm_rs_in_the_same_rounds():
     assert host.ratio_per_round([3.0, 1.0], [1.0, 1.0]) == 2.0
     with pytest.raises(ValueError, match="rounds"):
         host.ratio_per_round([1.0], [1.0, 2.0])
+
+
+def test_prepared_launches_pass_what_the_general_path_passes(monkeypatch):
+    """Issue 34: a plan's prepared publish, NaN fill and reduce (``Workspace.publisher``,
+    ``poisoner``, ``reducer``; copy_engine's lean paths) launch, once a compiled variant has
+    launched, with exactly the arguments the general path builds for the same tensors (every
+    tensor as its address), and a tensor of another alignment or row stride takes the general
+    path first (a variant of its own)."""
+    pytest.importorskip("triton")
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from _symm_interp import fake_ranks
+
+    from tpfuse import symm
+
+    launches = []
+
+    class Direct:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, stream, args):
+            launches.append((self.name, tuple(grid), symm._addresses(tuple(args))))
+
+    def run(kernel, grid, args, constexprs, num_warps, device):
+        launches.append((kernel.__name__, tuple(grid) + (1,) * (3 - len(grid)),
+                         symm._addresses((*args, *constexprs.values()))))
+        return Direct(kernel.__name__)
+
+    monkeypatch.setattr(symm, "_run", run)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+
+    def last(fn):
+        launches.clear()
+        fn()
+        assert len(launches) == 1, launches
+        return launches[0]
+
+    def shifted(*shape, by=0):   # a fresh float16 tensor whose address is `by` elements past an allocation's
+        numel = 1
+        for s in shape:
+            numel *= s
+        return torch.randn(numel + by).half()[by:].view(*shape)
+
+    m, k, n = 8, 16, 24
+    ws = fake_ranks(2, 1 << 16, torch.float16, "ag_gemm")[0]
+    credits, ready_out, ready_in = ws.incoming("DONE", [1]), ws.outgoing("READY", [1]), ws.incoming("READY", [1])
+    done_out = ws.outgoing("DONE", [1])
+    slot = ws.data(0, (m, k))
+    publish = ws.publisher(credits, ready_out, slot, (m, 2 * m), wait_in=ready_in)   # this rank's rows: m..2m
+    poison = ws.poisoner((2 * m, n), torch.float16, (2 * m, k), torch.float16, signal=done_out)
+    sources = [ws.data(src, (m, n), offset=4096) for src in range(2)]
+    reduce = ws.reducer(("rs", m, n), sources, (m, n), signal=done_out)
+    into = ws.data(0, (m, n), offset=8192)   # two-shot gemm_ar: the own gather slot, and c's own rows
+    reduce_into = ws.reducer(("ar2", 2 * m, n), sources, (m, n), signal=done_out, into=into, rows=(m, 2 * m))
+    poison_one = ws.poisoner((2 * m, n), torch.float16, None, None, signal=done_out)
+    for by in (0, 0, 1, 1, 8, 0):
+        src, full = shifted(m, k, by=by), shifted(2 * m, k, by=by)
+        strided = shifted(m, 2 * k, by=by)[:, :k]
+        for s in (src, strided):
+            got = last(lambda: publish(s, full))
+            assert got == last(lambda: ws.publish(credits, ready_out, s, slot, full[m:], wait_in=ready_in))
+        c, out = shifted(2 * m, n, by=by), shifted(m, n, by=by)
+        assert last(lambda: poison(c, full)) == last(lambda: ws.poison_on_error(c, full, signal=done_out))
+        assert last(lambda: reduce(out)) == last(lambda: ws.reduce(("rs", m, n), sources, out, signal=done_out))
+        assert last(lambda: reduce_into(c)) == last(lambda: ws.reduce(("ar2", 2 * m, n), sources, into, out2=c[m:],
+                                                                      signal=done_out))
+        assert last(lambda: poison_one(c)) == last(lambda: ws.poison_on_error(c, signal=done_out))
+    # after the first call of each variant, the prepared sites launch directly (no general path)
+    assert {v for v in publish.site.variants} == {(k, 0, 0), (2 * k, 0, 0), (k, 2, 2), (2 * k, 2, 2)}
+    assert set(poison.site.variants) == {(0, 0), (2, 2)} and set(reduce.site.variants) == {0, 2}
+    assert set(poison_one.site.variants) == {(0, 0), (2, 2)} and set(reduce_into.site.variants) == {0, 2}
+    with pytest.raises(AssertionError, match="reducer: output"):
+        reduce(shifted(m, n + 1, by=3)[:, :n])

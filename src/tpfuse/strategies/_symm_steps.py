@@ -149,7 +149,7 @@ def reduce_inbox(ws: symm.Workspace, key: tuple, peer_ranks: list[int], sources:
 
 def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torch.Tensor],
                    bounds: list[tuple[int, int]], gathered, c: torch.Tensor, *, signal_first=None,
-                   one_launch: bool = False) -> None:
+                   one_launch: bool = False, lean: bool = False) -> None:
     """Phase 2 of the two-shot gemm_ar: once every peer has pulled the last call's reduced
     chunk (DONE2, lag 1) and this rank's inbox is full (READY) -- one launch, after raising
     ``signal_first`` in it --, reduce the inbox into this rank's gather slot ``gathered(rank)``
@@ -165,6 +165,9 @@ def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torc
     of every chunk, and the NaN fill or DONE2 (:meth:`tpfuse.symm.Workspace.gather`)."""
     plan = cached(ws, ("ar2 phase 2", c.shape, one_launch),
                   lambda: _GatherPlan(ws, peer_ranks, bounds, gathered, tuple(c.shape), one_launch))
+    if lean and not one_launch and c.is_contiguous() and c.is_floating_point():
+        _gather_reduced_lean(ws, plan, sources, c, signal_first)
+        return
     with timeline.span("wait", "DONE2 + READY all", device=c.device):
         ws.signal_wait(signal_first, plan.credit2, symm.WAIT_CREDIT2, lag=1, then=(plan.ready, symm.WAIT_READY, 0))
     with timeline.span("reduce", "reduce", device=c.device):
@@ -185,6 +188,27 @@ def gather_reduced(ws: symm.Workspace, peer_ranks: list[int], sources: list[torc
     ws.poison_on_error(c, signal=plan.done2)
 
 
+def _gather_reduced_lean(ws: symm.Workspace, plan: "_GatherPlan", sources: list[torch.Tensor], c: torch.Tensor,
+                         signal_first) -> None:
+    """:func:`gather_reduced`'s copy-engine path where nothing records a timeline (``lean``; c
+    contiguous): the same operations in the same order, the reduce and the NaN fill through the
+    plan's prepared launches, with no span (issue 34: an eager call's host cost)."""
+    ws.signal_wait(signal_first, plan.credit2, symm.WAIT_CREDIT2, lag=1, then=(plan.ready, symm.WAIT_READY, 0))
+    prepared = plan.prepared.get(c.dtype)
+    if prepared is None:
+        prepared = plan.prepared[c.dtype] = (
+            ws.reducer(plan.reduce_key, sources, tuple(plan.own.shape), signal=plan.done_ready2, into=plan.own,
+                       rows=(plan.own_rows.start, plan.own_rows.stop)),
+            ws.poisoner(tuple(c.shape), c.dtype, None, None, signal=plan.done2))
+    reduce, finish = prepared
+    reduce(c)   # into the own gather slot and c's own rows
+    ws.wait(plan.ready2, symm.WAIT_READY2)
+    main, base = ws.current_stream(), plan.pulls.bind(c)
+    for i in range(len(plan.chunks)):
+        plan.pulls.copy(i, c, base, main)
+    finish(c)
+
+
 class _GatherPlan:
     """What phase 2 of a two-shot gemm_ar of one output shape needs, built once per workspace:
     the flag tables, this rank's gather slot and rows, and the peers' reduced chunks (one launch's
@@ -203,6 +227,7 @@ class _GatherPlan:
         self.gather_key = ("ar2 gather",) + shape
         self.chunks = [gathered(p) for p in peer_ranks]
         self.offsets = [bounds[p][0] * shape[1] for p in peer_ranks]
+        self.prepared: dict = {}   # the lean path's (reducer, poisoner) by c's dtype
         self.pulls = None if one_launch else _driver.RowCopies(
             [(bounds[p][0], bounds[p][1], chunk) for p, chunk in zip(peer_ranks, self.chunks)],
             into=True, row_shape=shape[1:], dtype=ws.spec.dtype)

@@ -150,6 +150,12 @@ class _AgPlan:
         # timeline span names, built once (span() is a no-op when nothing records)
         self.labels = [(f"pull {p}", f"GEMM {p}") for p in self.peers]
         self.own_label = f"GEMM {ws.rank}"
+        # the lean path's launches (ag_gemm: no row-wise scales, no timeline): the publish into
+        # a_full's own rows, and the NaN fill of c and a_full that raises DONE, prepared once
+        self.mine = slice(ws.rank * m_shard, (ws.rank + 1) * m_shard)
+        self.publish = ws.publisher(self.credits, self.ready_out, ws.data(ws.rank, (m_shard, k)),
+                                    (self.mine.start, self.mine.stop), wait_in=self.ready_in)
+        self.finish: dict = {}   # (c's shape, c's dtype) -> Workspace.poisoner of (c, a_full)
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
@@ -182,6 +188,9 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     ws = symm.get_workspace(ctx, "ag_gemm", a_shard.dtype, dev, need)
     plan = steps.cached(ws, ("copy_engine ag", m_shard, k, rowwise), lambda: _AgPlan(ws, m_shard, k, rowwise))
     main, side = ws.current_stream(), ws.stream
+    if not rowwise and c.numel() and timeline.current() is None:
+        _ag_lean(a_shard, b, scaled, ws, plan, a_full, c, main, side)
+        return done()
     mine = slice(rank * m_shard, (rank + 1) * m_shard)
     breadcrumb("copy_engine ag_gemm: publishing the local shard")
     # into this rank's slot and a_full's own rows (and the scale rows), READY out and the peers'
@@ -225,6 +234,37 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     return done()
 
 
+def _ag_lean(a_shard: torch.Tensor, b: torch.Tensor, scaled: tuple | None, ws: symm.Workspace, plan: _AgPlan,
+             a_full: torch.Tensor, c: torch.Tensor, main: torch.cuda.Stream, side: torch.cuda.Stream) -> None:
+    """:func:`ag_gemm`'s schedule where nothing records a timeline and no row-wise scales travel
+    (every eager call but those): the same operations in the same order, through the plan's
+    prepared launches and with no span or per-call list (issue 34: an eager call's host cost)."""
+    breadcrumb("copy_engine ag_gemm: publishing the local shard")
+    plan.publish(a_shard, a_full)
+    steps.join(side, main, plan.fork)
+    pulls, base = plan.pulls, plan.pulls.bind(a_full)
+    for i, event in enumerate(plan.events):
+        pulls.copy(i, a_full, base, side)
+        event.record(side)
+    if scaled is None:
+        torch.matmul(a_shard, b, out=c[plan.mine])
+        for rows, event in zip(plan.rows, plan.events):
+            main.wait_event(event)
+            torch.matmul(a_full[rows], b, out=c[rows])
+    else:
+        _chunk_mm(a_shard, b, scaled, c[plan.mine])
+        for rows, event in zip(plan.rows, plan.events):
+            main.wait_event(event)
+            _chunk_mm(a_full[rows], b, scaled, c[rows])
+    finish = plan.finish.get((c.shape, c.dtype))
+    if finish is None:
+        if len(plan.finish) >= 16:
+            plan.finish.clear()
+        finish = plan.finish[(c.shape, c.dtype)] = ws.poisoner(tuple(c.shape), c.dtype, tuple(a_full.shape),
+                                                               a_full.dtype, signal=plan.done_out)
+    finish(c, a_full)
+
+
 class _ScatterPlan:
     """gemm_rs / two-shot gemm_ar phase 1 of one shape: every owner's inbox slot for this rank,
     this rank's inbox in rank order, the READY table of each owner, one event per peer."""
@@ -257,6 +297,7 @@ class _ScatterPlan:
         self.pushes = _driver.RowCopies([(r.start, r.stop, dest) for r, dest in zip(self.part_rows, self.dests)],
                                         into=False, row_shape=(n,), dtype=ws.spec.dtype)
         self.sources = [inbox(rank, src) for src in range(ws.world_size)]
+        self.reducers: dict = {}   # gemm_rs's lean path: key -> Workspace.reducer of the inbox into c_shard
 
 
 def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _ScatterPlan,
@@ -307,6 +348,44 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan
     return plan.sources, parts
 
 
+def _scatter_lean(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, ws: symm.Workspace, plan: _ScatterPlan,
+                  main: torch.cuda.Stream) -> None:
+    """:func:`_scatter_partials` and the join after it where nothing records a timeline and no
+    row-wise scales are given (every eager gemm_rs / two-shot gemm_ar call but those): the same
+    operations in the same order, with no span or per-call list (issue 34: an eager call's host
+    cost)."""
+    side = ws.stream
+    parts = torch.empty(plan.parts_shape, dtype=ws.spec.dtype, device=a.device)
+    pushes, base = plan.pushes, plan.pushes.bind(parts)
+    for i, (rows, part_rows, done) in enumerate(zip(plan.rows, plan.part_rows, plan.events)):
+        if scaled is None:
+            torch.matmul(a[rows], b, out=parts[part_rows])
+        else:
+            _chunk_mm(a[rows], b, scaled, parts[part_rows])
+        done.record(main)
+        side.wait_event(done)
+        pushes.copy(i, parts, base, side)
+    if scaled is None:
+        torch.matmul(a[plan.own_rows], b, out=plan.own)
+    else:
+        _chunk_mm(a[plan.own_rows], b, scaled, plan.own)
+    steps.join(main, side, plan.joined)   # the pushes done: READY may go out
+    del parts   # freed after the join (see _scatter_partials)
+
+
+def _rs_lean(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, ws: symm.Workspace, plan: _ScatterPlan,
+             main: torch.cuda.Stream, c_shard: torch.Tensor) -> None:
+    """:func:`gemm_rs` after its begin, lean (:func:`_scatter_lean`): the partials, READY with the
+    wait for the peers' READY, and the reduce through the plan's prepared launch."""
+    _scatter_lean(a, b, scaled, ws, plan, main)
+    ws.signal_wait(plan.ready_out, plan.ready_in, symm.WAIT_READY)
+    reduce = plan.reducers.get(c_shard.dtype)
+    if reduce is None:
+        reduce = plan.reducers[c_shard.dtype] = ws.reducer(("rs",) + tuple(c_shard.shape), plan.sources,
+                                                             tuple(c_shard.shape), signal=plan.done_out)
+    reduce(c_shard)
+
+
 def _whole_product(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``a @ b`` with nothing to exchange (one rank, or an empty gemm_ar): scaled for fp8."""
     if scaled is None:
@@ -338,6 +417,9 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     breadcrumb("copy_engine gemm_rs: computing partials")
     ws.begin(plan.credits)
     main = ws.current_stream()
+    if (scaled is None or scaled[0].dim() != 2) and timeline.current() is None:
+        _rs_lean(a, b, scaled, ws, plan, main, c_shard)
+        return _rounded(c_shard, result_dtype)
     sources, parts = _scatter_partials(a, b, ws, plan, main, scaled)
     steps.join(main, ws.stream, plan.joined)   # the pushes done: READY may go out
     del parts   # freed after the join: the side stream's copies of them come first on the GPU
@@ -390,6 +472,11 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     breadcrumb("copy_engine gemm_ar (two-shot): computing partials")
     ws.begin(plan.credits)
     main = ws.current_stream()
+    if (scaled is None or scaled[0].dim() != 2) and timeline.current() is None:
+        _scatter_lean(a, b, scaled, ws, plan, main)
+        steps.gather_reduced(ws, plan.peers, plan.sources, bounds, views.__getitem__, c, signal_first=plan.ready_out,
+                             lean=True)
+        return _rounded(c, result_dtype)
     sources, parts = _scatter_partials(a, b, ws, plan, main, scaled)
     steps.join(main, ws.stream, plan.joined)   # the pushes done: READY may go out
     del parts   # freed after the join (see _scatter_partials)
