@@ -567,14 +567,16 @@ class Workspace:
 
     def publisher(self, credits: tuple[torch.Tensor, torch.Tensor], ready: tuple[torch.Tensor, torch.Tensor],
                   slot: torch.Tensor, rows: tuple[int, int], *,
-                  wait_in: tuple[torch.Tensor, torch.Tensor] | None = None) -> "_Publisher":
+                  wait_in: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  local: torch.Tensor | None = None) -> "_Publisher":
         """``f(src, full)`` = :meth:`publish` ``(credits, ready, src, slot, full[rows[0]:rows[1]],
-        wait_in=wait_in)`` (no scale rows, no local words) for a plan that makes that publish every
-        call with a new ``full`` (ag_gemm's gathered output: contiguous, the same shape and dtype
-        every call; ``src`` of ``slot``'s shape): after the first call of a compiled variant (the
-        source's strides and both tensors' 16-byte alignment) a call fills in the addresses and
-        launches, without :meth:`publish`'s per-call checks, keys and slicing."""
-        return _Publisher(self, credits, ready, slot, rows, wait_in)
+        local=local, wait_in=wait_in)`` (no scale rows; ``local``: a table of this rank's words
+        set to 1, fused's own arrival words) for a plan that makes that publish every call with a
+        new ``full`` (ag_gemm's gathered output: contiguous, the same shape and dtype every call;
+        ``src`` of ``slot``'s shape): after the first call of a compiled variant (the source's
+        strides and both tensors' 16-byte alignment) a call fills in the addresses and launches,
+        without :meth:`publish`'s per-call checks, keys and slicing."""
+        return _Publisher(self, credits, ready, slot, rows, wait_in, local)
 
     def gather(self, key: object, ready: tuple[torch.Tensor, torch.Tensor], sources: list[torch.Tensor],
                offsets: list[int], out: torch.Tensor, done: tuple[torch.Tensor, torch.Tensor],
@@ -671,13 +673,15 @@ class Workspace:
         return launched
 
     def poisoner(self, shape: tuple[int, ...], dtype: torch.dtype, shape2: tuple[int, ...] | None,
-                 dtype2: torch.dtype | None, *, signal: tuple[torch.Tensor, torch.Tensor] | None = None) -> "_Poisoner":
-        """``f(out, out2)`` = :meth:`poison_on_error` ``(out, out2, signal=signal)`` for a plan whose
+                 dtype2: torch.dtype | None, *, signal: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 zero: torch.Tensor | None = None) -> "_Poisoner":
+        """``f(out, out2)`` = :meth:`poison_on_error` ``(out, out2, zero=zero, signal=signal)`` (``zero``:
+        words that outlive the calls, fused's arrival words) for a plan whose
         calls end with the NaN fill of two new contiguous floating-point outputs of these shapes and
         dtypes (``shape2`` None: ``f(out)``, one output), none empty (one launch): after the first
         call of a compiled variant (their 16-byte alignment) a call fills in the addresses and
         launches."""
-        return _Poisoner(self, tuple(shape), dtype, None if shape2 is None else tuple(shape2), dtype2, signal)
+        return _Poisoner(self, tuple(shape), dtype, None if shape2 is None else tuple(shape2), dtype2, signal, zero)
 
     def failed(self) -> bool:
         """True once a wait of this workspace timed out, as far as the host can see now (its
@@ -794,10 +798,11 @@ _REDUCE_OUT, _REDUCE_DST2 = 2, 8
 class _Publisher:
     """:meth:`Workspace.publisher`."""
 
-    __slots__ = ("ws", "credits", "ready", "slot", "lo", "hi", "offset", "wait_in", "site")
+    __slots__ = ("ws", "credits", "ready", "slot", "lo", "hi", "offset", "wait_in", "local", "site")
 
-    def __init__(self, ws, credits, ready, slot, rows, wait_in):
+    def __init__(self, ws, credits, ready, slot, rows, wait_in, local=None):
         self.ws, self.credits, self.ready, self.slot, self.wait_in = ws, credits, ready, slot, wait_in
+        self.local = local
         self.lo, self.hi = rows
         self.offset = rows[0] * (slot.shape[1] if slot.dim() == 2 else 1) * slot.element_size()   # bytes into full
         self.site = _Site(ws, (_PUBLISH_A_SRC, _PUBLISH_A_DST2, _PUBLISH_B_SRC))
@@ -814,20 +819,20 @@ class _Publisher:
         ws.check(ws.spec.op)
         ws.calls += 1
         self.site.keep(variant, ws._publish_launch(self.credits, self.ready, src, self.slot, full[self.lo:self.hi],
-                                                   None, None, None, None, 1, WAIT_CREDIT, self.wait_in))
+                                                   None, None, None, self.local, 1, WAIT_CREDIT, self.wait_in))
 
 
 class _Poisoner:
     """:meth:`Workspace.poisoner`."""
 
-    __slots__ = ("ws", "spec", "signal", "site", "two")
+    __slots__ = ("ws", "spec", "signal", "zero", "site", "two")
 
-    def __init__(self, ws, shape, dtype, shape2, dtype2, signal):
+    def __init__(self, ws, shape, dtype, shape2, dtype2, signal, zero=None):
         self.two = shape2 is not None
         outs = ((shape, dtype), (shape2, dtype2)) if self.two else ((shape, dtype),)
         if any(not d.is_floating_point or 0 in sh for sh, d in outs):
             raise AssertionError(f"poisoner: outputs {outs}: non-empty floating-point ones")
-        self.ws, self.spec, self.signal = ws, (shape, dtype, shape2, dtype2), signal
+        self.ws, self.spec, self.signal, self.zero = ws, (shape, dtype, shape2, dtype2), signal, zero
         self.site = _Site(ws, (_POISON_OUT, _POISON_OUT2))
 
     def __call__(self, out: torch.Tensor, out2: torch.Tensor | None = None) -> None:
@@ -839,7 +844,7 @@ class _Poisoner:
         got = (tuple(out.shape), out.dtype) + ((tuple(out2.shape), out2.dtype) if self.two else (None, None))
         if got != self.spec or not out.is_contiguous() or (self.two and not out2.is_contiguous()):
             raise AssertionError(f"poisoner: outputs {got} for a plan of {self.spec}")
-        self.site.keep((ptr % 16, ptr2 % 16), self.ws.poison_on_error(out, out2, signal=self.signal))
+        self.site.keep((ptr % 16, ptr2 % 16), self.ws.poison_on_error(out, out2, zero=self.zero, signal=self.signal))
 
 
 class _Reducer:

@@ -473,9 +473,10 @@ def test_eager_ag_gemm_device_operations_per_call(monkeypatch, strategy, world_s
 
 # Device operations of one eager gemm_rs / gemm_ar call ([64, 8] @ [8, 16] float16), by op (gemm_ar:
 # and mode), strategy and W (fused one-shot gemm_ar is copy_engine's): copy_engine gemm_rs 8 + 4 (W - 1),
-# two-shot gemm_ar 10 + 5 (W - 1); fused gemm_rs 5, two-shot gemm_ar 6; one-shot gemm_ar 5.
+# but 11 at W = 2, two-shot gemm_ar 9 + 5 (W - 1); fused gemm_rs 5, two-shot gemm_ar 6; one-shot gemm_ar 5.
 # (copy_engine's partials are held until the join instead of record_stream-ed: one op less per peer;
-# they are one allocation, an `empty` of its own, where each peer's mm allocated its own unseen here.)
+# they are one allocation, an `empty` of its own, where each peer's mm allocated its own unseen here --
+# or none where the output has room for them: gemm_rs at W = 2, two-shot gemm_ar when W divides M.)
 # At b0ff0d4: copy_engine 8 + 6 (W - 1) and 14 + 8 (W - 1), fused 6 and 12 + 2 (W - 1), one-shot 6.
 # Since: the element size without a scalar tensor (two-shot, 2); DONE (two-shot: DONE and READY2)
 # raised by the reduce's last program (1); two-shot: the DONE2 and READY waits in one launch (1), the
@@ -485,11 +486,11 @@ def test_eager_ag_gemm_device_operations_per_call(monkeypatch, strategy, world_s
 # copy_engine: READY to every owner in the launch that waits for the peers' READY, after the compute
 # stream joined the pushes (no READY launch per peer on the side stream: W - 1).
 RS_AR_OPS = {
-    ("gemm_rs", None, "copy_engine", 2): 12, ("gemm_rs", None, "copy_engine", 4): 20,
+    ("gemm_rs", None, "copy_engine", 2): 11, ("gemm_rs", None, "copy_engine", 4): 20,
     ("gemm_rs", None, "fused", 2): 5, ("gemm_rs", None, "fused", 4): 5,
     ("gemm_ar", "one_shot", "copy_engine", 2): 5, ("gemm_ar", "one_shot", "copy_engine", 4): 5,
     ("gemm_ar", "one_shot", "fused", 2): 5, ("gemm_ar", "one_shot", "fused", 4): 5,
-    ("gemm_ar", "two_shot", "copy_engine", 2): 15, ("gemm_ar", "two_shot", "copy_engine", 4): 25,
+    ("gemm_ar", "two_shot", "copy_engine", 2): 14, ("gemm_ar", "two_shot", "copy_engine", 4): 24,
     ("gemm_ar", "two_shot", "fused", 2): 6, ("gemm_ar", "two_shot", "fused", 4): 6,
 }
 
@@ -513,8 +514,9 @@ def test_eager_rs_ar_device_operations_per_call(monkeypatch, op, mode, strategy,
         assert launches[-2:] == ["reduce_kernel", "gather_kernel"], ops
     else:
         assert launches[-1] == "poison_on_error_kernel" and "gather_kernel" not in launches, ops
-    # the output, and copy_engine's peer partials (one allocation for all peers; mm(out=) allocates nothing)
-    partials = strategy == "copy_engine" and mode != "one_shot"
+    # the output, and copy_engine's peer partials (one allocation for all peers; mm(out=) allocates
+    # nothing), staged in the output where it has their rows (gemm_rs at W = 2; [64, 16] two-shot outputs)
+    partials = strategy == "copy_engine" and mode is None and world_size > 2
     assert ops.count("empty") == 1 + partials and "record_stream" not in ops, ops
     assert not partials or "mm" in ops, ops
     assert len(ops) == RS_AR_OPS[op, mode, strategy, world_size], (len(ops), ops)
@@ -630,6 +632,11 @@ def test_prepared_launches_pass_what_the_general_path_passes(monkeypatch):
     into = ws.data(0, (m, n), offset=8192)   # two-shot gemm_ar: the own gather slot, and c's own rows
     reduce_into = ws.reducer(("ar2", 2 * m, n), sources, (m, n), signal=done_out, into=into, rows=(m, 2 * m))
     poison_one = ws.poisoner((2 * m, n), torch.float16, None, None, signal=done_out)
+    # fused ag_gemm's: its own arrival words set by the publish, reset by the NaN fill
+    words = torch.zeros(4, dtype=torch.int32)
+    local = ws.pointer_table(("own words", id(words)), [words[1], words[3]])
+    publish_local = ws.publisher(credits, ready_out, slot, (m, 2 * m), wait_in=ready_in, local=local)
+    poison_zero = ws.poisoner((2 * m, n), torch.float16, (2 * m, k), torch.float16, signal=done_out, zero=words)
     for by in (0, 0, 1, 1, 8, 0):
         src, full = shifted(m, k, by=by), shifted(2 * m, k, by=by)
         strided = shifted(m, 2 * k, by=by)[:, :k]
@@ -642,6 +649,10 @@ def test_prepared_launches_pass_what_the_general_path_passes(monkeypatch):
         assert last(lambda: reduce_into(c)) == last(lambda: ws.reduce(("ar2", 2 * m, n), sources, into, out2=c[m:],
                                                                       signal=done_out))
         assert last(lambda: poison_one(c)) == last(lambda: ws.poison_on_error(c, signal=done_out))
+        assert last(lambda: publish_local(src, full)) == last(lambda: ws.publish(
+            credits, ready_out, src, slot, full[m:], local=local, wait_in=ready_in))
+        assert last(lambda: poison_zero(c, full)) == last(lambda: ws.poison_on_error(c, full, zero=words,
+                                                                                    signal=done_out))
     # after the first call of each variant, the prepared sites launch directly (no general path)
     assert {v for v in publish.site.variants} == {(k, 0, 0), (2 * k, 0, 0), (k, 2, 2), (2 * k, 2, 2)}
     assert set(poison.site.variants) == {(0, 0), (2, 2)} and set(reduce.site.variants) == {0, 2}

@@ -292,6 +292,7 @@ class _ScatterPlan:
         # every peer's partial, one allocation: peer i's in rows part_rows[i]; pushed from there into
         # its owner's inbox slot for this rank, checked once (one driver call per push)
         self.parts_shape = (len(self.peers) * slot_rows, n)
+        self.parts_dtype = ws.spec.dtype
         self.part_rows = [slice(i * slot_rows, i * slot_rows + rows.stop - rows.start)
                           for i, rows in enumerate(self.rows)]
         self.pushes = _driver.RowCopies([(r.start, r.stop, dest) for r, dest in zip(self.part_rows, self.dests)],
@@ -349,19 +350,28 @@ def _scatter_partials(a: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan
 
 
 def _scatter_lean(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, ws: symm.Workspace, plan: _ScatterPlan,
-                  main: torch.cuda.Stream) -> None:
+                  main: torch.cuda.Stream, out: torch.Tensor) -> None:
     """:func:`_scatter_partials` and the join after it where nothing records a timeline and no
     row-wise scales are given (every eager gemm_rs / two-shot gemm_ar call but those): the same
     operations in the same order, with no span or per-call list (issue 34: an eager call's host
-    cost)."""
+    cost).
+
+    ``out``: the call's new output (contiguous), written only after the join.  Where it has the
+    partials' dtype and at least their rows (gemm_rs at W = 2; two-shot gemm_ar when W divides
+    M), the peers' partials are staged in its first rows instead of a ``torch.empty``: the side
+    stream's pushes read them before the join, the reduce and the pulls overwrite them after it."""
     side = ws.stream
-    parts = torch.empty(plan.parts_shape, dtype=ws.spec.dtype, device=a.device)
+    if out.dtype == plan.parts_dtype and out.shape[0] >= plan.parts_shape[0] and out.shape[1] == plan.parts_shape[1]:
+        parts = out
+    else:
+        parts = torch.empty(plan.parts_shape, dtype=plan.parts_dtype, device=a.device)
     pushes, base = plan.pushes, plan.pushes.bind(parts)
     for i, (rows, part_rows, done) in enumerate(zip(plan.rows, plan.part_rows, plan.events)):
+        dest = parts if part_rows.start == 0 and part_rows.stop == parts.shape[0] else parts[part_rows]
         if scaled is None:
-            torch.matmul(a[rows], b, out=parts[part_rows])
+            torch.matmul(a[rows], b, out=dest)
         else:
-            _chunk_mm(a[rows], b, scaled, parts[part_rows])
+            _chunk_mm(a[rows], b, scaled, dest)
         done.record(main)
         side.wait_event(done)
         pushes.copy(i, parts, base, side)
@@ -377,7 +387,7 @@ def _rs_lean(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, ws: symm.Wo
              main: torch.cuda.Stream, c_shard: torch.Tensor) -> None:
     """:func:`gemm_rs` after its begin, lean (:func:`_scatter_lean`): the partials, READY with the
     wait for the peers' READY, and the reduce through the plan's prepared launch."""
-    _scatter_lean(a, b, scaled, ws, plan, main)
+    _scatter_lean(a, b, scaled, ws, plan, main, c_shard)
     ws.signal_wait(plan.ready_out, plan.ready_in, symm.WAIT_READY)
     reduce = plan.reducers.get(c_shard.dtype)
     if reduce is None:
@@ -473,7 +483,7 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     ws.begin(plan.credits)
     main = ws.current_stream()
     if (scaled is None or scaled[0].dim() != 2) and timeline.current() is None:
-        _scatter_lean(a, b, scaled, ws, plan, main)
+        _scatter_lean(a, b, scaled, ws, plan, main, c)
         steps.gather_reduced(ws, plan.peers, plan.sources, bounds, views.__getitem__, c, signal_first=plan.ready_out,
                              lean=True)
         return _rounded(c, result_dtype)

@@ -341,6 +341,44 @@ class _AgPlan:
         self.copies = _driver.RowCopies([(lo, hi, rows) for _, lo, hi, _, rows, _, _, _ in self.pulls],
                                         into=True, row_shape=(k,), dtype=ws.spec.dtype)
         self.words = _driver.Words(arrived)
+        # the lean path's launches (no row-wise scales, no timeline): the publish (credits, the
+        # shard into its slot and a_full's own rows, the own arrival words, READY out, the
+        # peers' READY in) and, per (c's shape, c's dtype), the NaN fill with the words' reset and DONE
+        self.publish = ws.publisher(self.credits, self.ready_out, ws.data(rank, (m_shard, k)),
+                                    (self.mine.start, self.mine.stop), wait_in=self.ready_in,
+                                    local=self.own_word_table)
+        self.last_words = [chunk if last else None for _, _, _, chunk, _, _, last, _ in self.pulls]
+        self.arrived = arrived
+        self.finish: dict = {}
+
+
+def _ag_lean(a_shard: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _AgPlan, a_full: torch.Tensor,
+             c: torch.Tensor, main: torch.cuda.Stream, side: torch.cuda.Stream, gemm_key: tuple,
+             gemm_args: dict, scales: dict) -> None:
+    """:func:`ag_gemm` where nothing records a timeline and no row-wise scales travel (every eager
+    call but those): the same operations in the same order, the publish and the NaN fill through
+    the plan's prepared launches, the GEMM through its PreparedMatmul, no spans (issue 34)."""
+    plan.publish(a_shard, a_full)
+    steps.join(side, main, plan.fork)
+    copies, base = plan.copies, plan.copies.bind(a_full)
+    for i, chunk in enumerate(plan.last_words):
+        copies.copy(i, a_full, base, side)
+        if chunk is not None:
+            _set_word(plan.words, chunk, side)
+    gemm = plan.gemms.get(gemm_key)
+    if gemm is None:
+        from tpfuse.gemm import PreparedMatmul
+
+        gemm = plan.gemms[gemm_key] = PreparedMatmul(**gemm_args)
+    gemm(a_full, b, out=c, **scales)
+    steps.join(main, side, plan.joined)
+    finish = plan.finish.get((c.shape, c.dtype))
+    if finish is None:
+        if len(plan.finish) >= 16:
+            plan.finish.clear()
+        finish = plan.finish[(c.shape, c.dtype)] = ws.poisoner(tuple(c.shape), c.dtype, tuple(a_full.shape),
+                                                               a_full.dtype, signal=plan.done_out, zero=plan.arrived)
+    finish(c, a_full)
 
 
 def _column_major(b: torch.Tensor) -> torch.Tensor:
@@ -385,6 +423,15 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     main, side = ws.current_stream(), ws.stream
     breadcrumb("fused ag_gemm: publishing the local shard")
     ws.host.chunk_owner = plan.chunk_owner   # names the peer if the GEMM's wait times out
+    if not rowwise and timeline.current() is None:
+        num_sms = sm_budget(dev, world_size, knobs)
+        scales = {} if not scaled else dict(scale_a=scale_full, scale_b=scale_b.contiguous())
+        out_dtype = c.dtype if scaled else None
+        # the keyword arguments and the key _gemm gives PreparedMatmul for this call
+        gemm_args = dict(tile_order="round", start_chunk=plan.start_chunk, wait=plan.wait, check=False,
+                         num_sms=num_sms, **({} if out_dtype is None else {"out_dtype": out_dtype}))
+        _ag_lean(a_shard, b, ws, plan, a_full, c, main, side, (num_sms, out_dtype), gemm_args, scales)
+        return (c, a_full, scale_full) if scaled else (c, a_full)
     # one launch: the slot, a_full's own rows (and scale rows), the own chunks' arrival words,
     # READY out, then the wait for every peer's READY (one wait, not one per peer: a pull starts
     # once the last peer has published; copy_engine.ag_gemm says what that costs)
