@@ -48,6 +48,7 @@ same call.  Outgrown allocations are kept (peers may still be reading them) unti
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import operator
 import os
@@ -683,6 +684,16 @@ class Workspace:
         launches."""
         return _Poisoner(self, tuple(shape), dtype, None if shape2 is None else tuple(shape2), dtype2, signal, zero)
 
+    def close(self) -> None:
+        """Drop the buffers and everything built on them (plans, tables, views, kept launches):
+        :func:`release_workspaces` after its device sync.  A closed workspace refuses calls."""
+        for cache in (self.state, self._tables, self._views, self._fixed, self._publish, self._kept,
+                      self._reduces, self._gather):
+            cache.clear()
+        self._buffers, self.flags, self._keepalive = [], [], None
+        self.broken = (f"tpfuse {self.spec.op}: this workspace was released (tpfuse.release_workspaces()); "
+                       f"the next call builds a new one")
+
     def failed(self) -> bool:
         """True once a wait of this workspace timed out, as far as the host can see now (its
         mirror; no sync) -- or once :meth:`check` marked it broken."""
@@ -1050,11 +1061,21 @@ def release_workspaces() -> None:
     """Free every symmetric-memory workspace of this process (after waiting for the GPU).
 
     Call it on every rank at the same point (no tpfuse op in flight anywhere): the next call
-    builds fresh ones with a rendezvous.  This also clears workspaces broken by a timeout."""
+    builds fresh ones with a rendezvous.  This also clears workspaces broken by a timeout.
+
+    The memory is freed here, while the GPU is idle, not whenever Python's cycle collector next
+    runs: a workspace's plans hold the workspace (their prepared launches name it), and freeing
+    symmetric memory waits for the device.  Left to the collector, that wait fell inside a later
+    call -- with a timed-out wait still spinning on the GPU, the host stalled until it ended (the
+    bed's ``queued_after_timeout`` case, one run in a few)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+    released = list(_LIVE.values()) + _RETIRED
     _LIVE.clear()
     _RETIRED.clear()
+    while released:
+        released.pop().close()
+    gc.collect()   # whatever else still ties a released workspace's buffers in a cycle
 
 
 def check_workspaces() -> None:

@@ -188,3 +188,34 @@ def test_two_shot_gemm_ar_layout_keeps_inboxes_and_gather_slot_apart_whatever_th
                         continue
                     assert world_size * slot <= gather            # inboxes below the gather slot
                     assert (gather + slot) * e <= cap             # the gather slot fits
+
+
+def test_release_frees_workspaces_their_plans_hold_without_the_cycle_collector(monkeypatch):
+    """A workspace's plans name it (their prepared launches), a cycle: release_workspaces drops
+    it and its buffers at once, after its device sync, not when Python's collector next runs --
+    freeing symmetric memory waits for the GPU, and inside a later call (a timed-out wait still
+    spinning) that stalled the host for the whole bound (the bed's queued_after_timeout)."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(symm, "_allocate", lambda spec, group: _ranks(spec.world_size, spec.capacity)[spec.rank])
+    monkeypatch.setattr(symm.weakref, "finalize", lambda *a: None)
+    monkeypatch.setattr(symm.gc, "collect", lambda: 0)   # what close() alone frees
+    symm.release_workspaces()
+    dev = torch.device("cpu")
+    ws = symm.get_workspace(_Ctx, "gemm_rs", torch.float32, dev, 256)
+    ws.state["plan"] = ws.reducer(("rs", 4, 8), [ws.data(0, (4, 8)), ws.data(1, (4, 8))], (4, 8))
+    alive = weakref.ref(ws)
+    buffer = weakref.ref(ws._buffers[0])
+    del ws
+    gc.disable()
+    try:
+        symm.release_workspaces()
+        assert alive() is None and buffer() is None
+    finally:
+        gc.enable()
+    ws = symm.get_workspace(_Ctx, "gemm_rs", torch.float32, dev, 256)
+    kept = ws
+    symm.release_workspaces()
+    with pytest.raises(RuntimeError, match="released"):   # a workspace held past its release refuses calls
+        kept.check("gemm_rs")
