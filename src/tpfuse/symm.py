@@ -476,6 +476,22 @@ class Workspace:
                      waits[0].numel(), lag, bound, self.error, what, self.rank, w2[0], w2[1],
                      0 if then is None else w2[0].numel(), lag2, what2, USE_ASM=asm, fixed=fixed)
 
+    def beginner(self, credits: tuple[torch.Tensor, torch.Tensor], what: int = WAIT_CREDIT) -> "_Flag":
+        """``f()`` = :meth:`begin` ``(credits, what)`` for a plan that begins every call so, its
+        launch repeated directly after the first (no kernel lookup, key or dict per call)."""
+        def issue() -> None:
+            self.begin(credits, what)
+        return _Flag(self, ("wait", id(credits[0]), what, 1, True), issue, counts=True)
+
+    def signal_waiter(self, signals: tuple[torch.Tensor, torch.Tensor] | None,
+                      waits: tuple[torch.Tensor, torch.Tensor], what: int) -> "_Flag":
+        """``f()`` = :meth:`signal_wait` ``(signals, waits, what)`` for a plan, prepared likewise."""
+        sig = waits[0] if signals is None else signals[0]
+
+        def issue() -> None:
+            self.signal_wait(signals, waits, what)
+        return _Flag(self, ("signal_wait", None if signals is None else id(sig), id(waits[0]), what, 0, None), issue)
+
     def begin(self, credits: tuple[torch.Tensor, torch.Tensor], what: int = WAIT_CREDIT) -> None:
         """First work of a call: refuse a broken workspace (raising what the host knows, no
         sync), advance the generation and wait for the credits of the previous call
@@ -804,6 +820,33 @@ def _healthy(ws: "Workspace") -> bool:
 _PUBLISH_A_SRC, _PUBLISH_A_DST2, _PUBLISH_B_SRC = 18, 21, 24
 _POISON_OUT, _POISON_OUT2 = 1, 3
 _REDUCE_OUT, _REDUCE_DST2 = 2, 8
+
+
+class _Flag:
+    """:meth:`Workspace.beginner` / :meth:`Workspace.signal_waiter`: ``issue`` (the general
+    path) until the launch it keeps under ``fixed`` (:meth:`Workspace._launch`) exists, then that
+    launch directly -- after :meth:`Workspace.begin`'s refusal of a broken workspace and its count
+    where ``counts``.  ``fixed`` must be the key the general path keeps its launch under."""
+
+    __slots__ = ("ws", "fixed", "issue", "counts", "hit")
+
+    def __init__(self, ws: "Workspace", fixed: tuple, issue, counts: bool = False):
+        self.ws, self.fixed, self.issue, self.counts = ws, fixed, issue, counts
+        self.hit = None
+
+    def __call__(self) -> None:
+        hit, ws = self.hit, self.ws
+        if hit is not None and (not self.counts or _healthy(ws)):
+            try:
+                hit[0](_GRID_1, torch._C._cuda_getCurrentRawStream(hit[2]), hit[1])
+                if self.counts:
+                    ws.calls += 1
+                return
+            except Exception:   # noqa: BLE001 - the general path launches through _run, which warns once
+                self.hit = None
+                ws._fixed.clear()
+        self.issue()
+        self.hit = ws._fixed.get(self.fixed)
 
 
 class _Publisher:

@@ -653,6 +653,14 @@ def test_prepared_launches_pass_what_the_general_path_passes(monkeypatch):
             credits, ready_out, src, slot, full[m:], local=local, wait_in=ready_in))
         assert last(lambda: poison_zero(c, full)) == last(lambda: ws.poison_on_error(c, full, zero=words,
                                                                                     signal=done_out))
+    # the prepared flag launches (copy_engine's gemm_rs / two-shot gemm_ar): the begin and READY
+    # out with the peers' READY in, as the general path launches them, each call counted
+    begin, ready_wait = ws.beginner(credits), ws.signal_waiter(ready_out, ready_in, symm.WAIT_READY)
+    for _ in range(3):
+        calls = ws.calls
+        assert last(begin) == last(lambda: ws.begin(credits)) and ws.calls == calls + 2
+        assert last(ready_wait) == last(lambda: ws.signal_wait(ready_out, ready_in, symm.WAIT_READY))
+    assert begin.hit is not None and ready_wait.hit is not None
     # after the first call of each variant, the prepared sites launch directly (no general path)
     assert {v for v in publish.site.variants} == {(k, 0, 0), (2 * k, 0, 0), (k, 2, 2), (2 * k, 2, 2)}
     assert set(poison.site.variants) == {(0, 0), (2, 2)} and set(reduce.site.variants) == {0, 2}

@@ -293,6 +293,12 @@ class _ScatterPlan:
         # its owner's inbox slot for this rank, checked once (one driver call per push)
         self.parts_shape = (len(self.peers) * slot_rows, n)
         self.parts_dtype = ws.spec.dtype
+        # every chunk (and so every part) slot_rows rows: the lean path splits instead of slicing
+        self.uniform = slot_rows if all(bounds[p] == (p * slot_rows, (p + 1) * slot_rows)
+                                        for p in range(ws.world_size)) and slot_rows > 0 else 0
+        # the lean path's flag launches, prepared: the begin (credits), READY out with the peers' READY in
+        self.begin = ws.beginner(self.credits)
+        self.ready_wait = ws.signal_waiter(self.ready_out, self.ready_in, symm.WAIT_READY)
         self.part_rows = [slice(i * slot_rows, i * slot_rows + rows.stop - rows.start)
                           for i, rows in enumerate(self.rows)]
         self.pushes = _driver.RowCopies([(r.start, r.stop, dest) for r, dest in zip(self.part_rows, self.dests)],
@@ -366,21 +372,28 @@ def _scatter_lean(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, ws: sy
     else:
         parts = torch.empty(plan.parts_shape, dtype=plan.parts_dtype, device=a.device)
     pushes, base = plan.pushes, plan.pushes.bind(parts)
-    for i, (rows, part_rows, done) in enumerate(zip(plan.rows, plan.part_rows, plan.events)):
-        dest = parts if part_rows.start == 0 and part_rows.stop == parts.shape[0] else parts[part_rows]
+    step = plan.uniform
+    if step:   # equal chunks: every chunk's rows in one split call each, not a slice per chunk
+        chunks = a.split(step)
+        dests = (parts,) if parts.shape[0] == step else parts.split(step)
+        sources, own = [chunks[p] for p in plan.peers], chunks[ws.rank]
+    else:
+        dests = [parts[r] for r in plan.part_rows]
+        sources, own = [a[r] for r in plan.rows], a[plan.own_rows]
+    for i, (src, done) in enumerate(zip(sources, plan.events)):
         if scaled is None:
-            torch.matmul(a[rows], b, out=dest)
+            torch.matmul(src, b, out=dests[i])
         else:
-            _chunk_mm(a[rows], b, scaled, dest)
+            _chunk_mm(src, b, scaled, dests[i])
         done.record(main)
         side.wait_event(done)
         pushes.copy(i, parts, base, side)
     if scaled is None:
-        torch.matmul(a[plan.own_rows], b, out=plan.own)
+        torch.matmul(own, b, out=plan.own)
     else:
-        _chunk_mm(a[plan.own_rows], b, scaled, plan.own)
+        _chunk_mm(own, b, scaled, plan.own)
     steps.join(main, side, plan.joined)   # the pushes done: READY may go out
-    del parts   # freed after the join (see _scatter_partials)
+    del parts, dests   # freed after the join (see _scatter_partials)
 
 
 def _rs_lean(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, ws: symm.Workspace, plan: _ScatterPlan,
@@ -388,7 +401,7 @@ def _rs_lean(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, ws: symm.Wo
     """:func:`gemm_rs` after its begin, lean (:func:`_scatter_lean`): the partials, READY with the
     wait for the peers' READY, and the reduce through the plan's prepared launch."""
     _scatter_lean(a, b, scaled, ws, plan, main, c_shard)
-    ws.signal_wait(plan.ready_out, plan.ready_in, symm.WAIT_READY)
+    plan.ready_wait()
     reduce = plan.reducers.get(c_shard.dtype)
     if reduce is None:
         reduce = plan.reducers[c_shard.dtype] = ws.reducer(("rs",) + tuple(c_shard.shape), plan.sources,
@@ -425,11 +438,12 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
     plan = steps.cached(ws, ("copy_engine rs", shard, n), lambda: _ScatterPlan(
         ws, [(r * shard, (r + 1) * shard) for r in range(world_size)], shard, n))
     breadcrumb("copy_engine gemm_rs: computing partials")
+    if (scaled is None or scaled[0].dim() != 2) and timeline.current() is None:
+        plan.begin()
+        _rs_lean(a, b, scaled, ws, plan, ws.current_stream(), c_shard)
+        return _rounded(c_shard, result_dtype)
     ws.begin(plan.credits)
     main = ws.current_stream()
-    if (scaled is None or scaled[0].dim() != 2) and timeline.current() is None:
-        _rs_lean(a, b, scaled, ws, plan, main, c_shard)
-        return _rounded(c_shard, result_dtype)
     sources, parts = _scatter_partials(a, b, ws, plan, main, scaled)
     steps.join(main, ws.stream, plan.joined)   # the pushes done: READY may go out
     del parts   # freed after the join: the side stream's copies of them come first on the GPU
@@ -480,13 +494,14 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.
         for owner, (lo, hi) in enumerate(bounds)])
 
     breadcrumb("copy_engine gemm_ar (two-shot): computing partials")
-    ws.begin(plan.credits)
-    main = ws.current_stream()
     if (scaled is None or scaled[0].dim() != 2) and timeline.current() is None:
-        _scatter_lean(a, b, scaled, ws, plan, main, c)
+        plan.begin()
+        _scatter_lean(a, b, scaled, ws, plan, ws.current_stream(), c)
         steps.gather_reduced(ws, plan.peers, plan.sources, bounds, views.__getitem__, c, signal_first=plan.ready_out,
                              lean=True)
         return _rounded(c, result_dtype)
+    ws.begin(plan.credits)
+    main = ws.current_stream()
     sources, parts = _scatter_partials(a, b, ws, plan, main, scaled)
     steps.join(main, ws.stream, plan.joined)   # the pushes done: READY may go out
     del parts   # freed after the join (see _scatter_partials)
