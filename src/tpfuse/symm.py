@@ -1107,10 +1107,9 @@ def release_workspaces() -> None:
     builds fresh ones with a rendezvous.  This also clears workspaces broken by a timeout.
 
     The memory is freed here, while the GPU is idle, not whenever Python's cycle collector next
-    runs: a workspace's plans hold the workspace (their prepared launches name it), and freeing
-    symmetric memory waits for the device.  Left to the collector, that wait fell inside a later
-    call -- with a timed-out wait still spinning on the GPU, the host stalled until it ended (the
-    bed's ``queued_after_timeout`` case, one run in a few)."""
+    runs: a workspace's plans hold the workspace (their prepared launches name it), a cycle that
+    kept the buffers (and their peer mappings) alive past the release until some later
+    collection, inside whatever call it fell in."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     released = list(_LIVE.values()) + _RETIRED

@@ -192,9 +192,8 @@ def test_two_shot_gemm_ar_layout_keeps_inboxes_and_gather_slot_apart_whatever_th
 
 def test_release_frees_workspaces_their_plans_hold_without_the_cycle_collector(monkeypatch):
     """A workspace's plans name it (their prepared launches), a cycle: release_workspaces drops
-    it and its buffers at once, after its device sync, not when Python's collector next runs --
-    freeing symmetric memory waits for the GPU, and inside a later call (a timed-out wait still
-    spinning) that stalled the host for the whole bound (the bed's queued_after_timeout)."""
+    it and its buffers at once, after its device sync, not when Python's collector next runs
+    (inside some later call)."""
     import gc
     import weakref
 
