@@ -21,7 +21,7 @@ from __future__ import annotations
 
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -341,6 +341,7 @@ class _Call:
     signature: _checks.Signature
     per_call_round: bool
     world: object  # the default group when the call was cached (group=None follows WORLD)
+    knobs: dict = field(default_factory=dict)   # strategies.knobs_for(strategy, ctx); the key holds the pins' generation
 
 
 # (op, group, strategy, return_gathered, types, shapes, dtypes, devices, layouts) -> _Call: a hit
@@ -415,7 +416,7 @@ def _prepare_slow(op, a, b, group, strategy, return_gathered, key, scale_a=None,
     if per_call and (ctx.group, ctx.world_size, ctx.backend, sig.fields) in _DECISIONS:
         _checks.agree(ctx, op, None, sig)  # the decision is known: the per-call round only checks
     chosen = group_decision(op, strategy, a, b, ctx, return_gathered=return_gathered, **scaled)
-    call = _Call(ctx, chosen, strategies.get(chosen), sig, per_call, _world())
+    call = _Call(ctx, chosen, strategies.get(chosen), sig, per_call, _world(), strategies.knobs_for(chosen, ctx))
     if key is not None:
         if len(_CALLS) >= 4 * _MAX_DECISIONS:
             _CALLS.clear()
@@ -440,15 +441,15 @@ def _fake_mode_active() -> bool:
 def _direct(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether an eager call may skip the custom op's dispatcher and call the strategy itself.
 
-    Only plain tensors with no autograd to record, outside tracing, and with no Python dispatch
-    or function mode active (FakeTensorMode, profilers' modes...): there the custom op's fake
-    impl and autograd formula are needed.  The result is the same either way.
+    Only plain tensors with no autograd to record, outside tracing (every caller has checked
+    ``torch.compiler.is_compiling()`` first), and with no Python dispatch or function mode active
+    (FakeTensorMode, profilers' modes...): there the custom op's fake impl and autograd formula
+    are needed.  The result is the same either way.
     """
     return (a.__class__ in _PLAIN and b.__class__ in _PLAIN
             and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
             and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._is_torch_function_mode_enabled()
-            and not torch.compiler.is_compiling())
+            and not torch._C._is_torch_function_mode_enabled())
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -499,7 +500,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | N
     try:
         call = _prepare("ag_gemm", a_shard, b, group, strategy, return_gathered, scale_a, scale_b, out_dtype)
         if _direct(a_shard, b):
-            c, a_full = call.module.ag_gemm(a_shard, b, call.ctx, **strategies.knobs_for(call.strategy, call.ctx))
+            c, a_full = call.module.ag_gemm(a_shard, b, call.ctx, **call.knobs)
         else:
             c, a_full = torch.ops.tpfuse.ag_gemm(a_shard, b, call.ctx.group_name, call.strategy)
     finally:
@@ -521,7 +522,7 @@ def _ag_gemm_scaled(a_shard, b, group, strategy, return_gathered, scale_a, scale
             call = _prepare("ag_gemm", a_shard, b, group, strategy, return_gathered, scale_a, scale_b, out_dtype)
             if _direct(a_shard, b):
                 c, a_full, scale_full = call.module.ag_gemm(a_shard, b, call.ctx, scale_a, scale_b, out,
-                                                            **strategies.knobs_for(call.strategy, call.ctx))
+                                                            **call.knobs)
             else:
                 c, a_full, scale_full = torch.ops.tpfuse.ag_gemm_scaled(a_shard, b, call.ctx.group_name,
                                                                         call.strategy, scale_a, scale_b, out)
@@ -582,11 +583,11 @@ def _reduce_op(op: str, a: torch.Tensor, b: torch.Tensor, group, strategy: str, 
         if fp8:
             if _direct(a, b):
                 return getattr(call.module, op)(a, b, call.ctx, scale_a, scale_b, out,
-                                                **strategies.knobs_for(call.strategy, call.ctx))
+                                                **call.knobs)
             return getattr(torch.ops.tpfuse, op + "_scaled")(a, b, call.ctx.group_name, call.strategy, scale_a,
                                                              scale_b, out)
         if _direct(a, b):
-            return getattr(call.module, op)(a, b, call.ctx, **strategies.knobs_for(call.strategy, call.ctx))
+            return getattr(call.module, op)(a, b, call.ctx, **call.knobs)
         return getattr(torch.ops.tpfuse, op)(a, b, call.ctx.group_name, call.strategy)
     finally:
         if token is not None:
