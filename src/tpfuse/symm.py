@@ -442,7 +442,7 @@ class Workspace:
         wait_kernel = _kernel("tpfuse.kernels.flags", "wait_kernel")
 
         addrs, peers = table
-        fixed = ("wait", id(addrs), what, lag, advance)
+        fixed = _wait_key(table, what, lag, advance)
         if self._fire(fixed):
             return
         bound, asm = self._bound()
@@ -466,8 +466,7 @@ class Workspace:
         signal_wait_kernel = _kernel("tpfuse.kernels.flags", "signal_wait_kernel")
 
         sig = waits[0] if signals is None else signals[0]
-        fixed = ("signal_wait", None if signals is None else id(sig), id(waits[0]), what, lag,
-                 None if then is None else (id(then[0][0]), then[1], then[2]))
+        fixed = _signal_wait_key(signals, waits, what, lag, then)
         if self._fire(fixed):
             return
         bound, asm = self._bound()
@@ -481,16 +480,14 @@ class Workspace:
         launch repeated directly after the first (no kernel lookup, key or dict per call)."""
         def issue() -> None:
             self.begin(credits, what)
-        return _Flag(self, ("wait", id(credits[0]), what, 1, True), issue, counts=True)
+        return _Flag(self, _wait_key(credits, what, 1, True), issue, counts=True)
 
     def signal_waiter(self, signals: tuple[torch.Tensor, torch.Tensor] | None,
                       waits: tuple[torch.Tensor, torch.Tensor], what: int) -> "_Flag":
         """``f()`` = :meth:`signal_wait` ``(signals, waits, what)`` for a plan, prepared likewise."""
-        sig = waits[0] if signals is None else signals[0]
-
         def issue() -> None:
             self.signal_wait(signals, waits, what)
-        return _Flag(self, ("signal_wait", None if signals is None else id(sig), id(waits[0]), what, 0, None), issue)
+        return _Flag(self, _signal_wait_key(signals, waits, what, 0, None), issue)
 
     def begin(self, credits: tuple[torch.Tensor, torch.Tensor], what: int = WAIT_CREDIT) -> None:
         """First work of a call: refuse a broken workspace (raising what the host knows, no
@@ -820,6 +817,18 @@ def _healthy(ws: "Workspace") -> bool:
 _PUBLISH_A_SRC, _PUBLISH_A_DST2, _PUBLISH_B_SRC = 18, 21, 24
 _POISON_OUT, _POISON_OUT2 = 1, 3
 _REDUCE_OUT, _REDUCE_DST2 = 2, 8
+
+
+def _wait_key(table: tuple[torch.Tensor, torch.Tensor], what: int, lag: int, advance: bool) -> tuple:
+    """The kept-launch key of :meth:`Workspace.wait` (and so of :meth:`Workspace.beginner`)."""
+    return ("wait", id(table[0]), what, lag, advance)
+
+
+def _signal_wait_key(signals: tuple[torch.Tensor, torch.Tensor] | None, waits: tuple[torch.Tensor, torch.Tensor],
+                     what: int, lag: int, then: tuple | None) -> tuple:
+    """The kept-launch key of :meth:`Workspace.signal_wait` (and of :meth:`Workspace.signal_waiter`)."""
+    return ("signal_wait", None if signals is None else id(signals[0]), id(waits[0]), what, lag,
+            None if then is None else (id(then[0][0]), then[1], then[2]))
 
 
 class _Flag:

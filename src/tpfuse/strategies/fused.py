@@ -270,7 +270,7 @@ def _gemm(name: str, chunk_m: int, a: torch.Tensor, b: torch.Tensor, prepared: d
     also its span and its per-tile records (``tile_records``).  ``prepared``: the calling plan's
     :class:`tpfuse.gemm.PreparedMatmul` per (SM budget, output dtype), the rest of ``kwargs``
     but ``out`` and the scales being the plan's own on every call."""
-    from tpfuse.gemm import PreparedMatmul, last_plan, matmul
+    from tpfuse.gemm import last_plan, matmul
     from tpfuse.kernels.abi import TILE_RECORD_COLUMNS
 
     rec = timeline.current()
@@ -279,10 +279,7 @@ def _gemm(name: str, chunk_m: int, a: torch.Tensor, b: torch.Tensor, prepared: d
             matmul(a, b, **kwargs)
             return
         out, scale_a, scale_b = kwargs.pop("out", None), kwargs.pop("scale_a", None), kwargs.pop("scale_b", None)
-        key = (kwargs.get("num_sms"), kwargs.get("out_dtype"))
-        call = prepared.get(key)
-        if call is None:
-            call = prepared[key] = PreparedMatmul(**kwargs)
+        call = prepared.get((kwargs.get("num_sms"), kwargs.get("out_dtype"))) or _keep_gemm(prepared, **kwargs)
         call(a, b, out=out, scale_a=scale_a, scale_b=scale_b)
         return
     tiles = -(-a.shape[0] // 64) * -(-b.shape[1] // 64)   # enough rows for the smallest tile (64x64)
@@ -291,6 +288,16 @@ def _gemm(name: str, chunk_m: int, a: torch.Tensor, b: torch.Tensor, prepared: d
     matmul(a, b, tile_records=records, **kwargs)
     rec.add_span("gemm", name, start, rec.now(a.device))
     rec.add_tile_records(records, last_plan(), chunk_m, start)
+
+
+def _keep_gemm(prepared: dict, **fixed):
+    """A new :class:`tpfuse.gemm.PreparedMatmul` of ``fixed`` (every keyword of
+    :func:`tpfuse.gemm.matmul` but the per-call ``out`` and scales), kept in a plan's ``prepared``
+    under the key the calls look it up by: (SM budget, output dtype)."""
+    from tpfuse.gemm import PreparedMatmul
+
+    call = prepared[(fixed.get("num_sms"), fixed.get("out_dtype"))] = PreparedMatmul(**fixed)
+    return call
 
 
 class _AgPlan:
@@ -353,8 +360,8 @@ class _AgPlan:
 
 
 def _ag_lean(a_shard: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _AgPlan, a_full: torch.Tensor,
-             c: torch.Tensor, main: torch.cuda.Stream, side: torch.cuda.Stream, gemm_key: tuple,
-             gemm_args: dict, scales: dict) -> None:
+             c: torch.Tensor, main: torch.cuda.Stream, side: torch.cuda.Stream, num_sms: int,
+             out_dtype: torch.dtype | None, scales: dict) -> None:
     """:func:`ag_gemm` where nothing records a timeline and no row-wise scales travel (every eager
     call but those): the same operations in the same order, the publish and the NaN fill through
     the plan's prepared launches, the GEMM through its PreparedMatmul, no spans (issue 34)."""
@@ -365,20 +372,13 @@ def _ag_lean(a_shard: torch.Tensor, b: torch.Tensor, ws: symm.Workspace, plan: _
         copies.copy(i, a_full, base, side)
         if chunk is not None:
             _set_word(plan.words, chunk, side)
-    gemm = plan.gemms.get(gemm_key)
-    if gemm is None:
-        from tpfuse.gemm import PreparedMatmul
-
-        gemm = plan.gemms[gemm_key] = PreparedMatmul(**gemm_args)
+    # the GEMM _gemm would launch (its kwargs and key), kept in the plan as _gemm keeps it
+    gemm = plan.gemms.get((num_sms, out_dtype)) or _keep_gemm(
+        plan.gemms, tile_order="round", start_chunk=plan.start_chunk, wait=plan.wait, check=False, num_sms=num_sms,
+        **({} if out_dtype is None else {"out_dtype": out_dtype}))
     gemm(a_full, b, out=c, **scales)
     steps.join(main, side, plan.joined)
-    finish = plan.finish.get((c.shape, c.dtype))
-    if finish is None:
-        if len(plan.finish) >= 16:
-            plan.finish.clear()
-        finish = plan.finish[(c.shape, c.dtype)] = ws.poisoner(tuple(c.shape), c.dtype, tuple(a_full.shape),
-                                                               a_full.dtype, signal=plan.done_out, zero=plan.arrived)
-    finish(c, a_full)
+    steps.lean_finish(ws, plan.finish, c, a_full, signal=plan.done_out, zero=plan.arrived)
 
 
 def _column_major(b: torch.Tensor) -> torch.Tensor:
@@ -426,11 +426,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
     if not rowwise and timeline.current() is None:
         num_sms = sm_budget(dev, world_size, knobs)
         scales = {} if not scaled else dict(scale_a=scale_full, scale_b=scale_b.contiguous())
-        out_dtype = c.dtype if scaled else None
-        # the keyword arguments and the key _gemm gives PreparedMatmul for this call
-        gemm_args = dict(tile_order="round", start_chunk=plan.start_chunk, wait=plan.wait, check=False,
-                         num_sms=num_sms, **({} if out_dtype is None else {"out_dtype": out_dtype}))
-        _ag_lean(a_shard, b, ws, plan, a_full, c, main, side, (num_sms, out_dtype), gemm_args, scales)
+        _ag_lean(a_shard, b, ws, plan, a_full, c, main, side, num_sms, c.dtype if scaled else None, scales)
         return (c, a_full, scale_full) if scaled else (c, a_full)
     # one launch: the slot, a_full's own rows (and scale rows), the own chunks' arrival words,
     # READY out, then the wait for every peer's READY (one wait, not one per peer: a pull starts
