@@ -156,6 +156,8 @@ class _AgPlan:
         self.publish = ws.publisher(self.credits, self.ready_out, ws.data(ws.rank, (m_shard, k)),
                                     (self.mine.start, self.mine.stop), wait_in=self.ready_in)
         self.finish: dict = {}   # (c's shape, c's dtype) -> Workspace.poisoner of (c, a_full)
+        # every rank's rows of c and a_full, taken by one split_with_sizes each (not a slice each)
+        self.chunk_sizes = [m_shard] * ws.world_size
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
@@ -246,23 +248,18 @@ def _ag_lean(a_shard: torch.Tensor, b: torch.Tensor, scaled: tuple | None, ws: s
     for i, event in enumerate(plan.events):
         pulls.copy(i, a_full, base, side)
         event.record(side)
+    outs, gathered = c.split_with_sizes(plan.chunk_sizes), a_full.split_with_sizes(plan.chunk_sizes)
     if scaled is None:
-        torch.matmul(a_shard, b, out=c[plan.mine])
-        for rows, event in zip(plan.rows, plan.events):
+        torch.matmul(a_shard, b, out=outs[ws.rank])
+        for p, event in zip(plan.peers, plan.events):
             main.wait_event(event)
-            torch.matmul(a_full[rows], b, out=c[rows])
+            torch.matmul(gathered[p], b, out=outs[p])
     else:
-        _chunk_mm(a_shard, b, scaled, c[plan.mine])
-        for rows, event in zip(plan.rows, plan.events):
+        _chunk_mm(a_shard, b, scaled, outs[ws.rank])
+        for p, event in zip(plan.peers, plan.events):
             main.wait_event(event)
-            _chunk_mm(a_full[rows], b, scaled, c[rows])
-    finish = plan.finish.get((c.shape, c.dtype))
-    if finish is None:
-        if len(plan.finish) >= 16:
-            plan.finish.clear()
-        finish = plan.finish[(c.shape, c.dtype)] = ws.poisoner(tuple(c.shape), c.dtype, tuple(a_full.shape),
-                                                               a_full.dtype, signal=plan.done_out)
-    finish(c, a_full)
+            _chunk_mm(gathered[p], b, scaled, outs[p])
+    steps.lean_finish(ws, plan.finish, c, a_full, signal=plan.done_out)
 
 
 class _ScatterPlan:
@@ -296,6 +293,9 @@ class _ScatterPlan:
         # every chunk (and so every part) slot_rows rows: the lean path splits instead of slicing
         self.uniform = slot_rows if all(bounds[p] == (p * slot_rows, (p + 1) * slot_rows)
                                         for p in range(ws.world_size)) and slot_rows > 0 else 0
+        # ... taken by split_with_sizes (Tensor.split's Python wrapper costs as much again)
+        self.chunk_sizes = [slot_rows] * ws.world_size
+        self.lean_steps = list(zip(range(len(self.peers)), self.peers, self.events))
         # the lean path's flag launches, prepared: the begin (credits), READY out with the peers' READY in
         self.begin = ws.beginner(self.credits)
         self.ready_wait = ws.signal_waiter(self.ready_out, self.ready_in, symm.WAIT_READY)
@@ -374,17 +374,20 @@ def _scatter_lean(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, ws: sy
     pushes, base = plan.pushes, plan.pushes.bind(parts)
     step = plan.uniform
     if step:   # equal chunks: every chunk's rows in one split call each, not a slice per chunk
-        chunks = a.split(step)
-        dests = (parts,) if parts.shape[0] == step else parts.split(step)
-        sources, own = [chunks[p] for p in plan.peers], chunks[ws.rank]
+        chunks = a.split_with_sizes(plan.chunk_sizes)
+        rows = parts.shape[0]
+        dests = ((parts,) if rows == step else parts.split_with_sizes(plan.chunk_sizes[:rows // step])
+                 if rows % step == 0 else parts.split(step))
+        own = chunks[ws.rank]
     else:
+        chunks = {p: a[r] for p, r in zip(plan.peers, plan.rows)}
         dests = [parts[r] for r in plan.part_rows]
-        sources, own = [a[r] for r in plan.rows], a[plan.own_rows]
-    for i, (src, done) in enumerate(zip(sources, plan.events)):
+        own = a[plan.own_rows]
+    for i, p, done in plan.lean_steps:
         if scaled is None:
-            torch.matmul(src, b, out=dests[i])
+            torch.matmul(chunks[p], b, out=dests[i])
         else:
-            _chunk_mm(src, b, scaled, dests[i])
+            _chunk_mm(chunks[p], b, scaled, dests[i])
         done.record(main)
         side.wait_event(done)
         pushes.copy(i, parts, base, side)
