@@ -667,3 +667,26 @@ def test_prepared_launches_pass_what_the_general_path_passes(monkeypatch):
     assert set(poison_one.site.variants) == {(0, 0), (2, 2)} and set(reduce_into.site.variants) == {0, 2}
     with pytest.raises(AssertionError, match="reducer: output"):
         reduce(shifted(m, n + 1, by=3)[:, :n])
+
+
+def test_event_calls_of_a_stand_in_event_are_its_own_methods():
+    """The lean paths record and wait through ``_symm_steps.event_calls``: torch's C methods for
+    a ``torch.cuda.Event`` (CUDA only), and for anything else (the CPU tests' stand-ins) the
+    event's own ``record(stream)`` and the stream's ``wait_event(event)``, in that argument order."""
+    from tpfuse.strategies import _symm_steps as steps
+
+    log = []
+
+    class Event:
+        def record(self, stream):
+            log.append(("record", self, stream))
+
+    class Stream:
+        def wait_event(self, event):
+            log.append(("wait", self, event))
+
+    event, side, main = Event(), Stream(), Stream()
+    record, wait = steps.event_calls(event)
+    record(event, side)
+    wait(event, main)
+    assert log == [("record", event, side), ("wait", main, event)]

@@ -71,6 +71,24 @@ def side_for_spans(ws: symm.Workspace):
     return ws.on_stream() if timeline.current() is not None else _AS_IS
 
 
+def event_calls(event) -> tuple:
+    """``(record, wait)`` for a plan's events: ``record(event, stream)`` = ``event.record(stream)``
+    and ``wait(event, stream)`` = ``stream.wait_event(event)``.  For a ``torch.cuda.Event`` they are
+    the C methods under those calls: their Python wrappers only default the stream, and
+    ``wait_event`` goes through ``Event.wait``, two frames per wait (each frame costs 0.5-1 us of
+    host time on the bed's hosts, where an eager copy_engine call makes 4-8 such calls).  Any
+    other event (the CPU tests' stand-ins) keeps its own methods."""
+    base = torch._C._CudaEventBase
+    record, wait = getattr(base, "record", None), getattr(base, "wait", None)
+    if record is not None and wait is not None and isinstance(event, base):
+        return record, wait
+    return type(event).record, _wait_event
+
+
+def _wait_event(event, stream) -> None:
+    stream.wait_event(event)
+
+
 def join(waiter, stream, event: torch.cuda.Event) -> None:
     """``waiter.wait_stream(stream)`` through ``event``, one the caller keeps (a plan's): torch's
     makes a new event for each wait (an event object and its creation per call)."""

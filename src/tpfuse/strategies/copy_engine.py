@@ -158,6 +158,7 @@ class _AgPlan:
         self.finish: dict = {}   # (c's shape, c's dtype) -> Workspace.poisoner of (c, a_full)
         # every rank's rows of c and a_full, taken by one split_with_sizes each (not a slice each)
         self.chunk_sizes = [m_shard] * ws.world_size
+        self.record, self.wait = steps.event_calls(self.fork)   # the lean path's event calls
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
@@ -243,21 +244,23 @@ def _ag_lean(a_shard: torch.Tensor, b: torch.Tensor, scaled: tuple | None, ws: s
     prepared launches and with no span or per-call list (issue 34: an eager call's host cost)."""
     breadcrumb("copy_engine ag_gemm: publishing the local shard")
     plan.publish(a_shard, a_full)
-    steps.join(side, main, plan.fork)
+    record, wait = plan.record, plan.wait
+    record(plan.fork, main)   # the side stream's wait for the publish (steps.join)
+    wait(plan.fork, side)
     pulls, base = plan.pulls, plan.pulls.bind(a_full)
     for i, event in enumerate(plan.events):
         pulls.copy(i, a_full, base, side)
-        event.record(side)
+        record(event, side)
     outs, gathered = c.split_with_sizes(plan.chunk_sizes), a_full.split_with_sizes(plan.chunk_sizes)
     if scaled is None:
         torch.matmul(a_shard, b, out=outs[ws.rank])
         for p, event in zip(plan.peers, plan.events):
-            main.wait_event(event)
+            wait(event, main)
             torch.matmul(gathered[p], b, out=outs[p])
     else:
         _chunk_mm(a_shard, b, scaled, outs[ws.rank])
         for p, event in zip(plan.peers, plan.events):
-            main.wait_event(event)
+            wait(event, main)
             _chunk_mm(gathered[p], b, scaled, outs[p])
     steps.lean_finish(ws, plan.finish, c, a_full, signal=plan.done_out)
 
@@ -296,6 +299,7 @@ class _ScatterPlan:
         # ... taken by split_with_sizes (Tensor.split's Python wrapper costs as much again)
         self.chunk_sizes = [slot_rows] * ws.world_size
         self.lean_steps = list(zip(range(len(self.peers)), self.peers, self.events))
+        self.record, self.wait = steps.event_calls(self.joined)   # the lean path's event calls
         # the lean path's flag launches, prepared: the begin (credits), READY out with the peers' READY in
         self.begin = ws.beginner(self.credits)
         self.ready_wait = ws.signal_waiter(self.ready_out, self.ready_in, symm.WAIT_READY)
@@ -383,19 +387,21 @@ def _scatter_lean(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, ws: sy
         chunks = {p: a[r] for p, r in zip(plan.peers, plan.rows)}
         dests = [parts[r] for r in plan.part_rows]
         own = a[plan.own_rows]
+    record, wait = plan.record, plan.wait
     for i, p, done in plan.lean_steps:
         if scaled is None:
             torch.matmul(chunks[p], b, out=dests[i])
         else:
             _chunk_mm(chunks[p], b, scaled, dests[i])
-        done.record(main)
-        side.wait_event(done)
+        record(done, main)
+        wait(done, side)
         pushes.copy(i, parts, base, side)
     if scaled is None:
         torch.matmul(own, b, out=plan.own)
     else:
         _chunk_mm(own, b, scaled, plan.own)
-    steps.join(main, side, plan.joined)   # the pushes done: READY may go out
+    record(plan.joined, side)   # the pushes done: READY may go out (steps.join)
+    wait(plan.joined, main)
     del parts, dests   # freed after the join (see _scatter_partials)
 
 
