@@ -126,31 +126,6 @@ def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_p
     return status, verified, polled
 
 
-# The release/acquire pattern of _peek_chunks: its flag loads are relaxed (ld.volatile), and this
-# fence after them makes every flag it saw ready an acquire, as _WAIT_ASM's loads are.
-_ACQUIRE_FENCE_ASM = gl.constexpr("fence.acq_rel.sys;\n\tmov.u32 $0, 0;")
-
-
-@gluon.jit
-def _peek_chunks(wait_signal, wait_gen, n_chunks):
-    """The wait hook's first look, once per program in the load warp: the flags of every chunk
-    (the first 62: the bits of ``verified``) read at once, one acquire fence, then the proxy
-    fence; returns the bits of the chunks already ready, which the per-tile waits then skip.
-    Why: the tiles of a program span every chunk in round order, and a poll per chunk (one
-    acquire load, then a proxy fence, in the load warp's path before that tile's loads) cost
-    3-5 % on short fp8 GEMMs with every flag already set (benchmarks/gemm_core.py's hooks rows);
-    here all of them cost one load's latency.  A chunk not yet ready is polled as before."""
-    layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
-    offs = gl.arange(0, 64, layout=layout)
-    live = offs < gl.minimum(n_chunks, 62)
-    flags = gl.load(wait_signal + offs, mask=live, other=0, volatile=True)
-    one = gl.full([64], 1, gl.int64, layout)
-    seen = gl.sum(gl.where(live & (flags >= wait_gen), one << offs.to(gl.int64), 0), axis=0)
-    gl.inline_asm_elementwise(_ACQUIRE_FENCE_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    gl.inline_asm_elementwise(_PROXY_FENCE_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    return seen
-
-
 @gluon.jit
 def _before_tile_loads(tile_id, pid_m, pid_n, num_pid_n, M, chunk_m, wait_signal, wait_gen, wait_timeout, err_ptr,
                        tile_records, status, verified, BLOCK_M: gl.constexpr, WAIT: gl.constexpr,
@@ -225,8 +200,6 @@ def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     status = gl.to_tensor(0)   # WAIT: 0 until a wait of this program fails
     verified = gl.to_tensor(0).to(gl.int64)   # WAIT: bit c set once signal[c] >= wait_gen was seen
-    if WAIT:
-        verified = _peek_chunks(wait_signal, wait_gen, gl.cdiv(M, chunk_m))
     it = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
