@@ -89,11 +89,17 @@ def _wait_event(event, stream) -> None:
     stream.wait_event(event)
 
 
-def join(waiter, stream, event: torch.cuda.Event) -> None:
+def join(waiter, stream, event: torch.cuda.Event, calls: tuple | None = None) -> None:
     """``waiter.wait_stream(stream)`` through ``event``, one the caller keeps (a plan's): torch's
-    makes a new event for each wait (an event object and its creation per call)."""
-    event.record(stream)
-    waiter.wait_event(event)
+    makes a new event for each wait (an event object and its creation per call).  ``calls``: the
+    plan's :func:`event_calls` to issue it through (the lean paths)."""
+    if calls is None:
+        event.record(stream)
+        waiter.wait_event(event)
+    else:
+        record, wait = calls
+        record(event, stream)
+        wait(event, waiter)
 
 
 def publish_shard(ws: symm.Workspace, a_shard: torch.Tensor, credits, ready_out,

@@ -158,7 +158,7 @@ class _AgPlan:
         self.finish: dict = {}   # (c's shape, c's dtype) -> Workspace.poisoner of (c, a_full)
         # every rank's rows of c and a_full, taken by one split_with_sizes each (not a slice each)
         self.chunk_sizes = [m_shard] * ws.world_size
-        self.record, self.wait = steps.event_calls(self.fork)   # the lean path's event calls
+        self.event_calls = steps.event_calls(self.fork)   # the lean path's (record, wait)
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: torch.Tensor | None = None,
@@ -244,9 +244,8 @@ def _ag_lean(a_shard: torch.Tensor, b: torch.Tensor, scaled: tuple | None, ws: s
     prepared launches and with no span or per-call list (issue 34: an eager call's host cost)."""
     breadcrumb("copy_engine ag_gemm: publishing the local shard")
     plan.publish(a_shard, a_full)
-    record, wait = plan.record, plan.wait
-    record(plan.fork, main)   # the side stream's wait for the publish (steps.join)
-    wait(plan.fork, side)
+    steps.join(side, main, plan.fork, plan.event_calls)
+    record, wait = plan.event_calls
     pulls, base = plan.pulls, plan.pulls.bind(a_full)
     for i, event in enumerate(plan.events):
         pulls.copy(i, a_full, base, side)
@@ -299,7 +298,7 @@ class _ScatterPlan:
         # ... taken by split_with_sizes (Tensor.split's Python wrapper costs as much again)
         self.chunk_sizes = [slot_rows] * ws.world_size
         self.lean_steps = list(zip(range(len(self.peers)), self.peers, self.events))
-        self.record, self.wait = steps.event_calls(self.joined)   # the lean path's event calls
+        self.event_calls = steps.event_calls(self.joined)   # the lean path's (record, wait)
         # the lean path's flag launches, prepared: the begin (credits), READY out with the peers' READY in
         self.begin = ws.beginner(self.credits)
         self.ready_wait = ws.signal_waiter(self.ready_out, self.ready_in, symm.WAIT_READY)
@@ -380,14 +379,14 @@ def _scatter_lean(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, ws: sy
     if step:   # equal chunks: every chunk's rows in one split call each, not a slice per chunk
         chunks = a.split_with_sizes(plan.chunk_sizes)
         rows = parts.shape[0]
-        dests = ((parts,) if rows == step else parts.split_with_sizes(plan.chunk_sizes[:rows // step])
-                 if rows % step == 0 else parts.split(step))
+        # rows: shard (gemm_rs's output at W = 2), M or (W - 1) shards, a whole number of chunks
+        dests = (parts,) if rows == step else parts.split_with_sizes(plan.chunk_sizes[:rows // step])
         own = chunks[ws.rank]
     else:
         chunks = {p: a[r] for p, r in zip(plan.peers, plan.rows)}
         dests = [parts[r] for r in plan.part_rows]
         own = a[plan.own_rows]
-    record, wait = plan.record, plan.wait
+    record, wait = plan.event_calls
     for i, p, done in plan.lean_steps:
         if scaled is None:
             torch.matmul(chunks[p], b, out=dests[i])
@@ -400,8 +399,7 @@ def _scatter_lean(a: torch.Tensor, b: torch.Tensor, scaled: tuple | None, ws: sy
         torch.matmul(own, b, out=plan.own)
     else:
         _chunk_mm(own, b, scaled, plan.own)
-    record(plan.joined, side)   # the pushes done: READY may go out (steps.join)
-    wait(plan.joined, main)
+    steps.join(main, side, plan.joined, plan.event_calls)   # the pushes done: READY may go out
     del parts, dests   # freed after the join (see _scatter_partials)
 
 
