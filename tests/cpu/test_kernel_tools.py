@@ -251,10 +251,11 @@ def test_offline_ws_kernel_counts_and_publishes_on_its_store_warp(epi_tma, store
 
 
 @pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
-def test_offline_ws_kernel_waits_in_its_load_warp():
-    # the wait hook: one bounded spin (acquire at system scope, %globaltimer, the error word),
-    # the first timeout's claim of the error word, and the proxy fence before the TMA loads;
-    # no count, no publication
+def test_offline_ws_kernel_waits_in_its_poll_warp():
+    # the wait hook: one bounded spin (acquire at system scope, %globaltimer only once a flag was
+    # not ready, the error word) and the first timeout's claim of the error word in the poll
+    # warp, handed on to the load warp through an mbarrier; the proxy fence in the load warp
+    # before its TMA loads; no count, no publication
     compile_ws, sass_of = _offline_ws()
     kern = compile_ws(4096, 4096, 1792, wait=True, tile_order=1)
     sass, res = sass_of(kern.asm["cubin"])
@@ -263,7 +264,13 @@ def test_offline_ws_kernel_waits_in_its_load_warp():
     for piece, count in (("ld.global.acquire.sys.b32", 1), ("mov.u64 t0, %globaltimer", 1),
                          ("fence.proxy.async.global", 1), ("atom.add.acq_rel.gpu", 0), ("fence.acq_rel.sys", 0)):
         assert ptx.count(piece) == count, piece
-    assert re.search(r"atom\.[a-z_.]*cas", ptx)
+    (poll,) = _partitions_with(ptx, "ld.global.acquire.sys.b32")
+    assert re.search(r"atom\.[a-z_.]*cas", poll) and "mbarrier.arrive" in poll
+    assert _TMA_LOAD_PTX not in poll and "wgmma" not in poll
+    assert poll.index("ld.global.acquire.sys.b32") < poll.index("mov.u64 t0, %globaltimer")
+    (load,) = _partitions_with(ptx, "fence.proxy.async.global")
+    assert _TMA_LOAD_PTX in load and "mbarrier.try_wait" in load
+    assert load.index("fence.proxy.async.global") < load.rindex(_TMA_LOAD_PTX)
 
 
 @pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
@@ -758,38 +765,43 @@ def test_offline_pp_kernel_counts_and_publishes_on_its_store_warp(epi_tma, out_d
 
 
 @pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
-def test_offline_pp_kernel_waits_in_its_load_warp():
+def test_offline_pp_kernel_waits_in_its_poll_warp():
     # gemm_pp with the wait hook (round order): gemm_ws's bounded spin (acquire at system scope,
-    # %globaltimer, the error word), the first timeout's claim of the error word and the proxy
-    # fence, once, in the partition that issues the TMA loads (no wgmma, no TMA store); no
-    # count, no publication
+    # %globaltimer only once a flag was not ready, the error word) and the first timeout's claim
+    # of the error word in the poll warp, which hands each tile on through an mbarrier (no TMA,
+    # no wgmma); the proxy fence in the partition that issues the TMA loads, before its last
+    # load; no count, no publication
     kern, _ = _compile_pp(wait=True, tile_order=1)
     ptx = kern.asm["ptx"]
     for piece, count in (("ld.global.acquire.sys.b32", 1), ("mov.u64 t0, %globaltimer", 1),
                          ("fence.proxy.async.global", 1), ("atom.add.acq_rel.gpu", 0), ("fence.acq_rel.sys", 0)):
         assert ptx.count(piece) == count, piece
-    assert re.search(r"atom\.[a-z_.]*cas", ptx)
-    (load,) = _partitions_with(ptx, "ld.global.acquire.sys.b32")
-    assert "fence.proxy.async.global" in load and re.search(r"atom\.[a-z_.]*cas", load)
+    (poll,) = _partitions_with(ptx, "ld.global.acquire.sys.b32")
+    assert re.search(r"atom\.[a-z_.]*cas", poll) and "mbarrier.arrive" in poll and "mbarrier.try_wait" in poll
+    assert _TMA_LOAD_PTX not in poll and "wgmma" not in poll and "fence.proxy.async.global" not in poll
+    # the spin reads the clock only after a first look found the flag not ready
+    assert poll.index("ld.global.acquire.sys.b32") < poll.index("mov.u64 t0, %globaltimer")
+    (load,) = _partitions_with(ptx, "fence.proxy.async.global")
     assert _TMA_LOAD_PTX in load and "wgmma" not in load and _TMA_STORE_PTX not in load
-    assert load.index("ld.global.acquire.sys.b32") < load.index("fence.proxy.async.global") < load.rindex(_TMA_LOAD_PTX)
+    assert "mbarrier.try_wait" in load and load.index("fence.proxy.async.global") < load.rindex(_TMA_LOAD_PTX)
 
 
 @pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
 @pytest.mark.parametrize("hook", ["none", "wait", "epilogue"])
 def test_offline_pp_kernel_records_tiles_in_its_load_and_store_warps(hook):
     # RECORD_TILES: the start (and, with the wait, wait-done) times in the load warp, the end in
-    # the store warp, as gemm_ws; the consumers read no clock
+    # the store warp, as gemm_ws; the consumers read no clock (the wait's spin reads it in the
+    # poll warp)
     kw = dict(none=dict(epi_tma=-1, tile_order=0), wait=dict(wait=True, tile_order=1),
               epilogue=dict(epi_tma=8, tile_order=2))[hook]
     kern, _ = _compile_pp(record_tiles=True, **kw)
     ptx = kern.asm["ptx"]
     clocks = _partitions_with(ptx, "%globaltimer")
-    assert len(clocks) == 2 and not any("wgmma" in seg for seg in clocks)
+    assert len(clocks) == (3 if hook == "wait" else 2) and not any("wgmma" in seg for seg in clocks)
     (load,) = [seg for seg in clocks if _TMA_LOAD_PTX in seg]
     (store,) = [seg for seg in clocks if _TMA_STORE_PTX in seg]
-    # mov.u64 of %globaltimer: the wait's spin takes two, the record start, wait done and end one each
-    assert load.count("%globaltimer") == (4 if hook == "wait" else 1) and store.count("%globaltimer") == 1
+    # mov.u64 of %globaltimer: the record start, wait done and end one each
+    assert load.count("%globaltimer") == (2 if hook == "wait" else 1) and store.count("%globaltimer") == 1
 
 
 def test_a_plain_pingpong_plan_launches_gemm_pp(monkeypatch):

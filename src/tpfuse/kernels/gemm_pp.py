@@ -15,13 +15,15 @@ consumer 0 (default)   4       232       the program's tiles 0, 2, 4, ...: wgmma
 consumer 1             4       232       tiles 1, 3, 5, ...
 load                   1       40        TMA loads of A and B into one ring of ``STAGES``
                                          stages, in tile order (tile 0's K-steps, tile 1's, ...);
-                                         the wait hook before a tile's loads
+                                         the poll warp's word before a tile's loads
 store                  1       40        TMA stores of the two staging buffers, alternately;
                                          the epilogue hook's count and publication after each
+poll (wait hook only)  1       40        gemm_ws's poll warp: the flags' bounded waits, up to
+                                         ``POLL_DEPTH`` tiles ahead of the load warp
 ====================== ======= ========= =====================================================
 
-(Triton pads the workers to whole warpgroups: 12 warps, the load/store warpgroup at 40 registers;
-the default partition gets the rest of the 64K, 232.)
+(Triton pads the workers to whole warpgroups: 12 warps, the load/store(/poll) warpgroup at 40
+registers; the default partition gets the rest of the 64K, 232.)
 
 mbarriers: ``ready[s]`` / ``empty[s]`` per stage of the shared ring; ``c_ready[c]`` /
 ``c_empty[c]`` per consumer's staging buffer; ``turn[c]``, the ordering barrier: consumer ``c``
@@ -51,14 +53,14 @@ Hooks, one at a time (not ``EPILOGUE`` and ``WAIT`` together), and ``RECORD_TILE
 protocol, run by gemm_ws's own per-tile code in the same roles (gemm_ws.py's docstring states
 it). The load warp is gemm_ws's own ``_load_partition`` (it takes gemm_ws's argument tuple,
 with the two staging buffers and their barriers in the places of gemm_ws's one, which it does
-not touch): before each tile's loads ``_before_tile_loads`` runs the wait hook's bounded
-``_wait_chunks``, then ``fence.proxy.async.global`` if it read a flag (a timeout is recorded in
-the error word and the loads go on), and the tile record's start; the consumers wait only for
-operands. The
-store warp calls ``_store_tile_and_count`` on each consumer's staging buffer in turn (the TMA
+not touch): before each tile's loads ``_before_tile_loads`` waits for the poll warp's slot
+(gemm_ws's ``_poll_partition``, which runs the wait hook's bounded ``_wait_chunks``; a timeout is
+recorded in the error word and the loads go on), then ``fence.proxy.async.global`` if the tile
+touches a chunk for the first time, and writes the tile record's start; the consumers wait only
+for operands. The store warp calls ``_store_tile_and_count`` on each consumer's staging buffer in turn (the TMA
 store through the output's descriptor, the stacked destinations' one or the tile's chunk's,
 then per chunk the tile touches the count, the chunk's last tile publishing the generation) and
-writes the tile record's end. All three kinds of partition walk the same tiles in the same
+writes the tile record's end. All four kinds of partition walk the same tiles in the same
 order (``_tile_coords`` with the call's ``chunk_m``, ``num_chunks``, ``start_chunk``), so the
 round and owner orders of hooked calls hold here as in gemm_ws. GPU: tests/gpu/test_gemm_pp_gpu.py
 (H200, 4cd5880 and 711a2e0).
@@ -70,7 +72,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma,
 
 from .gemm import _tile_coords
 # gemm_ws's hooks as its load and store warps run them, per tile (one protocol, one code)
-from .gemm_ws import EPI_TMA_STACKED, SCALE_TENSOR, _load_partition, _stage_tile, _store_tile_and_count
+from .gemm_ws import (EPI_TMA_STACKED, SCALE_TENSOR, _alloc_polls, _load_partition, _poll_partition, _stage_tile,
+                      _store_tile_and_count)
 from .tile_records import record_end, tile_clock
 
 # Launch geometry (the host passes these; tpfuse/gemm/launch.py, offline.py): the default
@@ -191,6 +194,7 @@ def gemm_pp_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
         mbarrier.init(c_ready.index(c), count=1)
         mbarrier.init(c_empty.index(c), count=1)
         mbarrier.init(turn.index(c), count=1)
+    polls = _alloc_polls(ready, empty, WAIT)
     # the store warp's descriptors as gemm_ws builds them; gemm_ws's argument tuple (the two
     # staging buffers and their barriers in the places of its one), so that its load warp serves
     # here as it is; the consumers take the ordering barriers besides
@@ -203,13 +207,26 @@ def gemm_pp_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
     p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty,
          M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
          wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b)
-    gl.warp_specialize([
-        (_pp_consumer_partition, (p, turn, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
-                                  num_warps)),
-        (_pp_consumer_partition, (p, turn, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
-                                  num_warps)),
-        (_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, True, EPILOGUE, EPI_TMA, WAIT,
-                           RECORD_TILES)),
-        (_pp_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, EPILOGUE, EPI_TMA,
-                               RECORD_TILES)),
-    ], [4, 1, 1], [_CONSUMER_REGS, _DATA_MOVER_REGS, _DATA_MOVER_REGS])
+    if WAIT:   # gemm_ws's poll warp, in the load and store warps' warpgroup
+        gl.warp_specialize([
+            (_pp_consumer_partition, (p, turn, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
+                                      num_warps)),
+            (_pp_consumer_partition, (p, turn, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
+                                      num_warps)),
+            (_load_partition, (p, polls, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, True, EPILOGUE, EPI_TMA,
+                               WAIT, RECORD_TILES)),
+            (_pp_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, EPILOGUE, EPI_TMA,
+                                   RECORD_TILES)),
+            (_poll_partition, (p, polls, BLOCK_M, BLOCK_N, GROUP_M, TILE_ORDER)),
+        ], [4, 1, 1, 1], [_CONSUMER_REGS, _DATA_MOVER_REGS, _DATA_MOVER_REGS, _DATA_MOVER_REGS])
+    else:
+        gl.warp_specialize([
+            (_pp_consumer_partition, (p, turn, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
+                                      num_warps)),
+            (_pp_consumer_partition, (p, turn, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
+                                      num_warps)),
+            (_load_partition, (p, polls, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, True, EPILOGUE, EPI_TMA,
+                               WAIT, RECORD_TILES)),
+            (_pp_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, EPILOGUE, EPI_TMA,
+                                   RECORD_TILES)),
+        ], [4, 1, 1], [_CONSUMER_REGS, _DATA_MOVER_REGS, _DATA_MOVER_REGS])

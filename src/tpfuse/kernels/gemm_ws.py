@@ -13,7 +13,9 @@ the H200), which the tensor cores wait for. Here each program has three partitio
 * store (1 warp): the TMA store of the staging buffer to the tile's destination and then, with
   the epilogue hook, the count of the tile in its chunks and the publication of a chunk whose
   count is complete -- so the fences and the atomic's round trip wait on this warp only, while
-  the MMA warps go on with the next tile.
+  the MMA warps go on with the next tile;
+* poll (1 warp, the wait hook only): the flags' bounded waits, up to ``POLL_DEPTH`` tiles ahead
+  of the load warp.
 
 Dtypes: bf16/fp16 in and out; or fp8 (e4m3, e4m3 x e5m2 mixes; a and b may differ) into
 bf16/fp16/float32 (``c_desc``'s dtype), b K-major (sm_90's fp8 wgmma reads it so), K-steps of 128
@@ -43,16 +45,23 @@ tile inside one chunk) or one over stacked destinations (``EPI_TMA_STACKED``: a 
 straddle chunks then; it is stored once and counted in each).
 
 Wait hook (``WAIT``, the AG consumer side, without the epilogue hook): gemm.py's bounded wait
-runs in the load warp before a tile's loads, followed by ``fence.proxy.async.global`` when it read
-a flag (the TMA loads are async-proxy reads of rows a peer wrote; a chunk already seen ready is
-not read again, and the earlier fence covers it); the MMA warps wait only for operands. A timed
-out wait is recorded in the error word and the loads go on, so the kernel ends and the host
-raises TimeoutError. No stream-K: the host (tpfuse/gemm/launch.py, ``ws_choice``)
+runs in the poll warp, per tile on every chunk its rows touch that the program has not yet seen
+ready (``ld.acquire.sys``; the clock is read only once a flag was not ready), which then arrives
+on the tile's slot of a ring of ``POLL_DEPTH`` mbarriers (release at CTA scope). The load warp
+waits on that slot before the tile's loads (acquire at CTA scope: the peers' writes the poll
+warp acquired happen before its loads) and, the first time a tile of this program touches a
+chunk, issues ``fence.proxy.async.global`` (the TMA loads are async-proxy reads of rows a peer
+wrote; the fence after a chunk's first tile covers every later load of this warp), then frees
+the slot. So the flags' round trips and the spin do not sit in the load warp's path between
+two tiles' loads (there they cost up to 1.5 points of the hook's 2-5 % on 50-100 us fp8 calls:
+BENCHMARKS.md, the fp8 GEMM core); the MMA warps wait only
+for operands. A timed out wait is recorded in the error word and its tile's slot arrived all the
+same, so the loads go on, the kernel ends and the host raises TimeoutError. No stream-K: the host (tpfuse/gemm/launch.py, ``ws_choice``)
 takes this kernel for one hook at a time on those paths.
 
 Per-tile timeline (``RECORD_TILES``, tile_records.py): the load warp writes a tile's program,
-SM, start (before its wait) and wait done (after the wait and the proxy fence; = start without
-the wait hook); the store warp writes its end, after the staging buffer was read out by the TMA
+SM, start (before its wait for the poll warp's slot) and wait done (after that wait and the proxy
+fence; = start without the wait hook); the store warp writes its end, after the staging buffer was read out by the TMA
 store and, with the epilogue hook, after the count (which waits for the TMA writes) and the
 chunk's publication if this tile completed it. The load warp runs up to STAGES K-steps ahead
 of the MMA warps, so a tile's start is when its loads begin to be issued, not when its MMAs do,
@@ -91,24 +100,29 @@ _COUNT_ASM = gl.constexpr("{\n\t.reg .pred p, last;\n\t.reg .u32 lane, old;\n\t"
 # The wait hook's bounded spin, one PTX loop: until the int32 at $2 (acquire, system scope) is
 # >= $3, for at most $4 ns of %globaltimer, or until the error word at $5 is set by another
 # waiter. $0: 0 ready, 1 timed out, 2 stopped by another's error; $1: the value last read.
+# %globaltimer is read only once a first look found the flag not ready (t0 = 0 until then).
 _WAIT_ASM = gl.constexpr(
-    "{\n\t.reg .pred p;\n\t.reg .u64 t0, t1;\n\t.reg .u32 e;\n\tmov.u32 $0, 0;\n\t"
-    "mov.u64 t0, %globaltimer;\n\tWAIT_POLL:\n\tld.global.acquire.sys.b32 $1, [$2];\n\t"
-    "setp.ge.s32 p, $1, $3;\n\t@p bra WAIT_DONE;\n\tld.volatile.global.b32 e, [$5];\n\t"
+    "{\n\t.reg .pred p, q;\n\t.reg .u64 t0, t1;\n\t.reg .u32 e;\n\tmov.u32 $0, 0;\n\tmov.u64 t0, 0;\n\t"
+    "WAIT_POLL:\n\tld.global.acquire.sys.b32 $1, [$2];\n\t"
+    "setp.ge.s32 p, $1, $3;\n\t@p bra WAIT_DONE;\n\tsetp.eq.u64 q, t0, 0;\n\t@q mov.u64 t0, %globaltimer;\n\t"
+    "ld.volatile.global.b32 e, [$5];\n\t"
     "setp.ne.s32 p, e, 0;\n\t@p mov.u32 $0, 2;\n\t@p bra WAIT_DONE;\n\tmov.u64 t1, %globaltimer;\n\t"
     "sub.u64 t1, t1, t0;\n\tsetp.gt.s64 p, t1, $4;\n\t@p mov.u32 $0, 1;\n\t@p bra WAIT_DONE;\n\t"
     "bra WAIT_POLL;\n\tWAIT_DONE:\n\t}")
-# After the wait hook's acquire (generic proxy), before the TMA loads (async proxy) of the rows
-# it released: peers' writes to them are then ordered before the loads.
+# In the load warp, after the poll warp's word that a chunk is ready (generic proxy), before
+# the TMA loads (async proxy) of the rows it released: peers' writes to them are then ordered
+# before the loads.
 _PROXY_FENCE_ASM = gl.constexpr("fence.proxy.async.global;\n\tmov.u32 $0, 0;")
+# How many tiles the poll warp may run ahead of the load warp
+POLL_DEPTH = gl.constexpr(2)
+
+
 @gluon.jit
 def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr, status, verified):
-    """The wait hook of one tile in the load warp, as gemm.py's ``_wait_chunks`` (which Gluon
+    """The wait hook of one tile in the poll warp, as gemm.py's ``_wait_chunks`` (which Gluon
     cannot call: its scalars come from ``tl.full``): poll every chunk the tile's rows touch that
     this program has not yet seen ready (bit c of ``verified``; chunks >= 62 every time).
-    Returns ``(status, verified, polled)``: ``polled`` 1 if a flag was read (then the caller's
-    proxy fence orders the TMA loads after it), 0 if every chunk was already seen ready."""
-    polled = gl.to_tensor(0)
+    Returns ``(status, verified)``."""
     if status == 0:
         for cc in range(c_lo, c_hi + 1):
             one = gl.to_tensor(1).to(gl.int64)
@@ -117,44 +131,99 @@ def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_p
                 st, seen = gl.inline_asm_elementwise(_WAIT_ASM, "=r,=r,l,r,l,l",
                                                      [wait_signal + cc, wait_gen, wait_timeout, err_ptr],
                                                      dtype=(gl.int32, gl.int32), is_pure=False, pack=1)
-                polled = 1
                 if st == 1:
                     record_timeout(err_ptr, tile_id, cc, wait_gen, seen)
                 status = st
                 if st == 0:
                     verified = verified | bit
-    return status, verified, polled
+    return status, verified
 
 
 @gluon.jit
-def _before_tile_loads(tile_id, pid_m, pid_n, num_pid_n, M, chunk_m, wait_signal, wait_gen, wait_timeout, err_ptr,
-                       tile_records, status, verified, BLOCK_M: gl.constexpr, WAIT: gl.constexpr,
-                       RECORD_TILES: gl.constexpr):
-    """The load warp's steps before the loads of tile ``(pid_m, pid_n)`` (gemm_ws's and
-    gemm_pp's): the wait hook and the start of the tile's record. Returns ``(status,
-    verified)`` of :func:`_wait_chunks`, carried over the program's tiles."""
-    off_m = pid_m * BLOCK_M
+def _alloc_polls(ready, empty, WAIT: gl.constexpr):
+    """WAIT: the poll warp's ring of ``POLL_DEPTH`` slots, ``(polled, poll_free)`` mbarriers of
+    count 1; otherwise the stage barriers stand in, untouched (no shared memory spent)."""
+    if WAIT:
+        polled = gl.allocate_shared_memory(gl.int64, [POLL_DEPTH, 1], mbarrier.MBarrierLayout())
+        poll_free = gl.allocate_shared_memory(gl.int64, [POLL_DEPTH, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(POLL_DEPTH):
+            mbarrier.init(polled.index(i), count=1)
+            mbarrier.init(poll_free.index(i), count=1)
+        polls = (polled, poll_free)
+    else:
+        polls = (ready, empty)
+    return polls
+
+
+@gluon.jit
+def _poll_partition(p, polls, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+                    TILE_ORDER: gl.constexpr):
+    """WAIT: the poll warp. Walks the program's tiles in the load warp's order, up to
+    ``POLL_DEPTH`` tiles ahead of it: per tile the bounded wait of :func:`_wait_chunks` on every
+    chunk its rows touch that this program has not yet seen ready, then ``polled[slot]``
+    arrived (release at CTA scope), also after a timeout (recorded in the error word: the loads
+    go on and the host raises). So the flags' system-scope round trips and the spin run beside
+    the loads, not in the load warp's path between two tiles' loads."""
+    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
+     M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
+     wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b) = p
+    polled, poll_free = polls
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    status = gl.to_tensor(0)   # 0 until a wait of this program fails
+    verified = gl.to_tensor(0).to(gl.int64)   # bit c set once signal[c] >= wait_gen was seen
+    j = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
+                                    BLOCK_M, GROUP_M, TILE_ORDER)
+        slot = j % POLL_DEPTH
+        # the slot is free once the load warp has taken its previous tile (a fresh mbarrier
+        # counts as having completed the phase before phase 0)
+        mbarrier.wait(poll_free.index(slot), ((j // POLL_DEPTH) & 1) ^ 1)
+        off_m = pid_m * BLOCK_M
+        c_lo = off_m // chunk_m
+        c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
+        status, verified = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr,
+                                           status, verified)
+        mbarrier.arrive(polled.index(slot), count=1)
+        j += 1
+
+
+@gluon.jit
+def _before_tile_loads(j, pid_m, pid_n, num_pid_n, M, chunk_m, polls, tile_records, fenced, BLOCK_M: gl.constexpr,
+                       WAIT: gl.constexpr, RECORD_TILES: gl.constexpr):
+    """The load warp's steps before the loads of its ``j``-th tile ``(pid_m, pid_n)`` (gemm_ws's
+    and gemm_pp's): with the wait hook, the poll warp's word that the tile's chunks are ready
+    (``polled``, acquire at CTA scope), then ``fence.proxy.async.global`` if the tile touches a
+    chunk this warp has not yet fenced for (bit c of ``fenced``; chunks >= 62 every time: the
+    TMA loads are async-proxy reads of rows a peer wrote, and the fence after a chunk's first
+    tile orders every later load of this thread after it), and the poll slot freed; then the
+    start of the tile's record. Returns ``fenced``, carried over the program's tiles."""
     if RECORD_TILES:
         t_start = tile_clock(0, 0, True)
     if WAIT:
-        # gemm.py's wait hook, here in the load warp: the MMA warps only ever wait for the
-        # operands. A failed (timed-out) wait is recorded in the error word and the loads go
-        # on, so every partition finishes and the host raises TimeoutError.
+        polled, poll_free = polls
+        slot = j % POLL_DEPTH
+        mbarrier.wait(polled.index(slot), (j // POLL_DEPTH) & 1)
+        off_m = pid_m * BLOCK_M
         c_lo = off_m // chunk_m
         c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
-        status, verified, polled = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout,
-                                                err_ptr, status, verified)
-        # the proxy fence only after a flag was read: a fence after an earlier tile's read
-        # already orders every later TMA load of this thread after it (a fence on every tile
-        # sat in the load warp's path between two tiles' loads)
-        if polled != 0:
+        new = 0
+        for cc in range(c_lo, c_hi + 1):
+            one = gl.to_tensor(1).to(gl.int64)
+            bit = gl.where(cc < 62, one << gl.minimum(cc, 61).to(gl.int64), 0)
+            if (fenced & bit) == 0:
+                new = 1
+            fenced = fenced | bit
+        if new != 0:
             gl.inline_asm_elementwise(_PROXY_FENCE_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        mbarrier.arrive(poll_free.index(slot), count=1)
     if RECORD_TILES:
         t_wait = t_start
         if WAIT:
             t_wait = tile_clock(0, 1, True)
         record_start(tile_records, pid_m * num_pid_n + pid_n, t_start, t_wait, True)
-    return status, verified
+    return fenced
 
 
 @gluon.jit
@@ -188,7 +257,7 @@ def _store_tile_and_count(c_smem, c_empty, epi_descs, off_m, off_n, M, chunk_m, 
 
 
 @gluon.jit
-def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+def _load_partition(p, polls, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
                     EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
@@ -198,17 +267,17 @@ def _load_partition(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    status = gl.to_tensor(0)   # WAIT: 0 until a wait of this program fails
-    verified = gl.to_tensor(0).to(gl.int64)   # WAIT: bit c set once signal[c] >= wait_gen was seen
+    fenced = gl.to_tensor(0).to(gl.int64)   # WAIT: bit c set once this warp fenced after chunk c's wait
     it = 0
+    j = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
                                     BLOCK_M, GROUP_M, TILE_ORDER)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        status, verified = _before_tile_loads(tile_id, pid_m, pid_n, num_pid_n, M, chunk_m, wait_signal, wait_gen,
-                                              wait_timeout, err_ptr, tile_records, status, verified, BLOCK_M, WAIT,
-                                              RECORD_TILES)
+        fenced = _before_tile_loads(j, pid_m, pid_n, num_pid_n, M, chunk_m, polls, tile_records, fenced, BLOCK_M,
+                                    WAIT, RECORD_TILES)
+        j += 1
         for ki in range(k_tiles):
             s = it % STAGES
             # stage s is free once the MMA warps have consumed its previous fill (a fresh
@@ -392,6 +461,7 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
         mbarrier.init(empty.index(i), count=1)
     mbarrier.init(c_ready, count=1)
     mbarrier.init(c_empty, count=1)
+    polls = _alloc_polls(ready, empty, WAIT)
     # the store warp's eight descriptors, inline: a @gluon.jit helper returning this tuple failed to
     # compile where the per-chunk ones include None (fewer than eight chunks; found on the H200)
     if EPILOGUE and EPI_TMA == EPI_TMA_STACKED:
@@ -403,11 +473,22 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
     p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
          M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
          wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b)
-    gl.warp_specialize([
-        (_mma_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA,
-                          WAIT, RECORD_TILES, SCALE_A, SCALE_B, num_warps)),
-        (_load_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA, WAIT,
-                           RECORD_TILES)),
-        (_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA,
-                            WAIT, RECORD_TILES)),
-    ], [1, 1], [40, 40])
+    if WAIT:   # the poll warp, in the load and store warps' warpgroup (Triton pads workers to one)
+        gl.warp_specialize([
+            (_mma_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA,
+                              WAIT, RECORD_TILES, SCALE_A, SCALE_B, num_warps)),
+            (_load_partition, (p, polls, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE,
+                               EPI_TMA, WAIT, RECORD_TILES)),
+            (_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA,
+                                WAIT, RECORD_TILES)),
+            (_poll_partition, (p, polls, BLOCK_M, BLOCK_N, GROUP_M, TILE_ORDER)),
+        ], [1, 1, 1], [40, 40, 40])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA,
+                              WAIT, RECORD_TILES, SCALE_A, SCALE_B, num_warps)),
+            (_load_partition, (p, polls, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE,
+                               EPI_TMA, WAIT, RECORD_TILES)),
+            (_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, B_KMAJOR, EPILOGUE, EPI_TMA,
+                                WAIT, RECORD_TILES)),
+        ], [1, 1], [40, 40])
