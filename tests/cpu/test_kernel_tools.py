@@ -365,7 +365,7 @@ def test_ws_choice():
     assert choice(torch.bfloat16, big, epi, None, 8, True) == ((128, 256, 64), 3)
     narrow = dataclasses.replace(big, BLOCK_N=128, BLOCK_K=128)
     assert choice(torch.float16, narrow, epi, None, 9, True) == ((128, 128, 64), 5)
-    # the wait hook alone, into a TMA-stored output: its load warp waits
+    # the wait hook alone, into a TMA-stored output: its poll warp waits
     assert choice(torch.bfloat16, big, None, wait, 0, True, out_tma=True) == ((128, 256, 64), 3)
     assert choice(torch.bfloat16, big, None, wait, 0, True, out_tma=False) == ()
     assert choice(torch.bfloat16, big, epi, wait, 8, True, out_tma=True) == ()   # both hooks
@@ -405,7 +405,7 @@ def test_ws_choice_fp8():
             assert got == want and "Gluon" in why, (sa, sb, out, why)
         got, why = choice(E4M3, big, None, wait, 0, True, out_tma=True, out_dtype=torch.bfloat16, scale_a=sa,
                           scale_b=sb)
-        assert got == ((128, 256, 128), 3) and "load warp waits" in why
+        assert got == ((128, 256, 128), 3) and "poll warp waits" in why
     got, why = choice(E4M3, big, epi, None, 9, True, out_dtype=torch.float32, scale_a=2, scale_b=2)
     assert "128-wide" in why and "float32" in why
     assert choice(E4M3, narrow, epi, None, 8, True, out_dtype=torch.bfloat16)[0] == ((128, 128, 128), 5)
@@ -695,7 +695,7 @@ def test_pp_choice_one_hook_with_a_pingpong_config():
         ws, _ = launch.ws_choice(capability, dtype, cfg, epi, wait, epi_tma if epi else 0, True, 4096, 3584, 132,
                                  out_tma=out_tma, **kw)
         return ws, launch.pp_choice(ws, cfg, hook, kw["out_dtype"])
-    for hook, role in (("epilogue", "store warp counts and publishes"), ("wait", "load warp waits")):
+    for hook, role in (("epilogue", "store warp counts and publishes"), ("wait", "poll warp waits")):
         for out_dtype, stages in ((torch.bfloat16, 5), (torch.float16, 5), (torch.float32, 3)):
             for sa, sb in ((0, 0), (1, 1), (2, 2)):
                 ws, (kernel, got, why) = choice(_PP, hook, out_dtype=out_dtype, scale_a=sa, scale_b=sb)

@@ -387,7 +387,7 @@ def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0
     epilogue hook where it stores by TMA (``epi_tma``: every destination 16-byte aligned,
     per-chunk descriptors or stacked destinations) -- its store warp counts and publishes off
     the MMA warps, which in gemm_kernel wait ~0.9 us per tile for it -- or the wait hook into a
-    TMA-stored ``out`` (``out_tma``) -- its load warp waits, not the MMA warps. Not with both
+    TMA-stored ``out`` (``out_tma``) -- its poll warp waits, not the load or MMA warps. Not with both
     hooks at once. ``options.gluon=False`` keeps gemm_kernel.
 
     Dtypes: bf16/fp16 in and out (``b_dtype``, ``out_dtype`` None: ``dtype``), unscaled,
@@ -444,7 +444,7 @@ def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0
                "Gluon kernel: TMA loads and stores in warps of their own, fp8 scaled in the MMA warps)")
     else:
         why = ("one hook on sm_90: the warp-specialized Gluon kernel (its "
-               + ("store warp counts and publishes" if epilogue is not None else "load warp waits")
+               + ("store warp counts and publishes" if epilogue is not None else "poll warp waits")
                + ", not the MMA warps" + (", fp8 scaled in the MMA warps" if fp8 else "") + ")")
     return ((128, bn, 128 if fp8 else 64), GLUON_STAGES[bn]), why + narrowed
 
@@ -471,7 +471,7 @@ def pp_choice(ws: tuple, cfg: GemmConfig, hook: str = "", out_dtype=None) -> tup
                                       "launch: gemm_ws (gemm_pp is fp8's, 128x128x128)")
     stages = PINGPONG_STAGES[_types.element_size(out_dtype or _types.FP8_DEFAULT_OUT)]
     if hook:
-        role = "its store warp counts and publishes" if hook == "epilogue" else "its load warp waits"
+        role = "its store warp counts and publishes" if hook == "epilogue" else "its poll warp waits"
         return "gemm_pp_kernel", ((128, 128, 128), stages), (
             f"GemmConfig(pingpong=True) with the {hook} hook: gemm_pp, gemm_ws's ping-pong variant ({role}, as "
             f"gemm_ws's; {stages} stages)")
@@ -779,7 +779,7 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, cou
     ``out``, or with ``dests`` (the epilogue hook) into one destination per chunk (``stacked``:
     consecutive row blocks of one tensor, ``epi_descs`` their descriptors), counting in
     ``counters`` and publishing ``generation`` to the int32 at each ``signal_ptrs[c]``. With
-    ``wait_signal`` (the wait hook, into ``out``): the load warp waits before a tile's loads
+    ``wait_signal`` (the wait hook, into ``out``): the poll warp waits ahead of a tile's loads
     until ``wait_signal[c] >= wait_gen`` for every chunk ``c`` its rows touch, for at most
     ``wait_timeout_ns``, recording a timeout in ``err``. ``tile_records``: the per-tile timeline
     (RECORD_TILES). ``scale_a`` / ``scale_b``: fp8's scales (modes ``plan.scale_a`` /

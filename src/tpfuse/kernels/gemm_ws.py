@@ -2,7 +2,8 @@
 
 The plain kernel (gemm.py) runs the epilogue hook's count and release on the warps that issue
 the MMAs: per tile a wait for the TMA writes, a CTA barrier and a ``MEMBAR.GPU`` (~0.9 us on
-the H200), which the tensor cores wait for. Here each program has three partitions:
+the H200), which the tensor cores wait for. Here each program has three partitions (four
+with the wait hook):
 
 * MMA (the default partition, ``num_warps`` = 8: two warpgroups, 64 rows of the 128-row tile
   each): waits for a stage's operands, issues the wgmma, frees the stage; at a tile's end it
