@@ -207,6 +207,8 @@ def gemm_pp_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
     p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty,
          M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
          wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b)
+    # The list twice, as literals: Triton's frontend takes no list (nor argument tuples holding
+    # the constexprs) from a variable, and the plain kernels stay without the poll warp.
     if WAIT:   # gemm_ws's poll warp, in the load and store warps' warpgroup
         gl.warp_specialize([
             (_pp_consumer_partition, (p, turn, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
