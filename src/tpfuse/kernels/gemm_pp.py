@@ -57,8 +57,8 @@ not touch): before each tile's loads ``_before_tile_loads`` waits for the poll w
 (gemm_ws's ``_poll_partition``, which runs the wait hook's bounded ``_wait_chunks``; a timeout is
 recorded in the error word and the loads go on), then ``fence.proxy.async.global`` if the tile
 touches a chunk for the first time, and writes the tile record's start; the consumers wait only
-for operands. The store warp calls ``_store_tile_and_count`` on each consumer's staging buffer in turn (the TMA
-store through the output's descriptor, the stacked destinations' one or the tile's chunk's,
+for operands. The store warp calls ``_store_tile_and_count`` on each consumer's staging buffer
+in turn (the TMA store through the output's descriptor, the stacked destinations' one or the tile's chunk's,
 then per chunk the tile touches the count, the chunk's last tile publishing the generation) and
 writes the tile record's end. All four kinds of partition walk the same tiles in the same
 order (``_tile_coords`` with the call's ``chunk_m``, ``num_chunks``, ``start_chunk``), so the
@@ -211,24 +211,24 @@ def gemm_pp_kernel(a_desc, b_desc, c_desc, M, N, K, chunk_m, num_chunks, start_c
     # the constexprs) from a variable, and the plain kernels stay without the poll warp.
     if WAIT:   # gemm_ws's poll warp, in the load and store warps' warpgroup
         gl.warp_specialize([
-            (_pp_consumer_partition, (p, turn, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
-                                      num_warps)),
-            (_pp_consumer_partition, (p, turn, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
-                                      num_warps)),
-            (_load_partition, (p, polls, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, True, EPILOGUE, EPI_TMA,
-                               WAIT, RECORD_TILES)),
+            (_pp_consumer_partition, (p, turn, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A,
+                                      SCALE_B, num_warps)),
+            (_pp_consumer_partition, (p, turn, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A,
+                                      SCALE_B, num_warps)),
+            (_load_partition, (p, polls, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, True, EPILOGUE,
+                               EPI_TMA, WAIT, RECORD_TILES)),
             (_pp_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, EPILOGUE, EPI_TMA,
                                    RECORD_TILES)),
             (_poll_partition, (p, polls, BLOCK_M, BLOCK_N, GROUP_M, TILE_ORDER)),
         ], [4, 1, 1, 1], [_CONSUMER_REGS, _DATA_MOVER_REGS, _DATA_MOVER_REGS, _DATA_MOVER_REGS])
     else:
         gl.warp_specialize([
-            (_pp_consumer_partition, (p, turn, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
-                                      num_warps)),
-            (_pp_consumer_partition, (p, turn, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A, SCALE_B,
-                                      num_warps)),
-            (_load_partition, (p, polls, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, True, EPILOGUE, EPI_TMA,
-                               WAIT, RECORD_TILES)),
+            (_pp_consumer_partition, (p, turn, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A,
+                                      SCALE_B, num_warps)),
+            (_pp_consumer_partition, (p, turn, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, SCALE_A,
+                                      SCALE_B, num_warps)),
+            (_load_partition, (p, polls, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, True, EPILOGUE,
+                               EPI_TMA, WAIT, RECORD_TILES)),
             (_pp_store_partition, (p, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TILE_ORDER, EPILOGUE, EPI_TMA,
                                    RECORD_TILES)),
         ], [4, 1, 1], [_CONSUMER_REGS, _DATA_MOVER_REGS, _DATA_MOVER_REGS])

@@ -55,18 +55,18 @@ chunk, issues ``fence.proxy.async.global`` (the TMA loads are async-proxy reads 
 wrote; the fence after a chunk's first tile covers every later load of this warp), then frees
 the slot. So the flags' round trips and the spin do not sit in the load warp's path between
 two tiles' loads (there they cost up to 1.5 points of the hook's 2-5 % on 50-100 us fp8 calls:
-BENCHMARKS.md, the fp8 GEMM core); the MMA warps wait only
-for operands. A timed out wait is recorded in the error word and its tile's slot arrived all the
-same, so the loads go on, the kernel ends and the host raises TimeoutError. No stream-K: the host (tpfuse/gemm/launch.py, ``ws_choice``)
-takes this kernel for one hook at a time on those paths.
+BENCHMARKS.md, the fp8 GEMM core); the MMA warps wait only for operands. A timed out wait is
+recorded in the error word and its tile's slot arrived all the same, so the loads go on, the
+kernel ends and the host raises TimeoutError. No stream-K: the host (tpfuse/gemm/launch.py,
+``ws_choice``) takes this kernel for one hook at a time on those paths.
 
 Per-tile timeline (``RECORD_TILES``, tile_records.py): the load warp writes a tile's program,
-SM, start (before its wait for the poll warp's slot) and wait done (after that wait and the proxy
-fence; = start without the wait hook); the store warp writes its end, after the staging buffer was read out by the TMA
-store and, with the epilogue hook, after the count (which waits for the TMA writes) and the
-chunk's publication if this tile completed it. The load warp runs up to STAGES K-steps ahead
-of the MMA warps, so a tile's start is when its loads begin to be issued, not when its MMAs do,
-and tiles of one program overlap in the records.
+SM, start (before its wait for the poll warp's slot) and wait done (after that wait and the
+proxy fence; = start without the wait hook); the store warp writes its end, after the staging
+buffer was read out by the TMA store and, with the epilogue hook, after the count (which waits
+for the TMA writes) and the chunk's publication if this tile completed it. The load warp runs up
+to STAGES K-steps ahead of the MMA warps, so a tile's start is when its loads begin to be
+issued, not when its MMAs do, and tiles of one program overlap in the records.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -185,7 +185,7 @@ def _poll_partition(p, polls, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROU
         c_lo = off_m // chunk_m
         c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
         status, verified = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr,
-                                           status, verified)
+                                        status, verified)
         mbarrier.arrive(polled.index(slot), count=1)
         j += 1
 
@@ -258,9 +258,9 @@ def _store_tile_and_count(c_smem, c_empty, epi_descs, off_m, off_n, M, chunk_m, 
 
 
 @gluon.jit
-def _load_partition(p, polls, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                    STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                    EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr):
+def _load_partition(p, polls, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, TILE_ORDER: gl.constexpr, B_KMAJOR: gl.constexpr,
+                    EPILOGUE: gl.constexpr, EPI_TMA: gl.constexpr, WAIT: gl.constexpr, RECORD_TILES: gl.constexpr):
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
      wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b) = p
