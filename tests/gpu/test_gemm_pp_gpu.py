@@ -1,9 +1,10 @@
 """GPU tests of the ping-pong Gluon kernel (tpfuse/kernels/gemm_pp.py, ``GemmConfig.pingpong``):
 a plain fp8 call is bitwise the same call in gemm_kernel (the same wgmma K-steps, accumulation
-and order of scaling) and close to ``torch._scaled_mm``. sm_90 only (the plain-call tests: 27
-passed on one H200 run). The hooked calls and tile records (the tests from
-``test_pingpong_hooks_match_the_plain_call_bitwise`` on, mirroring tests/gpu/test_gemm_core.py's
-hooked fp8 tests) have NOT been run on a GPU yet.
+and order of scaling) and close to ``torch._scaled_mm``; the hooked calls (mirroring
+tests/gpu/test_gemm_core.py's hooked fp8 tests) bitwise the plain call, the wait hook bounded.
+sm_90 only. Run on one H200 (BENCHMARKS.md), the last time at 087127f (the poll warp), except
+``test_pingpong_wait_hook_released_late_reads_only_released_rows``, written after that run and
+NOT yet run on a GPU.
 """
 import dataclasses
 import os
@@ -159,8 +160,8 @@ def test_pingpong_epilogue_hook_per_chunk_matches_the_plain_call_bitwise(mode, o
 
 
 def test_pingpong_wait_timeout_is_bounded():
-    # a wait that never sees its flag (chunk 2 stays at 6 < 7): gemm_pp's load warp records the
-    # timeout and its loads go on, so the kernel ends and the host raises within the bound
+    # a wait that never sees its flag (chunk 2 stays at 6 < 7): gemm_pp's poll warp records the
+    # timeout and the loads go on, so the kernel ends and the host raises within the bound
     m, n, k = 1024, 512, 512
     a, b, sa, sb = _operands(m, n, k, "tensor", seed=4)
     signal = torch.tensor([7, 7, 6, 7], dtype=torch.int32, device="cuda")
@@ -169,6 +170,55 @@ def test_pingpong_wait_timeout_is_bounded():
         gc.matmul(a, b, config=PP, scale_a=sa, scale_b=sb,
                   wait=gc.WaitSpec(signal, 7, 256, timeout_ns=20_000_000, max_spins=100_000, rank=3))
     assert time.time() - t0 < 30 and gc.last_plan().kernel == "gemm_pp_kernel", gc.last_plan().explain()
+
+
+def test_pingpong_wait_hook_released_late_reads_only_released_rows():
+    # test_gemm_core.py's late release for gemm_pp (its poll warp two tiles ahead of the load
+    # warp, the handoff through mbarriers): a producer stream writes A chunk by chunk, last chunk
+    # first, after a delay, and raises each chunk's signal after its rows; a tile that loaded its
+    # rows before its chunk's signal would read the NaN poison. 64 programs leave SMs free for
+    # the producer's copies. The result is bitwise the plain gemm_pp call on the released rows.
+    m, n, k, chunk_m = 8 * 512, 1536, 1024, 512
+    src, b, sa, sb = _operands(m, n, k, "row", seed=11)
+    plain, plan = _call(src, b, sa, sb, torch.bfloat16, PP)
+    assert plan.kernel == "gemm_pp_kernel", plan.explain()
+    poison = torch.full((m, k), float("nan"), device="cuda").to(E4M3)
+    a = poison.clone()
+    signal = torch.zeros(8, dtype=torch.int32, device="cuda")
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    consumer, producer = torch.cuda.Stream(), torch.cuda.Stream()
+    cfg = dataclasses.replace(PP, num_programs=64)
+    err = gc.new_error_word("cuda")
+    torch.cuda.synchronize()   # the streams below do not wait for the default stream's fills
+
+    def call(gen):   # returns at once: the producer is what releases the GEMM
+        with torch.cuda.stream(consumer):
+            gc.matmul(a, b, out=out, config=cfg, tile_order="round", start_chunk=2, check=False,
+                      scale_a=sa, scale_b=sb,
+                      wait=gc.WaitSpec(signal, gen, chunk_m, timeout_ns=5_000_000_000, error=err))
+
+    def release(gen, delay_cycles):   # on the producer stream: A chunk by chunk, each then signalled
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(delay_cycles)
+            for c in reversed(range(8)):
+                a[c * chunk_m:(c + 1) * chunk_m].copy_(src[c * chunk_m:(c + 1) * chunk_m])
+                signal[c:c + 1].fill_(gen)
+
+    release(1, 1)   # first with every chunk released before the GEMM starts
+    torch.cuda.synchronize()
+    call(1)
+    torch.cuda.synchronize()
+    gc.check_error_word(err)
+    assert gc.last_plan().kernel == "gemm_pp_kernel", gc.last_plan().explain()
+    assert torch.equal(out, plain)
+    a.copy_(poison)   # then poisoned again, the next generation, released late
+    out.fill_(float("nan"))
+    torch.cuda.synchronize()
+    call(2)
+    release(2, 20_000_000)   # ~10 ms: the GEMM is spinning by now
+    torch.cuda.synchronize()
+    gc.check_error_word(err)
+    assert torch.equal(out, plain)
 
 
 @pytest.mark.parametrize("hook", ["none", "wait", "epilogue"])
