@@ -20,6 +20,7 @@ from tpfuse.gemm import cache, launch  # noqa: E402
 from tpfuse.gemm.config import GLUON_STAGES  # noqa: E402
 from tpfuse.kernels import abi  # noqa: E402
 from _fp8_inputs import fp8_operands  # noqa: E402  (tests/gpu)
+from _late_release import release_chunks  # noqa: E402  (tests/gpu)
 
 
 @pytest.fixture(autouse=True)
@@ -229,11 +230,7 @@ def test_wait_hook_released_late_reads_only_released_rows(kernel, config, gluon)
                       options=options)
 
     def release(gen, delay_cycles):   # on the producer stream: A chunk by chunk, each then signalled
-        with torch.cuda.stream(producer):
-            torch.cuda._sleep(delay_cycles)
-            for c in reversed(range(8)):
-                a[c * chunk_m:(c + 1) * chunk_m].copy_(src[c * chunk_m:(c + 1) * chunk_m])
-                signal[c:c + 1].fill_(gen)
+        release_chunks(a, src, signal, chunk_m, gen, delay_cycles, producer)
 
     # The whole sequence once with every chunk released before the GEMM starts (the wait hook
     # with signals already set). It was added because the first such run of a process timed

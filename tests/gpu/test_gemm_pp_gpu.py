@@ -19,6 +19,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 from tpfuse import gemm as gc  # noqa: E402
 from tpfuse.kernels import abi  # noqa: E402
 from _fp8_inputs import fp8_operands as _operands  # noqa: E402  (tests/gpu)
+from _late_release import release_chunks  # noqa: E402  (tests/gpu)
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -198,11 +199,7 @@ def test_pingpong_wait_hook_released_late_reads_only_released_rows():
                       wait=gc.WaitSpec(signal, gen, chunk_m, timeout_ns=5_000_000_000, error=err))
 
     def release(gen, delay_cycles):   # on the producer stream: A chunk by chunk, each then signalled
-        with torch.cuda.stream(producer):
-            torch.cuda._sleep(delay_cycles)
-            for c in reversed(range(8)):
-                a[c * chunk_m:(c + 1) * chunk_m].copy_(src[c * chunk_m:(c + 1) * chunk_m])
-                signal[c:c + 1].fill_(gen)
+        release_chunks(a, src, signal, chunk_m, gen, delay_cycles, producer)
 
     release(1, 1)   # first with every chunk released before the GEMM starts
     torch.cuda.synchronize()
