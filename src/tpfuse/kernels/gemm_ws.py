@@ -119,6 +119,14 @@ POLL_DEPTH = gl.constexpr(2)
 
 
 @gluon.jit
+def _chunk_bit(cc):
+    """Chunk ``cc``'s bit in the int64 masks of chunks seen ready or fenced for (0 for chunks
+    >= 62: those are waited on and fenced for every time)."""
+    one = gl.to_tensor(1).to(gl.int64)
+    return gl.where(cc < 62, one << gl.minimum(cc, 61).to(gl.int64), 0)
+
+
+@gluon.jit
 def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr, status, verified):
     """The wait hook of one tile in the poll warp, as gemm.py's ``_wait_chunks`` (which Gluon
     cannot call: its scalars come from ``tl.full``): poll every chunk the tile's rows touch that
@@ -126,8 +134,7 @@ def _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_p
     Returns ``(status, verified)``."""
     if status == 0:
         for cc in range(c_lo, c_hi + 1):
-            one = gl.to_tensor(1).to(gl.int64)
-            bit = gl.where(cc < 62, one << gl.minimum(cc, 61).to(gl.int64), 0)
+            bit = _chunk_bit(cc)
             if ((verified & bit) == 0) & (status == 0):
                 st, seen = gl.inline_asm_elementwise(_WAIT_ASM, "=r,=r,l,r,l,l",
                                                      [wait_signal + cc, wait_gen, wait_timeout, err_ptr],
@@ -211,8 +218,7 @@ def _before_tile_loads(j, pid_m, pid_n, num_pid_n, M, chunk_m, polls, tile_recor
         c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
         new = 0
         for cc in range(c_lo, c_hi + 1):
-            one = gl.to_tensor(1).to(gl.int64)
-            bit = gl.where(cc < 62, one << gl.minimum(cc, 61).to(gl.int64), 0)
+            bit = _chunk_bit(cc)
             if (fenced & bit) == 0:
                 new = 1
             fenced = fenced | bit
