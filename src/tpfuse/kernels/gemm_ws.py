@@ -164,14 +164,36 @@ def _alloc_polls(ready, empty, WAIT: gl.constexpr):
 
 
 @gluon.jit
+def _new_chunks(pid_m, M, chunk_m, seen, BLOCK_M: gl.constexpr):
+    """The chunks the rows of a tile at row block ``pid_m`` touch, against ``seen`` (bit c: chunk
+    c handed off before, :func:`_chunk_bit`): ``(new, seen | their bits)``, ``new`` nonzero
+    when one of them was not (chunks >= 62: always). The poll and load warps both call it on
+    the same tiles in the same order, so both know which tiles are handed off."""
+    off_m = pid_m * BLOCK_M
+    c_lo = off_m // chunk_m
+    c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
+    new = 0
+    for cc in range(c_lo, c_hi + 1):
+        bit = _chunk_bit(cc)
+        if (seen & bit) == 0:
+            new = 1
+        seen = seen | bit
+    return new, seen
+
+
+@gluon.jit
 def _poll_partition(p, polls, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
                     TILE_ORDER: gl.constexpr):
-    """WAIT: the poll warp. Walks the program's tiles in the load warp's order, up to
-    ``POLL_DEPTH`` tiles ahead of it: per tile the bounded wait of :func:`_wait_chunks` on every
-    chunk its rows touch that this program has not yet seen ready, then ``polled[slot]``
-    arrived (release at CTA scope), also after a timeout (recorded in the error word: the loads
-    go on and the host raises). So the flags' system-scope round trips and the spin run beside
-    the loads, not in the load warp's path between two tiles' loads."""
+    """WAIT: the poll warp. Walks the program's tiles in the load warp's order and hands off
+    those that touch a chunk no earlier tile of the program touched (:func:`_new_chunks`), up
+    to ``POLL_DEPTH`` handoffs ahead of the load warp: the bounded wait of :func:`_wait_chunks`
+    on every chunk the tile's rows touch that this program has not yet seen ready, then
+    ``polled[slot]`` arrived (release at CTA scope), also after a timeout (recorded in the
+    error word: the loads go on and the host raises). A chunk stays ready once seen (its
+    generation only grows within a launch), so later tiles of it need no handoff. So the
+    flags' system-scope round trips and the spin run beside the loads, not in the load warp's
+    path between two tiles' loads, and a tile of chunks already handed off costs neither warp
+    an mbarrier."""
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty,
      M, N, K, chunk_m, num_chunks, start_chunk, counters, signal_ptrs, epi_gen, epi_descs,
      wait_signal, wait_gen, wait_timeout, err_ptr, tile_records, scale_a, scale_b) = p
@@ -180,57 +202,53 @@ def _poll_partition(p, polls, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROU
     num_pid_n = gl.cdiv(N, BLOCK_N)
     status = gl.to_tensor(0)   # 0 until a wait of this program fails
     verified = gl.to_tensor(0).to(gl.int64)   # bit c set once signal[c] >= wait_gen was seen
-    j = 0
+    handed = gl.to_tensor(0).to(gl.int64)   # bit c set once a tile touching chunk c was handed off
+    h = 0   # handoffs so far
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
                                     BLOCK_M, GROUP_M, TILE_ORDER)
-        slot = j % POLL_DEPTH
-        # the slot is free once the load warp has taken its previous tile (a fresh mbarrier
-        # counts as having completed the phase before phase 0)
-        mbarrier.wait(poll_free.index(slot), ((j // POLL_DEPTH) & 1) ^ 1)
-        off_m = pid_m * BLOCK_M
-        c_lo = off_m // chunk_m
-        c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
-        status, verified = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr,
-                                        status, verified)
-        mbarrier.arrive(polled.index(slot), count=1)
-        j += 1
+        new, handed = _new_chunks(pid_m, M, chunk_m, handed, BLOCK_M)
+        if new != 0:
+            slot = h % POLL_DEPTH
+            # the slot is free once the load warp has taken its previous handoff (a fresh
+            # mbarrier counts as having completed the phase before phase 0)
+            mbarrier.wait(poll_free.index(slot), ((h // POLL_DEPTH) & 1) ^ 1)
+            off_m = pid_m * BLOCK_M
+            c_lo = off_m // chunk_m
+            c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
+            status, verified = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr,
+                                            status, verified)
+            mbarrier.arrive(polled.index(slot), count=1)
+            h += 1
 
 
 @gluon.jit
-def _before_tile_loads(j, pid_m, pid_n, num_pid_n, M, chunk_m, polls, tile_records, fenced, BLOCK_M: gl.constexpr,
+def _before_tile_loads(h, pid_m, pid_n, num_pid_n, M, chunk_m, polls, tile_records, fenced, BLOCK_M: gl.constexpr,
                        WAIT: gl.constexpr, RECORD_TILES: gl.constexpr):
-    """The load warp's steps before the loads of its ``j``-th tile ``(pid_m, pid_n)`` (gemm_ws's
-    and gemm_pp's): with the wait hook, the poll warp's word that the tile's chunks are ready
-    (``polled``, acquire at CTA scope), then ``fence.proxy.async.global`` if the tile touches a
-    chunk this warp has not yet fenced for (bit c of ``fenced``; chunks >= 62 every time: the
-    TMA loads are async-proxy reads of rows a peer wrote, and the fence after a chunk's first
-    tile orders every later load of this thread after it), and the poll slot freed; then the
-    start of the tile's record. Returns ``fenced``, carried over the program's tiles."""
+    """The load warp's steps before the loads of a tile ``(pid_m, pid_n)`` (gemm_ws's and
+    gemm_pp's): with the wait hook, if the tile touches a chunk this warp has not yet fenced for
+    (bit c of ``fenced``, :func:`_new_chunks`: the poll warp hands off the same tiles), the poll
+    warp's ``h``-th handoff (``polled``, acquire at CTA scope), ``fence.proxy.async.global``
+    (the TMA loads are async-proxy reads of rows a peer wrote; the fence after a chunk's first
+    tile orders every later load of this thread after it) and the poll slot freed; then the
+    start of the tile's record. Returns ``(h, fenced)``, carried over the program's tiles."""
     if RECORD_TILES:
         t_start = tile_clock(0, 0, True)
     if WAIT:
         polled, poll_free = polls
-        slot = j % POLL_DEPTH
-        mbarrier.wait(polled.index(slot), (j // POLL_DEPTH) & 1)
-        off_m = pid_m * BLOCK_M
-        c_lo = off_m // chunk_m
-        c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
-        new = 0
-        for cc in range(c_lo, c_hi + 1):
-            bit = _chunk_bit(cc)
-            if (fenced & bit) == 0:
-                new = 1
-            fenced = fenced | bit
+        new, fenced = _new_chunks(pid_m, M, chunk_m, fenced, BLOCK_M)
         if new != 0:
+            slot = h % POLL_DEPTH
+            mbarrier.wait(polled.index(slot), (h // POLL_DEPTH) & 1)
             gl.inline_asm_elementwise(_PROXY_FENCE_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        mbarrier.arrive(poll_free.index(slot), count=1)
+            mbarrier.arrive(poll_free.index(slot), count=1)
+            h += 1
     if RECORD_TILES:
         t_wait = t_start
         if WAIT:
             t_wait = tile_clock(0, 1, True)
         record_start(tile_records, pid_m * num_pid_n + pid_n, t_start, t_wait, True)
-    return fenced
+    return h, fenced
 
 
 @gluon.jit
@@ -275,16 +293,15 @@ def _load_partition(p, polls, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOC
     k_tiles = gl.cdiv(K, BLOCK_K)
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     fenced = gl.to_tensor(0).to(gl.int64)   # WAIT: bit c set once this warp fenced after chunk c's wait
+    h = 0   # WAIT: the poll warp's handoffs taken
     it = 0
-    j = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
                                     BLOCK_M, GROUP_M, TILE_ORDER)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        fenced = _before_tile_loads(j, pid_m, pid_n, num_pid_n, M, chunk_m, polls, tile_records, fenced, BLOCK_M,
-                                    WAIT, RECORD_TILES)
-        j += 1
+        h, fenced = _before_tile_loads(h, pid_m, pid_n, num_pid_n, M, chunk_m, polls, tile_records, fenced, BLOCK_M,
+                                       WAIT, RECORD_TILES)
         for ki in range(k_tiles):
             s = it % STAGES
             # stage s is free once the MMA warps have consumed its previous fill (a fresh
