@@ -209,6 +209,24 @@ def config_label(cfg: dict) -> str:
     return " ".join([label] + [x for x in switches if x])
 
 
+# The variants whose ratios the rows report, timed back to back in each round: graph_ratio
+# (cublas / ours) and the hooks alone (wait / round_order, epilogue / owner_order)
+TIMING_PAIRS = (("cublas", "ours"), ("round_order", "wait"), ("owner_order", "epilogue"))
+
+
+def round_schedule(keys, r):
+    """The order in which round ``r`` times the variants ``keys``: each of TIMING_PAIRS (those
+    of its variants in ``keys``; a variant in none alone) kept together, the pairs rotated by
+    ``r``, and within a pair the first timed first in even rounds, second in odd ones (a pair's
+    second timing is not always the later one). Over six rounds every pair takes every place
+    in both orders."""
+    paired = {k for pair in TIMING_PAIRS for k in pair}
+    groups = [[k for k in pair if k in keys] for pair in TIMING_PAIRS] + [[k] for k in keys if k not in paired]
+    groups = [g for g in groups if g]
+    groups = groups[r % len(groups):] + groups[:r % len(groups)]
+    return [k for g in groups for k in (g if r % 2 == 0 else g[::-1])]
+
+
 def run_shape(s: Shape, dtype, args, log, scaling=None):
     sets = make_inputs(s, dtype, scaling)
     a0, b0, c0, *sc0 = sets[0]
@@ -301,17 +319,17 @@ def run_shape(s: Shape, dtype, args, log, scaling=None):
                 a, b, out=None if "epilogue" in kw else c, config=best, **kw, **_scales(sc)))(kw)
         except Exception as e:  # noqa: BLE001
             row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:300]
-    # Rounds interleave the variants (each round in a rotated order) so that clock and
-    # thermal drift hits all alike. eager: min of the rounds' medians; graph: median of the
-    # rounds', and ratios/overheads as medians of the per-round pairs (the two timings of a
-    # pair are taken moments apart, in the same thermal state).
+    # Rounds interleave the variants so that clock and thermal drift hits all alike. eager:
+    # min of the rounds' medians; graph: median of the rounds', and ratios/overheads as
+    # medians of the per-round pairs. The variants a ratio compares are timed back to back
+    # (TIMING_PAIRS: the pair's two timings moments apart, in the same thermal state), the
+    # pairs in a rotated order and each pair's two in turn first (round_schedule).
     import triton
-    keys = list(fns)
     steps = {k: capture_graphs(fn, sets) for k, fn in fns.items()} if args.graphs else {}
-    eager = {k: [] for k in keys}
+    eager = {k: [] for k in fns}
     graph = {k: [] for k in steps}
     for r in range(args.rounds):
-        order = keys[r % len(keys):] + keys[:r % len(keys)]
+        order = round_schedule(list(fns), r)
         for k in order:
             eager[k].append(bench(fns[k], sets, args.rep))
         for k in order:
@@ -406,8 +424,8 @@ def main(argv=None):
             "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype,
             "world_size": WORLD_SIZE, "command": "python " + " ".join(sys.argv),
             "timing": "triton.testing.do_bench median (L2 flushed before each call), inputs rotated; "
-                      "--rounds interleaved rounds of (cublas, ours, round_order, owner_order, wait, epilogue), "
-                      "each round in a rotated order; eager: min of the rounds' medians; graph (one CUDA-graph "
+                      "--rounds interleaved rounds of the pairs (cublas, ours), (round_order, wait), (owner_order, epilogue), "
+                      "each pair timed back to back, the pairs in a rotated order, each pair's order swapped every other round; eager: min of the rounds' medians; graph (one CUDA-graph "
                       "replay per call): median of the rounds' medians, graph_ratio and *_graph_overhead are "
                       "medians of per-round pairs; cublas = torch.matmul(a, w.t()) (fp8: torch._scaled_mm(a, w.t(), use_fast_accum=True, "
                       "scale_a, scale_b, out_dtype=bfloat16), cuBLASLt); "

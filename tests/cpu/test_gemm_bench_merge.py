@@ -109,3 +109,22 @@ def test_rows_name_the_plain_kernel_and_the_config_switches(bench):
     assert bench.config_label(gc.GemmConfig(**base).to_dict()) == "128x128x128 w8s5"
     assert bench.config_label(gc.GemmConfig(**base, gluon=True).to_dict()) == "128x128x128 w8s5 ws"
     assert bench.config_label(gc.GemmConfig(**base, gluon=True, pingpong=True).to_dict()) == "128x128x128 w8s5 pp"
+
+
+def test_rounds_time_each_ratios_two_variants_back_to_back_in_both_orders(bench):
+    # a reported ratio's two timings sit next to each other in every round, each first in
+    # half of the rounds; every variant is timed once per round, a missing one (a hook that
+    # failed) leaving its partner alone
+    keys = ["cublas", "ours", "round_order", "owner_order", "wait", "epilogue"]
+    firsts = {pair: set() for pair in bench.TIMING_PAIRS}
+    for r in range(6):
+        order = bench.round_schedule(keys, r)
+        assert sorted(order) == sorted(keys)
+        for pair in bench.TIMING_PAIRS:
+            i, j = order.index(pair[0]), order.index(pair[1])
+            assert abs(i - j) == 1
+            firsts[pair].add(pair[0] if i < j else pair[1])
+    assert all(len(f) == 2 for f in firsts.values())
+    assert {tuple(bench.round_schedule(keys, r)[:2]) for r in range(6)} >= {("cublas", "ours"), ("ours", "cublas")}
+    order = bench.round_schedule(["cublas", "ours", "round_order", "owner_order", "epilogue"], 1)
+    assert sorted(order) == ["cublas", "epilogue", "ours", "owner_order", "round_order"]
