@@ -2,9 +2,8 @@
 a plain fp8 call is bitwise the same call in gemm_kernel (the same wgmma K-steps, accumulation
 and order of scaling) and close to ``torch._scaled_mm``; the hooked calls (mirroring
 tests/gpu/test_gemm_core.py's hooked fp8 tests) bitwise the plain call, the wait hook bounded.
-sm_90 only. Run on one H200 (BENCHMARKS.md), the last time at 087127f (the poll warp), except
-``test_pingpong_wait_hook_released_late_reads_only_released_rows``, written after that run and
-NOT yet run on a GPU.
+sm_90 only. Run on one H200 (BENCHMARKS.md), the last time on the tree of 0704ad4 (the poll warp
+handing off only the tiles of a chunk new to the program), late-release test included.
 """
 import dataclasses
 import os

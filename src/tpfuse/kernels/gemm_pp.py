@@ -15,11 +15,12 @@ consumer 0 (default)   4       232       the program's tiles 0, 2, 4, ...: wgmma
 consumer 1             4       232       tiles 1, 3, 5, ...
 load                   1       40        TMA loads of A and B into one ring of ``STAGES``
                                          stages, in tile order (tile 0's K-steps, tile 1's, ...);
-                                         the poll warp's word before a tile's loads
+                                         the poll warp's word before the loads of a tile
+                                         that touches a chunk new to the program
 store                  1       40        TMA stores of the two staging buffers, alternately;
                                          the epilogue hook's count and publication after each
 poll (wait hook only)  1       40        gemm_ws's poll warp: the flags' bounded waits, up to
-                                         ``POLL_DEPTH`` tiles ahead of the load warp
+                                         ``POLL_DEPTH`` handoffs ahead of the load warp
 ====================== ======= ========= =====================================================
 
 (Triton pads the workers to whole warpgroups: 12 warps, the load/store(/poll) warpgroup at 40
@@ -53,10 +54,11 @@ Hooks, one at a time (not ``EPILOGUE`` and ``WAIT`` together), and ``RECORD_TILE
 protocol, run by gemm_ws's own per-tile code in the same roles (gemm_ws.py's docstring states
 it). The load warp is gemm_ws's own ``_load_partition`` (it takes gemm_ws's argument tuple,
 with the two staging buffers and their barriers in the places of gemm_ws's one, which it does
-not touch): before each tile's loads ``_before_tile_loads`` waits for the poll warp's slot
-(gemm_ws's ``_poll_partition``, which runs the wait hook's bounded ``_wait_chunks``; a timeout is
-recorded in the error word and the loads go on), then ``fence.proxy.async.global`` if the tile
-touches a chunk for the first time, and writes the tile record's start; the consumers wait only
+not touch): before the loads of a tile that touches a chunk no earlier tile of the program
+touched, ``_before_tile_loads`` waits for the poll warp's slot (gemm_ws's ``_poll_partition``,
+which hands off the same tiles and runs the wait hook's bounded ``_wait_chunks``; a timeout is
+recorded in the error word and the loads go on) and issues ``fence.proxy.async.global``; before
+every tile's loads it writes the tile record's start; the consumers wait only
 for operands. The store warp calls ``_store_tile_and_count`` on each consumer's staging buffer
 in turn (the TMA store through the output's descriptor, the stacked destinations' one or the tile's chunk's,
 then per chunk the tile touches the count, the chunk's last tile publishing the generation) and

@@ -15,8 +15,8 @@ with the wait hook):
   the epilogue hook, the count of the tile in its chunks and the publication of a chunk whose
   count is complete -- so the fences and the atomic's round trip wait on this warp only, while
   the MMA warps go on with the next tile;
-* poll (1 warp, the wait hook only): the flags' bounded waits, up to ``POLL_DEPTH`` tiles ahead
-  of the load warp.
+* poll (1 warp, the wait hook only): the flags' bounded waits, up to ``POLL_DEPTH`` handoffs
+  ahead of the load warp.
 
 Dtypes: bf16/fp16 in and out; or fp8 (e4m3, e4m3 x e5m2 mixes; a and b may differ) into
 bf16/fp16/float32 (``c_desc``'s dtype), b K-major (sm_90's fp8 wgmma reads it so), K-steps of 128
@@ -46,23 +46,26 @@ tile inside one chunk) or one over stacked destinations (``EPI_TMA_STACKED``: a 
 straddle chunks then; it is stored once and counted in each).
 
 Wait hook (``WAIT``, the AG consumer side, without the epilogue hook): gemm.py's bounded wait
-runs in the poll warp, per tile on every chunk its rows touch that the program has not yet seen
-ready (``ld.acquire.sys``; the clock is read only once a flag was not ready), which then arrives
-on the tile's slot of a ring of ``POLL_DEPTH`` mbarriers (release at CTA scope). The load warp
-waits on that slot before the tile's loads (acquire at CTA scope: the peers' writes the poll
-warp acquired happen before its loads) and, the first time a tile of this program touches a
-chunk, issues ``fence.proxy.async.global`` (the TMA loads are async-proxy reads of rows a peer
-wrote; the fence after a chunk's first tile covers every later load of this warp), then frees
-the slot. So the flags' round trips and the spin do not sit in the load warp's path between
-two tiles' loads (there they cost up to 1.5 points of the hook's 2-5 % on 50-100 us fp8 calls:
+runs in the poll warp. The poll and load warps hand off only the tiles that touch a chunk no
+earlier tile of the program touched (both track the same mask, ``_new_chunks``; chunks >= 62
+every time): a chunk, once seen ready, stays ready for the launch, so later tiles of it need
+neither the flag nor the handoff. For such a tile the poll warp polls every chunk its rows
+touch that the program has not yet seen ready (``ld.acquire.sys``; the clock is read only once
+a flag was not ready), then arrives on the next slot of a ring of ``POLL_DEPTH`` mbarriers
+(release at CTA scope); the load warp waits on that slot before the tile's loads (acquire at
+CTA scope: the peers' writes the poll warp acquired happen before its loads), issues
+``fence.proxy.async.global`` (the TMA loads are async-proxy reads of rows a peer wrote; the
+fence after a chunk's first tile covers every later load of this warp) and frees the slot. So
+the flags' round trips and the spin do not sit in the load warp's path between two tiles'
+loads (there they cost up to 1.5 points of the hook's 2-5 % on 50-100 us fp8 calls:
 BENCHMARKS.md, the fp8 GEMM core); the MMA warps wait only for operands. A timed out wait is
 recorded in the error word and its tile's slot arrived all the same, so the loads go on, the
 kernel ends and the host raises TimeoutError. No stream-K: the host (tpfuse/gemm/launch.py,
 ``ws_choice``) takes this kernel for one hook at a time on those paths.
 
 Per-tile timeline (``RECORD_TILES``, tile_records.py): the load warp writes a tile's program,
-SM, start (before its wait for the poll warp's slot) and wait done (after that wait and the
-proxy fence; = start without the wait hook); the store warp writes its end, after the staging
+SM, start (before its wait for the poll warp's slot, if it takes one) and wait done (after
+that wait and the proxy fence; = start without the wait hook); the store warp writes its end, after the staging
 buffer was read out by the TMA store and, with the epilogue hook, after the count (which waits
 for the TMA writes) and the chunk's publication if this tile completed it. The load warp runs up
 to STAGES K-steps ahead of the MMA warps, so a tile's start is when its loads begin to be
@@ -114,7 +117,7 @@ _WAIT_ASM = gl.constexpr(
 # the TMA loads (async proxy) of the rows it released: peers' writes to them are then ordered
 # before the loads.
 _PROXY_FENCE_ASM = gl.constexpr("fence.proxy.async.global;\n\tmov.u32 $0, 0;")
-# How many tiles the poll warp may run ahead of the load warp
+# How many handoffs (tiles of a chunk new to the program) the poll warp may run ahead of the load warp
 POLL_DEPTH = gl.constexpr(2)
 
 
