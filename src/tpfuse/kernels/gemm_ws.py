@@ -65,11 +65,12 @@ kernel ends and the host raises TimeoutError. No stream-K: the host (tpfuse/gemm
 
 Per-tile timeline (``RECORD_TILES``, tile_records.py): the load warp writes a tile's program,
 SM, start (before its wait for the poll warp's slot, if it takes one) and wait done (after
-that wait and the proxy fence; = start without the wait hook); the store warp writes its end, after the staging
-buffer was read out by the TMA store and, with the epilogue hook, after the count (which waits
-for the TMA writes) and the chunk's publication if this tile completed it. The load warp runs up
-to STAGES K-steps ahead of the MMA warps, so a tile's start is when its loads begin to be
-issued, not when its MMAs do, and tiles of one program overlap in the records.
+that wait and the proxy fence; = start without the wait hook); the store warp writes its end,
+after the staging buffer was read out by the TMA store and, with the epilogue hook, after the
+count (which waits for the TMA writes) and the chunk's publication if this tile completed it.
+The load warp runs up to STAGES K-steps ahead of the MMA warps, so a tile's start is when its
+loads begin to be issued, not when its MMAs do, and tiles of one program overlap in the
+records.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -117,7 +118,8 @@ _WAIT_ASM = gl.constexpr(
 # the TMA loads (async proxy) of the rows it released: peers' writes to them are then ordered
 # before the loads.
 _PROXY_FENCE_ASM = gl.constexpr("fence.proxy.async.global;\n\tmov.u32 $0, 0;")
-# How many handoffs (tiles of a chunk new to the program) the poll warp may run ahead of the load warp
+# How many handoffs (tiles of a chunk new to the program) the poll warp may run ahead of the
+# load warp
 POLL_DEPTH = gl.constexpr(2)
 
 
