@@ -58,14 +58,14 @@ not touch): before the loads of a tile that touches a chunk no earlier tile of t
 touched, ``_before_tile_loads`` waits for the poll warp's slot (gemm_ws's ``_poll_partition``,
 which hands off the same tiles and runs the wait hook's bounded ``_wait_chunks``; a timeout is
 recorded in the error word and the loads go on) and issues ``fence.proxy.async.global``; before
-every tile's loads it writes the tile record's start; the consumers wait only
-for operands. The store warp calls ``_store_tile_and_count`` on each consumer's staging buffer
-in turn (the TMA store through the output's descriptor, the stacked destinations' one or the tile's chunk's,
-then per chunk the tile touches the count, the chunk's last tile publishing the generation) and
-writes the tile record's end. All four kinds of partition walk the same tiles in the same
-order (``_tile_coords`` with the call's ``chunk_m``, ``num_chunks``, ``start_chunk``), so the
-round and owner orders of hooked calls hold here as in gemm_ws. GPU: tests/gpu/test_gemm_pp_gpu.py
-(H200, 4cd5880 and 711a2e0).
+every tile's loads it writes the tile record's start; the consumers wait only for operands.
+The store warp calls ``_store_tile_and_count`` on each consumer's staging buffer in turn (the
+TMA store through the output's descriptor, the stacked destinations' one or the tile's
+chunk's, then per chunk the tile touches the count, the chunk's last tile publishing the
+generation) and writes the tile record's end. All four kinds of partition walk the same tiles
+in the same order (``_tile_coords`` with the call's ``chunk_m``, ``num_chunks``,
+``start_chunk``), so the round and owner orders of hooked calls hold here as in gemm_ws. GPU:
+tests/gpu/test_gemm_pp_gpu.py (H200, 4cd5880, 711a2e0, 087127f and 0704ad4's tree).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
