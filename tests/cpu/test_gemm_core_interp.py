@@ -866,3 +866,21 @@ def test_fp8_default_configs_take_deep_k_steps_and_fit():
         cands = gc.candidate_configs(m, n, k, E4M3)
         assert cands and all(c.smem_bytes(1, 2) <= _SM90_SMEM_BYTES for c in cands)
         assert sum(c.BLOCK_K == 128 for c in cands) >= len(cands) // 2
+
+
+def test_fp8_stream_k_candidates_go_two_stages_deeper():
+    # 405B fc1 M=512: 208 tiles of 128x256 on 132 SMs; 128x128x128 stream-K with 6 stages led
+    # on the H200 (config.candidate_configs). Only stream-K tiles take the second extra stage.
+    from tpfuse.gemm.config import _SM90_SMEM_BYTES
+    cands = gc.candidate_configs(512, 13312, 16384, E4M3)
+    deep = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=6, stream_k=1)
+    assert deep in cands and dataclasses.replace(deep, num_stages=5) in cands
+    assert dataclasses.replace(deep, stream_k=2) in cands
+    assert all(c.smem_bytes(1, 2) <= _SM90_SMEM_BYTES for c in cands)
+    assert len(set(cands)) == len(cands)
+    plain16 = {dataclasses.replace(c, BLOCK_K=min(2 * c.BLOCK_K, 256))
+               for c in gc.candidate_configs(512, 13312, 16384) if not c.stream_k}
+    for c in cands:
+        if not c.stream_k and not c.gluon:   # plain tiles: at most one stage over the 16-bit space's
+            assert any(dataclasses.replace(p, num_stages=c.num_stages) == c and c.num_stages - p.num_stages in (0, 1)
+                       for p in plain16), c

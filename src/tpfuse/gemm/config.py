@@ -208,14 +208,21 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype = _types.HEURIS
     """Small tuning space for one shape, pruned by shared memory; stream-K variants only for
     shapes whose tiles end in a partly filled wave (:func:`_stream_k_candidates`). fp8: the
     16-bit space with BLOCK_K doubled (the same bytes per stage; BLOCK_K 128 for most tiles),
-    a bf16 output's staging buffer counted, plus a few more stages where they fit, and on
-    sm_90 (``capability`` major 9) the Gluon kernel's variants (:func:`_gluon_candidates`)."""
+    a bf16 output's staging buffer counted, plus one more stage (stream-K: one and two more)
+    where they fit, and on sm_90 (``capability`` major 9) the Gluon kernel's variants
+    (:func:`_gluon_candidates`)."""
     elem = _types.element_size(dtype)
     if _types.is_fp8(dtype):
         base = candidate_configs(m, n, k, _types.HEURISTIC_DTYPE, smem_limit=10**9, num_sms=num_sms,
                                  capability=capability)
         out = [dataclasses.replace(c, BLOCK_K=min(2 * c.BLOCK_K, 256)) for c in base]
-        out += [dataclasses.replace(c, num_stages=c.num_stages + 1) for c in out if not c.stream_k]
+        # stream-K: two stages deeper as well (the 16-bit space has one depth per stream-K
+        # tile; the plain 128x128 tiles have four). H200, 405B fc1 M=512 tensor-wise (208 tiles
+        # of 128x256 on 132 SMs), 7 paired CUDA-graph rounds: 128x128x128 stream-K with 6
+        # stages 0.903 of torch._scaled_mm, the best candidate without them (128x256x128, 4
+        # stages) 0.823
+        out += [dataclasses.replace(c, num_stages=c.num_stages + d) for c in out
+                for d in ((1, 2) if c.stream_k else (1,))]
         if capability[0] == 9:   # the Gluon kernel's wgmma is sm_90's
             out += _gluon_candidates(out)
         out_elem = _types.element_size(_types.FP8_DEFAULT_OUT)
