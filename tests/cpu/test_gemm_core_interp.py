@@ -868,6 +868,16 @@ def test_fp8_default_configs_take_deep_k_steps_and_fit():
         assert sum(c.BLOCK_K == 128 for c in cands) >= len(cands) // 2
 
 
+def test_fit_stages_drops_stages_until_the_output_staging_fits():
+    from tpfuse.gemm.config import _SM90_SMEM_BYTES, fit_stages
+    six = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=6, stream_k=1)
+    assert fit_stages(six, 1, 2, _SM90_SMEM_BYTES) == six                     # bf16 out: 224 KiB fits
+    five = fit_stages(six, 1, 4, _SM90_SMEM_BYTES)                            # float32 out: 256 KiB does not
+    assert five == dataclasses.replace(six, num_stages=5) and five.smem_bytes(1, 4) <= _SM90_SMEM_BYTES
+    assert fit_stages(dataclasses.replace(six, tma_store=False), 1, 4, _SM90_SMEM_BYTES).num_stages == 6
+    assert fit_stages(six, 1, 4, 1).num_stages == 1                         # never below one stage
+
+
 def test_fp8_stream_k_candidates_go_two_stages_deeper():
     # 405B fc1 M=512: 208 tiles of 128x256 on 132 SMs; 128x128x128 stream-K with 6 stages led
     # on the H200 (config.candidate_configs). Only stream-K tiles take the second extra stage.

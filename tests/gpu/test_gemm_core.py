@@ -667,6 +667,31 @@ def test_fp8_against_scaled_mm(mode, shape, config):
     _fp8_close(out, _scaled_mm(a, b, sa, sb, torch.bfloat16), a, b, sa, sb)
 
 
+@pytest.mark.skipif(not (FP8 and HOPPER), reason="fp8 with TMA: sm_90")
+def test_fp8_float32_out_fits_a_cached_config_tuned_for_bf16(tmp_path, monkeypatch):
+    # 6 stages of fp8 128x128x128 fit beside a bf16 staging tile (224 KiB), not beside a float32
+    # one (256 KiB): the cached config runs with 5 (config.fit_stages), as a 5-stage config does
+    monkeypatch.setenv("TPFUSE_CACHE_DIR", str(tmp_path))
+    m, k, n = 512, 4096, 1024
+    a, b, sa, sb = _fp8_operands(m, k, n, E4M3, E4M3, "row")
+    six = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=6)
+    cache.store(m, n, k, E4M3, True, a.device, six, 1.0)
+    launch.clear_plans()
+    try:
+        out = gc.matmul(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+        plan = gc.last_plan()
+        assert plan.config_source == "tuning cache" and plan.config.num_stages == 5, plan.explain()
+        assert any("num_stages 6 -> 5" in r for r in plan.reasons), plan.reasons
+        five = gc.matmul(a, b, config=dataclasses.replace(six, num_stages=5), scale_a=sa, scale_b=sb,
+                         out_dtype=torch.float32)
+        torch.cuda.synchronize()
+        assert torch.equal(out, five)
+        gc.matmul(a, b, scale_a=sa, scale_b=sb)   # bf16 out: the cached config as it is
+        assert gc.last_plan().config == six, gc.last_plan().explain()
+    finally:
+        launch.clear_plans()
+
+
 @pytest.mark.skipif(not FP8, reason="fp8 MMAs need compute capability 8.9+")
 @pytest.mark.parametrize("a_dtype,b_dtype,out_dtype", [
     # float32 out: 2.7e-4 relative error on the H200 (2026-12-02) against a bound of 2e-5: the

@@ -17,7 +17,7 @@ import torch
 
 from ..kernels import _types
 
-__all__ = ["GemmConfig", "GemmOptions", "default_config", "candidate_configs", "stream_k_tiles",
+__all__ = ["GemmConfig", "GemmOptions", "default_config", "candidate_configs", "fit_stages", "stream_k_tiles",
            "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = _types.INPUT_DTYPES   # the kernels' input dtypes (kernels/_types.py)
@@ -333,6 +333,18 @@ def _stream_k_candidates(m: int, n: int, k: int, num_sms: int) -> list[GemmConfi
     return out
 
 
+
+
+def fit_stages(cfg: GemmConfig, elem_size: int, out_elem_size: int, limit: int) -> GemmConfig:
+    """``cfg`` with as many of its pipeline stages as fit in ``limit`` bytes of shared memory
+    (:meth:`GemmConfig.smem_bytes`' estimate) for inputs and outputs of these element sizes:
+    ``cfg`` itself when it fits, else fewer stages (at least 1). Why: a tuned config is kept per
+    shape and input dtype (the tuning cache), but its staging buffer grows with the output's
+    element size -- 6 stages of fp8 128x128x128 fit beside a bf16 tile (224 KiB), not beside a
+    float32 one (256 KiB, more than sm_90's 227)."""
+    while cfg.num_stages > 1 and cfg.smem_bytes(elem_size, out_elem_size) > limit:
+        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    return cfg
 
 
 def stream_k_tiles(tiles: int, programs: int, mode: int) -> int:

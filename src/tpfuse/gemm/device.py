@@ -29,9 +29,12 @@ def device_index(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def device_info(index: int) -> dict:
-    """``{"name", "num_sms", "capability"}`` of CUDA device ``index`` (cached)."""
+    """``{"name", "num_sms", "capability", "smem_per_block"}`` of CUDA device ``index`` (cached;
+    ``smem_per_block``: the shared memory one program may opt in to, None where torch does not
+    say)."""
     p = torch.cuda.get_device_properties(index)
-    return {"name": p.name, "num_sms": p.multi_processor_count, "capability": (p.major, p.minor)}
+    return {"name": p.name, "num_sms": p.multi_processor_count, "capability": (p.major, p.minor),
+            "smem_per_block": getattr(p, "shared_memory_per_block_optin", None)}
 
 
 def num_sms(device: torch.device) -> int:

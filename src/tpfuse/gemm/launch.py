@@ -27,7 +27,8 @@ import torch
 from .._direct import launch_tma
 from ..kernels import _types, abi
 from . import cache
-from .config import DEFAULT_OPTIONS, GLUON_STAGES, PINGPONG_STAGES, GemmConfig, GemmOptions, default_config, stream_k_tiles
+from .config import (DEFAULT_OPTIONS, GLUON_STAGES, PINGPONG_STAGES, GemmConfig, GemmOptions, default_config,
+                     fit_stages, stream_k_tiles)
 from .device import device_index, device_info, interpreting, num_sms, triton_modules, warn_once
 from .hooks import ERROR_WORDS, MAX_GENERATION, EpilogueSpec, WaitSpec, check_error_word, new_error_word, stacked_dests
 from .spec import CompileSpec, PersistentSpec
@@ -611,6 +612,16 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
                                    out_dtype)
     if why_pp:
         reasons.append(why_pp)
+    if not ws and source != "argument" and device.type == "cuda" and not interpreting():
+        # a cached or heuristic config was chosen for a shape and input dtype, whatever the
+        # output's (config.fit_stages); one passed in is launched as given
+        limit = device_info(device_index(device))["smem_per_block"]
+        fitted = fit_stages(cfg, _types.element_size(a.dtype), _types.element_size(out_dtype), limit) if limit else cfg
+        if fitted != cfg:
+            reasons.append(f"num_stages {cfg.num_stages} -> {fitted.num_stages}: the config from the {source} needs "
+                           f"~{cfg.smem_bytes(_types.element_size(a.dtype), _types.element_size(out_dtype))} bytes "
+                           f"of shared memory with a {_types.dtype_name(out_dtype)} output, the device has {limit}")
+            common["config"] = fitted
     if ws:   # one program per SM or fewer, no more than tiles of the Gluon kernel's own tile
         num_tiles = triton.cdiv(m, ws[0][0]) * triton.cdiv(n, ws[0][1])
         grid = (min(num_tiles, programs), 1, 1)
