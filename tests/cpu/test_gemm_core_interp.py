@@ -868,14 +868,20 @@ def test_fp8_default_configs_take_deep_k_steps_and_fit():
         assert sum(c.BLOCK_K == 128 for c in cands) >= len(cands) // 2
 
 
-def test_fit_stages_drops_stages_until_the_output_staging_fits():
-    from tpfuse.gemm.config import _SM90_SMEM_BYTES, fit_stages
+def test_fit_shared_memory_halves_the_staging_then_drops_stages():
+    from tpfuse.gemm.config import _SM90_SMEM_BYTES as LIMIT, fit_shared_memory as fit
     six = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=6, stream_k=1)
-    assert fit_stages(six, 1, 2, _SM90_SMEM_BYTES) == six                     # bf16 out: 224 KiB fits
-    five = fit_stages(six, 1, 4, _SM90_SMEM_BYTES)                            # float32 out: 256 KiB does not
-    assert five == dataclasses.replace(six, num_stages=5) and five.smem_bytes(1, 4) <= _SM90_SMEM_BYTES
-    assert fit_stages(dataclasses.replace(six, tma_store=False), 1, 4, _SM90_SMEM_BYTES).num_stages == 6
-    assert fit_stages(six, 1, 4, 1).num_stages == 1                         # never below one stage
+    assert fit(six, 1, 2, LIMIT) == six                                        # bf16 out: 224 KiB fits
+    assert fit(six, 1, 4, LIMIT) == dataclasses.replace(six, EPI_SUBTILE=2)    # float32: half the staging
+    big = gc.default_config(2048, 4096, 3584, E4M3)                             # 128x256x128, 3 stages
+    assert big.smem_bytes(1, 4) > LIMIT and fit(big, 1, 4, LIMIT) == dataclasses.replace(big, EPI_SUBTILE=2)
+    sub2 = dataclasses.replace(six, EPI_SUBTILE=2, num_stages=7)               # halved already: fewer stages
+    assert fit(sub2, 1, 4, LIMIT) == dataclasses.replace(sub2, num_stages=6)
+    assert fit(dataclasses.replace(six, tma_store=False), 1, 4, LIMIT).num_stages == 6   # no staging buffer
+    assert fit(six, 1, 4, 1).num_stages == 1                                    # never below one stage
+    for c in gc.candidate_configs(512, 13312, 16384, E4M3) + gc.candidate_configs(16384, 3584, 4096, E4M3):
+        if not c.gluon:
+            assert fit(c, 1, 4, LIMIT).smem_bytes(1, 4) <= LIMIT, c
 
 
 def test_fp8_stream_k_candidates_go_two_stages_deeper():

@@ -670,7 +670,8 @@ def test_fp8_against_scaled_mm(mode, shape, config):
 @pytest.mark.skipif(not (FP8 and HOPPER), reason="fp8 with TMA: sm_90")
 def test_fp8_float32_out_fits_a_cached_config_tuned_for_bf16(tmp_path, monkeypatch):
     # 6 stages of fp8 128x128x128 fit beside a bf16 staging tile (224 KiB), not beside a float32
-    # one (256 KiB): the cached config runs with 5 (config.fit_stages), as a 5-stage config does
+    # one (256 KiB): the cached config stores in two column halves (config.fit_shared_memory),
+    # bitwise as that config passed in does
     monkeypatch.setenv("TPFUSE_CACHE_DIR", str(tmp_path))
     m, k, n = 512, 4096, 1024
     a, b, sa, sb = _fp8_operands(m, k, n, E4M3, E4M3, "row")
@@ -680,12 +681,21 @@ def test_fp8_float32_out_fits_a_cached_config_tuned_for_bf16(tmp_path, monkeypat
     try:
         out = gc.matmul(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
         plan = gc.last_plan()
-        assert plan.config_source == "tuning cache" and plan.config.num_stages == 5, plan.explain()
-        assert any("num_stages 6 -> 5" in r for r in plan.reasons), plan.reasons
-        five = gc.matmul(a, b, config=dataclasses.replace(six, num_stages=5), scale_a=sa, scale_b=sb,
-                         out_dtype=torch.float32)
+        halves = dataclasses.replace(six, EPI_SUBTILE=2)
+        assert plan.config_source == "tuning cache" and plan.config == halves, plan.explain()
+        assert any("EPI_SUBTILE 1 -> 2, num_stages 6 -> 6" in r for r in plan.reasons), plan.reasons
+        given = gc.matmul(a, b, config=halves, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
         torch.cuda.synchronize()
-        assert torch.equal(out, five)
+        assert torch.equal(out, given)
+        # the heuristic's 128x256x128 with 3 stages (272 KiB with a float32 tile) too
+        m2, k2, n2 = 2048, 1024, 4096
+        a2, b2, sa2, sb2 = _fp8_operands(m2, k2, n2, E4M3, E4M3, "tensor")
+        got = gc.matmul(a2, b2, scale_a=sa2, scale_b=sb2, out_dtype=torch.float32)
+        plan2 = gc.last_plan()
+        assert plan2.config_source.startswith("heuristic") and plan2.config.EPI_SUBTILE == 2, plan2.explain()
+        want = gc.matmul(a2, b2, config=plan2.config, scale_a=sa2, scale_b=sb2, out_dtype=torch.float32)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
         gc.matmul(a, b, scale_a=sa, scale_b=sb)   # bf16 out: the cached config as it is
         assert gc.last_plan().config == six, gc.last_plan().explain()
     finally:

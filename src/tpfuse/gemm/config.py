@@ -17,7 +17,7 @@ import torch
 
 from ..kernels import _types
 
-__all__ = ["GemmConfig", "GemmOptions", "default_config", "candidate_configs", "fit_stages", "stream_k_tiles",
+__all__ = ["GemmConfig", "GemmOptions", "default_config", "candidate_configs", "fit_shared_memory", "stream_k_tiles",
            "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = _types.INPUT_DTYPES   # the kernels' input dtypes (kernels/_types.py)
@@ -335,13 +335,19 @@ def _stream_k_candidates(m: int, n: int, k: int, num_sms: int) -> list[GemmConfi
 
 
 
-def fit_stages(cfg: GemmConfig, elem_size: int, out_elem_size: int, limit: int) -> GemmConfig:
-    """``cfg`` with as many of its pipeline stages as fit in ``limit`` bytes of shared memory
-    (:meth:`GemmConfig.smem_bytes`' estimate) for inputs and outputs of these element sizes:
-    ``cfg`` itself when it fits, else fewer stages (at least 1). Why: a tuned config is kept per
-    shape and input dtype (the tuning cache), but its staging buffer grows with the output's
-    element size -- 6 stages of fp8 128x128x128 fit beside a bf16 tile (224 KiB), not beside a
-    float32 one (256 KiB, more than sm_90's 227)."""
+def fit_shared_memory(cfg: GemmConfig, elem_size: int, out_elem_size: int, limit: int) -> GemmConfig:
+    """``cfg`` fitted into ``limit`` bytes of shared memory (:meth:`GemmConfig.smem_bytes`'
+    estimate) for inputs and outputs of these element sizes: ``cfg`` itself when it fits; else
+    its TMA store in two column halves (``EPI_SUBTILE=2``: half the staging buffer, the same
+    values stored) if that fits, else also fewer pipeline stages (at least 1). Why: a config is
+    kept per shape and input dtype (the tuning cache, ``default_config``), but its staging buffer
+    grows with the output's element size -- fp8 128x128x128 with 6 stages fits beside a bf16
+    tile (224 KiB), not beside a float32 one (256 KiB, more than sm_90's 227); 128x256x128 with
+    3 stages neither (272 KiB)."""
+    if cfg.smem_bytes(elem_size, out_elem_size) <= limit:
+        return cfg
+    if cfg.tma_store and cfg.EPI_SUBTILE == 1 and not cfg.gluon:
+        cfg = dataclasses.replace(cfg, EPI_SUBTILE=2)
     while cfg.num_stages > 1 and cfg.smem_bytes(elem_size, out_elem_size) > limit:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg

@@ -28,7 +28,7 @@ from .._direct import launch_tma
 from ..kernels import _types, abi
 from . import cache
 from .config import (DEFAULT_OPTIONS, GLUON_STAGES, PINGPONG_STAGES, GemmConfig, GemmOptions, default_config,
-                     fit_stages, stream_k_tiles)
+                     fit_shared_memory, stream_k_tiles)
 from .device import device_index, device_info, interpreting, num_sms, triton_modules, warn_once
 from .hooks import ERROR_WORDS, MAX_GENERATION, EpilogueSpec, WaitSpec, check_error_word, new_error_word, stacked_dests
 from .spec import CompileSpec, PersistentSpec
@@ -614,12 +614,13 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
         reasons.append(why_pp)
     if not ws and source != "argument" and device.type == "cuda" and not interpreting():
         # a cached or heuristic config was chosen for a shape and input dtype, whatever the
-        # output's (config.fit_stages); one passed in is launched as given
+        # output's (config.fit_shared_memory); one passed in is launched as given
         limit = device_info(device_index(device))["smem_per_block"]
-        fitted = fit_stages(cfg, _types.element_size(a.dtype), _types.element_size(out_dtype), limit) if limit else cfg
+        sizes = _types.element_size(a.dtype), _types.element_size(out_dtype)
+        fitted = fit_shared_memory(cfg, *sizes, limit) if limit else cfg
         if fitted != cfg:
-            reasons.append(f"num_stages {cfg.num_stages} -> {fitted.num_stages}: the config from the {source} needs "
-                           f"~{cfg.smem_bytes(_types.element_size(a.dtype), _types.element_size(out_dtype))} bytes "
+            reasons.append(f"EPI_SUBTILE {cfg.EPI_SUBTILE} -> {fitted.EPI_SUBTILE}, num_stages {cfg.num_stages} -> "
+                           f"{fitted.num_stages}: the config from the {source} needs ~{cfg.smem_bytes(*sizes)} bytes "
                            f"of shared memory with a {_types.dtype_name(out_dtype)} output, the device has {limit}")
             common["config"] = fitted
     if ws:   # one program per SM or fewer, no more than tiles of the Gluon kernel's own tile
