@@ -592,14 +592,17 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
                                    and num_chunks <= abi.MAX_POLLED_CHUNKS
                                    and num_tiles < abi.HANDOFF
                                    and (num_chunks == 1 or chunk_m % cfg.BLOCK_M == 0), cfg.flatten)
-    spec = CompileSpec(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-                       EPI_SUBTILE=cfg.EPI_SUBTILE, TILE_ORDER=TILE_ORDERS.index(tile_order), USE_TMA=bool(use_tma),
-                       TMA_STORE=cfg.tma_store, B_KMAJOR=b_kmajor, C_DTYPE=_types.tl_name(out_dtype),
-                       SCALE_A=mode_a, SCALE_B=mode_b, FLATTEN=cfg.flatten, DOT_FP32=interpreting(),
-                       USE_ASM=use_asm, RECORD_TILES=record_tiles, STREAM_K=sk_tiles > 0, WAIT=wait is not None,
-                       EPILOGUE=epilogue is not None,
-                       DEST_ALIGNED=epilogue.align_elems if epilogue is not None else 0, EPI_TMA=epi_tma,
-                       EPI_COUNT=epi_count if epilogue is not None else abi.EPI_COUNT_RETURNING).project()
+
+    def compile_spec(cfg: GemmConfig):
+        return CompileSpec(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+                           EPI_SUBTILE=cfg.EPI_SUBTILE, TILE_ORDER=TILE_ORDERS.index(tile_order), USE_TMA=bool(use_tma),
+                           TMA_STORE=cfg.tma_store, B_KMAJOR=b_kmajor, C_DTYPE=_types.tl_name(out_dtype),
+                           SCALE_A=mode_a, SCALE_B=mode_b, FLATTEN=cfg.flatten, DOT_FP32=interpreting(),
+                           USE_ASM=use_asm, RECORD_TILES=record_tiles, STREAM_K=sk_tiles > 0, WAIT=wait is not None,
+                           EPILOGUE=epilogue is not None,
+                           DEST_ALIGNED=epilogue.align_elems if epilogue is not None else 0, EPI_TMA=epi_tma,
+                           EPI_COUNT=epi_count if epilogue is not None else abi.EPI_COUNT_RETURNING).project()
+    spec = compile_spec(cfg)
     capability = device_info(device_index(device))["capability"] if device.type == "cuda" else (0, 0)
     ws, why_ws = ws_choice(capability, a.dtype, cfg, epilogue, wait, epi_tma, use_asm, m, n, programs,
                            out_tma=bool(use_tma) and cfg.tma_store and epilogue is None, options=options,
@@ -623,6 +626,7 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
                            f"{fitted.num_stages}: the config from the {source} needs ~{cfg.smem_bytes(*sizes)} bytes "
                            f"of shared memory with a {_types.dtype_name(out_dtype)} output, the device has {limit}")
             common["config"] = fitted
+            spec = compile_spec(fitted)   # EPI_SUBTILE is a constexpr of the kernel
     if ws:   # one program per SM or fewer, no more than tiles of the Gluon kernel's own tile
         num_tiles = triton.cdiv(m, ws[0][0]) * triton.cdiv(n, ws[0][1])
         grid = (min(num_tiles, programs), 1, 1)
