@@ -170,10 +170,11 @@ def _alloc_polls(ready, empty, WAIT: gl.constexpr):
 
 @gluon.jit
 def _new_chunks(pid_m, M, chunk_m, seen, BLOCK_M: gl.constexpr):
-    """The chunks the rows of a tile at row block ``pid_m`` touch, against ``seen`` (bit c: chunk
-    c handed off before, :func:`_chunk_bit`): ``(new, seen | their bits)``, ``new`` nonzero
-    when one of them was not (chunks >= 62: always). The poll and load warps both call it on
-    the same tiles in the same order, so both know which tiles are handed off."""
+    """The chunks ``c_lo..c_hi`` the rows of a tile at row block ``pid_m`` touch, against ``seen``
+    (bit c: chunk c handed off before, :func:`_chunk_bit`): ``(new, seen | their bits, c_lo,
+    c_hi)``, ``new`` nonzero when one of them was not (chunks >= 62: always). The poll and load
+    warps both call it on the same tiles in the same order, so both know which tiles are handed
+    off."""
     off_m = pid_m * BLOCK_M
     c_lo = off_m // chunk_m
     c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
@@ -183,7 +184,7 @@ def _new_chunks(pid_m, M, chunk_m, seen, BLOCK_M: gl.constexpr):
         if (seen & bit) == 0:
             new = 1
         seen = seen | bit
-    return new, seen
+    return new, seen, c_lo, c_hi
 
 
 @gluon.jit
@@ -212,15 +213,12 @@ def _poll_partition(p, polls, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROU
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile_id, M, num_pid_m, num_pid_n, chunk_m, num_chunks, start_chunk,
                                     BLOCK_M, GROUP_M, TILE_ORDER)
-        new, handed = _new_chunks(pid_m, M, chunk_m, handed, BLOCK_M)
+        new, handed, c_lo, c_hi = _new_chunks(pid_m, M, chunk_m, handed, BLOCK_M)
         if new != 0:
             slot = h % POLL_DEPTH
             # the slot is free once the load warp has taken its previous handoff (a fresh
             # mbarrier counts as having completed the phase before phase 0)
             mbarrier.wait(poll_free.index(slot), ((h // POLL_DEPTH) & 1) ^ 1)
-            off_m = pid_m * BLOCK_M
-            c_lo = off_m // chunk_m
-            c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
             status, verified = _wait_chunks(c_lo, c_hi, tile_id, wait_signal, wait_gen, wait_timeout, err_ptr,
                                             status, verified)
             mbarrier.arrive(polled.index(slot), count=1)
@@ -241,7 +239,7 @@ def _before_tile_loads(h, pid_m, pid_n, num_pid_n, M, chunk_m, polls, tile_recor
         t_start = tile_clock(0, 0, True)
     if WAIT:
         polled, poll_free = polls
-        new, fenced = _new_chunks(pid_m, M, chunk_m, fenced, BLOCK_M)
+        new, fenced, _, _ = _new_chunks(pid_m, M, chunk_m, fenced, BLOCK_M)
         if new != 0:
             slot = h % POLL_DEPTH
             mbarrier.wait(polled.index(slot), (h // POLL_DEPTH) & 1)
