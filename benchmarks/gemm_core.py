@@ -12,6 +12,13 @@ names the kernel that ran the plain call and each hook (``plain_kernel``, ``wait
 call runs gemm_ws where the tuner kept a ``GemmConfig(gluon=True)`` (fp8 on sm_90; "ws" in the
 table's config column) and gemm_pp where it kept one with ``pingpong=True`` ("pp").
 
+Hooks: ``wait`` is the wait hook as fused ``ag_gemm`` runs it (round order, signals pre-set);
+``epilogue`` the epilogue hook as fused ``gemm_rs`` / ``gemm_ar`` run it (owner order, each
+chunk's rows to a destination of its own, no signals: READY follows the launch);
+``epilogue_signalled`` the same with per-chunk signals (each tile counted, each chunk
+published), which no strategy uses now. ``*_hook_*`` columns: against the same tile order
+without the hook, timed back to back (TIMING_PAIRS).
+
 ``--dtype fp8``: e4m3 operands (``b = weight.t()``), bf16 output, scales tensor-wise and
 row-wise (``--scaling``; one row per shape and scaling, named ``<shape>-tensorwise`` /
 ``-rowwise``), against ``torch._scaled_mm(..., use_fast_accum=True)`` (cuBLASLt; the core
@@ -177,6 +184,8 @@ def rel_err(x, ref):
 
 
 def hook_specs(s: Shape, out, num_chunks=WORLD_SIZE):
+    """(chunk_m, wait, epilogue without signals, epilogue with signals, its signals): the
+    hooks with signals pre-set (wait) and one destination per chunk (epilogue)."""
     chunk_m = -(-s.m // num_chunks)
     sig = torch.full((num_chunks,), 7, dtype=torch.int32, device="cuda")
     wait = gc.WaitSpec(sig, 7, chunk_m, timeout_ns=5_000_000_000, error=gc.new_error_word("cuda"))
@@ -185,8 +194,9 @@ def hook_specs(s: Shape, out, num_chunks=WORLD_SIZE):
     dests = [torch.empty(min(chunk_m, s.m - c * chunk_m), s.n, dtype=out.dtype, device=out.device)
              for c in range(num_chunks)]
     esig = torch.zeros(num_chunks, dtype=torch.int32, device="cuda")
-    epi = gc.EpilogueSpec.from_tensors(dests, esig, 7, chunk_m)
-    return chunk_m, wait, epi, esig
+    epi = gc.EpilogueSpec.from_tensors(dests, None, 1, chunk_m)   # as fused gemm_rs / gemm_ar
+    epi_signalled = gc.EpilogueSpec.from_tensors(dests, esig, 7, chunk_m)
+    return chunk_m, wait, epi, epi_signalled, esig
 
 
 def kernel_name(plan) -> str:
@@ -210,8 +220,9 @@ def config_label(cfg: dict) -> str:
 
 
 # The variants whose ratios the rows report, timed back to back in each round: graph_ratio
-# (cublas / ours) and the hooks alone (wait / round_order, epilogue / owner_order)
-TIMING_PAIRS = (("cublas", "ours"), ("round_order", "wait"), ("owner_order", "epilogue"))
+# (cublas / ours) and the hooks alone (wait / round_order, epilogue and epilogue_signalled /
+# owner_order: a group of three)
+TIMING_PAIRS = (("cublas", "ours"), ("round_order", "wait"), ("owner_order", "epilogue", "epilogue_signalled"))
 
 
 def round_schedule(keys, r):
@@ -276,13 +287,14 @@ def run_shape(s: Shape, dtype, args, log, scaling=None):
         tie_break = False
     best = timings[0][1]
     flops = 2.0 * s.m * s.n * s.k
-    chunk_m, wait, epi, esig = hook_specs(s, c0)
+    chunk_m, wait, epi, epi_signalled, esig = hook_specs(s, c0)
     variants = {
         "ours": dict(),
         "round_order": dict(tile_order="round", start_chunk=1, chunk_m=chunk_m),
         "owner_order": dict(tile_order="owner", start_chunk=1, chunk_m=chunk_m),
         "wait": dict(tile_order="round", start_chunk=1, wait=wait, check=False),
         "epilogue": dict(tile_order="owner", start_chunk=1, epilogue=epi),
+        "epilogue_signalled": dict(tile_order="owner", start_chunk=1, epilogue=epi_signalled),
     }
     row = {"name": s_name, "phase": s.phase, "m": s.m, "n": s.n, "k": s.k, "config": best.to_dict(),
            "runner_up": [dict(ms=t, **c.to_dict()) for t, c in timings[1:4]], "gluon_tie_break": tie_break}
@@ -301,14 +313,14 @@ def run_shape(s: Shape, dtype, args, log, scaling=None):
             err = rel_err(torch.cat(epi.dests) if "epilogue" in kw else c0, ref)
             if "wait" in kw:
                 gc.check_error_word(wait.error)
-            if "epilogue" in kw and not bool((esig == 7).all()):
+            if kw.get("epilogue") is epi_signalled and not bool((esig == 7).all()):
                 raise RuntimeError(f"signals after epilogue: {esig.tolist()}")
             plan = gc.last_plan()   # which kernel ran the call (a hook, or the plain call), and why
             if key == "ours":
                 row["plain_kernel"] = kernel_name(plan)
             if "wait" in kw:
                 row["wait_kernel"] = kernel_name(plan)
-            if "epilogue" in kw:
+            if key == "epilogue":
                 row["epilogue_kernel"] = kernel_name(plan)
                 row["epilogue_stores"] = {0: "pointers", abi.EPI_TMA_STACKED: "tma_stacked"}.get(
                     plan.epi_tma, "tma_per_chunk")
@@ -355,7 +367,7 @@ def run_shape(s: Shape, dtype, args, log, scaling=None):
     # *_overhead: against hooks off in the grouped order (what a fused call costs over the plain
     # GEMM); *_hook_overhead: against the same tile order without the hook (the hook alone)
     for k, order in (("round_order", None), ("owner_order", None), ("wait", "round_order"),
-                     ("epilogue", "owner_order")):
+                     ("epilogue", "owner_order"), ("epilogue_signalled", "owner_order")):
         if k in fns:
             row[f"{k}_overhead"] = row[f"{k}_ms"] / row["ours_ms"] - 1.0
             if graph:
@@ -424,8 +436,8 @@ def main(argv=None):
             "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype,
             "world_size": WORLD_SIZE, "command": "python " + " ".join(sys.argv),
             "timing": "triton.testing.do_bench median (L2 flushed before each call), inputs rotated; "
-                      "--rounds interleaved rounds of the pairs (cublas, ours), (round_order, wait), (owner_order, epilogue), "
-                      "each pair timed back to back, the pairs in a rotated order, each pair's order swapped every other round; eager: min of the rounds' medians; graph (one CUDA-graph "
+                      "--rounds interleaved rounds of the groups (cublas, ours), (round_order, wait), (owner_order, epilogue, epilogue_signalled), "
+                      "each group timed back to back, the groups in a rotated order, each group's order reversed every other round; eager: min of the rounds' medians; graph (one CUDA-graph "
                       "replay per call): median of the rounds' medians, graph_ratio and *_graph_overhead are "
                       "medians of per-round pairs; cublas = torch.matmul(a, w.t()) (fp8: torch._scaled_mm(a, w.t(), use_fast_accum=True, "
                       "scale_a, scale_b, out_dtype=bfloat16), cuBLASLt); "
@@ -514,7 +526,8 @@ def summarize(rows):
     out.update({"geomean_ratio": math.exp(sum(map(math.log, ratios)) / len(ratios)),
                 "min_ratio": min(ratios), "min_ratio_shape": min(rows, key=lambda r: r["ratio"])["name"]})
     for key in ("wait", "epilogue", "wait_graph", "epilogue_graph", "wait_hook", "epilogue_hook",
-                "wait_hook_graph", "epilogue_hook_graph", "round_order_graph", "owner_order_graph"):
+                "wait_hook_graph", "epilogue_hook_graph", "epilogue_signalled_hook_graph", "round_order_graph",
+                "owner_order_graph"):
         vals = [r[f"{key}_overhead"] for r in big if f"{key}_overhead" in r]
         if vals:
             out[f"{key}_overhead_train_prefill_max"] = max(vals)
@@ -527,14 +540,15 @@ def print_table(rows, summary):
     nan = float("nan")
     print(f"{'shape':24s} {'M':>6s} {'N':>6s} {'K':>6s} {'ours':>7s} {'cuBLAS':>7s} {'ratio':>6s} {'wait%':>6s} "
           f"{'epi%':>6s} | {'graph:ours':>10s} {'cuBLAS':>7s} {'ratio':>6s} {'wait%':>6s} {'epi%':>6s} "
-          f"{'hookW%':>6s} {'hookE%':>6s}  {'config (plain kernel)'}")
+          f"{'hookW%':>6s} {'hookE%':>6s} {'hookES%':>7s}  {'config (plain kernel)'}")
     for r in rows:
         print(f"{r['name']:24s} {r['m']:6d} {r['n']:6d} {r['k']:6d} {r['ours_tflops']:7.1f} {r['cublas_tflops']:7.1f} "
               f"{r['ratio']:6.3f} {100 * r.get('wait_overhead', nan):6.1f} {100 * r.get('epilogue_overhead', nan):6.1f} | "
               f"{r.get('ours_graph_tflops', nan):10.1f} {r.get('cublas_graph_tflops', nan):7.1f} "
               f"{r.get('graph_ratio', nan):6.3f} {100 * r.get('wait_graph_overhead', nan):6.1f} "
               f"{100 * r.get('epilogue_graph_overhead', nan):6.1f} {100 * r.get('wait_hook_graph_overhead', nan):6.1f} "
-              f"{100 * r.get('epilogue_hook_graph_overhead', nan):6.1f}  "
+              f"{100 * r.get('epilogue_hook_graph_overhead', nan):6.1f} "
+              f"{100 * r.get('epilogue_signalled_hook_graph_overhead', nan):7.1f}  "
               + (f"{config_label(r['config'])} ({r.get('plain_kernel', '?')})" if "config" in r else "-"))
     print(json.dumps(summary))
 

@@ -112,15 +112,18 @@ def test_rows_name_the_plain_kernel_and_the_config_switches(bench):
 
 
 def test_rounds_time_each_ratios_two_variants_back_to_back_in_both_orders(bench):
-    # a reported ratio's two timings sit next to each other in every round, each first in
-    # half of the rounds; every variant is timed once per round, a missing one (a hook that
+    # a reported ratio's timings sit next to each other in every round (a group of three:
+    # the epilogue hook with and without signals against one owner_order timing), each first
+    # in half of the rounds; every variant is timed once per round, a missing one (a hook that
     # failed) leaving its partner alone
-    keys = ["cublas", "ours", "round_order", "owner_order", "wait", "epilogue"]
+    keys = ["cublas", "ours", "round_order", "owner_order", "wait", "epilogue", "epilogue_signalled"]
     firsts = {pair: set() for pair in bench.TIMING_PAIRS}
     for r in range(6):
         order = bench.round_schedule(keys, r)
         assert sorted(order) == sorted(keys)
         for pair in bench.TIMING_PAIRS:
+            at = sorted(order.index(k) for k in pair)
+            assert at == list(range(at[0], at[0] + len(pair))), (pair, order)   # contiguous
             i, j = order.index(pair[0]), order.index(pair[1])
             assert abs(i - j) == 1
             firsts[pair].add(pair[0] if i < j else pair[1])

@@ -328,6 +328,36 @@ def test_epilogue_routes_chunks_and_publishes(per_chunk_signals, count):
             assert torch.isnan(d[rows:]).all(), f"dest {c} written past its chunk"
 
 
+@pytest.mark.parametrize("stream_k", [0, 1])
+def test_epilogue_without_signals_routes_only(stream_k):
+    """An EpilogueSpec without signals (the fused GEMM+RS/AR's): every chunk's rows land in its
+    destination exactly, nothing past them is written, and the plan says it counts nothing."""
+    m, k, n, chunk_m = 100, 40, 45, 27          # 4 chunks: 27, 27, 27, 19 rows; tiles straddle them
+    cfg = dataclasses.replace(CFG, stream_k=stream_k)
+    dests = [torch.full((chunk_m + 3, n), float("nan"), dtype=torch.bfloat16) for _ in range(4)]
+    spec = gc.EpilogueSpec.from_tensors(dests, None, 1, chunk_m)
+    assert not spec.signalled and spec.signal_ptrs is None and spec.counters is None
+    a, b, ref = _operands(m, k, n, torch.bfloat16, "row_major", seed=21)
+    assert gc.matmul(a, b, config=cfg, tile_order="owner", start_chunk=2, epilogue=spec) is None
+    plan = gc.last_plan()
+    assert plan.epi_count == 0 and any("without signals" in r for r in plan.reasons), plan.reasons
+    for c, d in enumerate(dests):
+        rows = min(chunk_m, m - c * chunk_m)
+        _assert_close(d[:rows], ref[c * chunk_m:c * chunk_m + rows], torch.bfloat16)
+        assert torch.isnan(d[rows:]).all(), f"dest {c} written past its chunk"
+
+
+def test_epilogue_signals_and_counters_come_together():
+    dests = [torch.zeros(8, 4, dtype=torch.bfloat16) for _ in range(2)]
+    with pytest.raises(ValueError, match="counters without signals"):
+        gc.EpilogueSpec.from_tensors(dests, None, 1, 8, counters=torch.zeros(2, dtype=torch.int32))
+    half = dataclasses.replace(gc.EpilogueSpec.from_tensors(dests, torch.zeros(2, dtype=torch.int32), 1, 8),
+                               counters=None)
+    a, b = torch.zeros(16, 8, dtype=torch.bfloat16), torch.zeros(8, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="signal_ptrs without counters"):
+        gc.matmul(a, b, config=CFG, tile_order="owner", epilogue=half)
+
+
 def _epilogue_over_generations(m, k, n, chunk_m, config, start_chunk, seed, options=None, num_sms=None):
     """Route each chunk of ``a @ b`` (owner order) to a destination of its own over two
     generations: every chunk published, counters back at zero, each destination exact and

@@ -533,7 +533,7 @@ def test_a_plain_gluon_plan_launches_gemm_ws_without_hooks(monkeypatch):
     assert args["a_desc"] == ("desc", a.data_ptr(), (m, k), (128, 128))
     assert args["b_desc"] == ("desc", b.data_ptr(), (n, k), (256, 128))
     assert args["c_desc"] == ("desc", out.data_ptr(), (m, n), (128, 256))
-    assert args["EPILOGUE"] is False and args["WAIT"] is False and args["EPI_TMA"] == 0
+    assert args["EPILOGUE"] == 0 and args["WAIT"] is False and args["EPI_TMA"] == 0
     assert all(args[name] is None for name in ("wait_signal", "err_ptr", "counters", "signal_ptrs", "tile_records"))
     assert all(args[f"epi_d{q}"] is None for q in range(8))
     assert args["scale_a"] is sa and args["scale_b"] is sb and (args["SCALE_A"], args["SCALE_B"]) == (2, 2)
@@ -821,21 +821,24 @@ def test_a_plain_pingpong_plan_launches_gemm_pp(monkeypatch):
     assert args["a_desc"] == ("desc", a.data_ptr(), (m, k), (128, 128))
     assert args["b_desc"] == ("desc", b.data_ptr(), (n, k), (128, 128))
     assert args["c_desc"] == ("desc", out.data_ptr(), (m, n), (128, 128))
-    assert args["EPILOGUE"] is False and args["WAIT"] is False and args["RECORD_TILES"] is False
+    assert args["EPILOGUE"] == 0 and args["WAIT"] is False and args["RECORD_TILES"] is False
     assert args["scale_a"] is sa and args["scale_b"] is sb and (args["SCALE_A"], args["SCALE_B"]) == (2, 2)
     assert (args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"], args["GROUP_M"], args["STAGES"]) == (128, 128, 128, 4, 5)
     assert args["num_warps"] == gemm_pp.NUM_WARPS == 4
 
 
 
-@pytest.mark.parametrize("hook", ["epilogue", "wait"])
+@pytest.mark.parametrize("hook", ["epilogue", "epilogue_route", "wait"])
 def test_a_hooked_pingpong_plan_launches_gemm_pp_with_the_hook(monkeypatch, hook):
     # matmul's launch of a hooked gemm_pp plan (faked: no GPU): gemm_ws's hooked argument list,
     # the epilogue's per-chunk destinations as Gluon descriptors at gemm_pp's 128x128 block (as
     # for gemm_ws; Triton's descriptors at the config's block would not fit the kernel), its
     # counters, signals and generation; or the wait's signal, generation, bound and error word
-    # with out's descriptor; the owner / round order with its chunks; 4 warps
+    # with out's descriptor; the owner / round order with its chunks; 4 warps. An epilogue
+    # spec without signals: the same stores, EPI_ROUTE, no counters or signals
     m, n, k, chunk_m = 512, 256, 256, 128
+    route = hook == "epilogue_route"
+    hook = "epilogue" if route else hook
     order = "owner" if hook == "epilogue" else "round"
     plan = launch.LaunchPlan(m=m, n=n, k=k, config=_PP, kernel="gemm_pp_kernel", b_kmajor=True, use_tma=True,
                              grid=(4, 1, 1), ws_block=(128, 128, 128), ws_stages=5, out_dtype=torch.bfloat16,
@@ -844,7 +847,7 @@ def test_a_hooked_pingpong_plan_launches_gemm_pp_with_the_hook(monkeypatch, hook
     if hook == "epilogue":
         gapped = torch.empty(4 * (chunk_m + 8), n, dtype=torch.bfloat16)   # not stacked: 4 descriptors
         dests = [gapped[q * (chunk_m + 8):q * (chunk_m + 8) + chunk_m] for q in range(4)]
-        spec = gc.EpilogueSpec.from_tensors(dests, torch.zeros(4, dtype=torch.int32), 3, chunk_m)
+        spec = gc.EpilogueSpec.from_tensors(dests, None if route else torch.zeros(4, dtype=torch.int32), 3, chunk_m)
         kw = dict(epilogue=spec, tile_order=order, start_chunk=1)
     else:
         spec = gc.WaitSpec(torch.zeros(4, dtype=torch.int32), 3, chunk_m, timeout_ns=12345,
@@ -859,14 +862,16 @@ def test_a_hooked_pingpong_plan_launches_gemm_pp_with_the_hook(monkeypatch, hook
     assert (args["chunk_m"], args["num_chunks"], args["start_chunk"]) == (chunk_m, 4, 1)
     assert args["scale_a"] is sa and args["scale_b"] is sb and args["STAGES"] == 5
     if hook == "epilogue":
-        assert args["EPILOGUE"] is True and args["WAIT"] is False and args["EPI_TMA"] == 4
+        mode = abi.EPI_ROUTE if route else abi.EPI_SIGNALLED
+        assert args["EPILOGUE"] == mode and args["WAIT"] is False and args["EPI_TMA"] == 4
         for q in range(8):
             assert args[f"epi_d{q}"] == (("desc", dests[q].data_ptr(), (chunk_m, n), (128, 128)) if q < 4 else None)
         assert args["c_desc"] == args["epi_d0"]
         assert args["counters"] is spec.counters and args["signal_ptrs"] is spec.signal_ptrs and args["epi_gen"] == 3
+        assert (args["counters"] is None) == route and (args["signal_ptrs"] is None) == route
         assert args["wait_signal"] is None and args["err_ptr"] is None
     else:
-        assert args["WAIT"] is True and args["EPILOGUE"] is False and args["EPI_TMA"] == 0
+        assert args["WAIT"] is True and args["EPILOGUE"] == 0 and args["EPI_TMA"] == 0
         assert args["wait_signal"] is spec.signal and args["wait_gen"] == 3 and args["wait_timeout"] == 12345
         assert args["err_ptr"] is spec.error
         assert args["c_desc"] == ("desc", out.data_ptr(), (m, n), (128, 128))
@@ -942,3 +947,27 @@ def test_offline_epilogue_hook_compiles_with_fewer_descriptors_than_eight(pingpo
     kern = compile_ws(4096, 4096, 1792, epi_tma=4, tile_order=2, **kw)
     per_path = sass_of(plain.asm["cubin"])[0].count("UTMASTG")
     assert per_path > 0 and sass_of(kern.asm["cubin"])[0].count("UTMASTG") == 4 * per_path
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
+@pytest.mark.parametrize("kernel", ["triton", "ws", "pp"])
+def test_offline_epilogue_without_signals_counts_and_fences_nothing(kernel):
+    # The fused GEMM+RS/AR's hook (an EpilogueSpec without signals): the same routed stores,
+    # and none of the signalled hook's atomics, system-scope fences or publications (on the
+    # H200 the signalled count and publication cost a 49 us fp8 call ~4 %: BENCHMARKS.md)
+    def compile_both():
+        if kernel == "triton":
+            compile_kernel, sass_of = _offline_tools(pinned=False)
+            cfg = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+            return [sass_of(compile_kernel(4096, 4096, 1792, cfg, epilogue=True, tile_order=2, epi_tma=8,
+                                           signals=s).asm["cubin"])[0] for s in (True, False)]
+        compile_ws, sass_of = _offline_ws()
+        kw = dict(block=(128, 128, 128), stages=5, dtype=E4M3, scale_a=1, scale_b=1, pingpong=kernel == "pp")
+        return [sass_of(compile_ws(4096, 4096, 1792, epi_tma=8, tile_order=2, signals=s, **kw).asm["cubin"])[0]
+                for s in (True, False)]
+
+    signalled, routed = compile_both()
+    sync = r"ATOMG|REDG|MEMBAR\.\w+\.SYS|STRONG\.SYS"
+    assert re.search(sync, signalled), "the signalled hook lost its count or publication"
+    assert not re.search(sync, routed), re.findall(sync, routed)
+    assert routed.count("UTMASTG") == signalled.count("UTMASTG") > 0   # the same routed stores

@@ -3,7 +3,8 @@
 * :class:`WaitSpec` (consumer, AG): a tile waits until ``signal[c] >= generation`` for every
   chunk ``c`` its A rows touch; a bounded spin that records a timeout in an error word.
 * :class:`EpilogueSpec` (producer, RS): rows of chunk ``c`` go to that chunk's destination;
-  once every tile touching chunk ``c`` is stored, ``*signal_ptrs[c] = generation`` is published.
+  once every tile touching chunk ``c`` is stored, ``*signal_ptrs[c] = generation`` is published
+  (a spec without signals routes only: nothing counted or published).
 * :func:`new_error_word` / :func:`check_error_word`: the error word a timed-out wait fills in
   (layout in ``tpfuse/kernels/abi.py``) and the ``TimeoutError`` raised from it.
 
@@ -52,12 +53,16 @@ class EpilogueSpec:
     lands in row ``r - c*chunk_m`` of a ``[>= chunk rows, N]`` buffer with row stride
     ``dest_stride`` elements and unit column stride); once every tile touching chunk ``c`` is
     stored, the kernel publishes ``*signal_ptrs[c] = generation`` (release, system scope).
+    Without signals (``signal_ptrs`` and ``counters`` None, ``from_tensors(dests, None, ...)``)
+    the hook only routes the rows: no count, no fence, no publication -- for a caller that
+    learns of the rows another way (the fused GEMM+RS/AR raise READY after the launch), at the
+    cost of the plain stores.
 
     ``base``: any tensor of the output dtype on a's device; destinations are addressed from it.
     ``dest_offsets``: int64 ``[num_chunks]`` element offsets of each destination from
     ``base.data_ptr()`` (peer buffers in the fused strategies). ``signal_ptrs``: int64
-    ``[num_chunks]`` addresses of int32 signal words. ``counters``: int32 ``[num_chunks]`` zeros,
-    left at zero by every completed launch. ``align_elems``: elements per 16 bytes when every
+    ``[num_chunks]`` addresses of int32 signal words, or None. ``counters``: int32
+    ``[num_chunks]`` zeros, left at zero by every completed launch, or None (no signals). ``align_elems``: elements per 16 bytes when every
     destination and the row stride are 16-byte aligned (vector stores), else 0. ``dests``: the
     destination tensors, one per chunk, when known (:meth:`from_tensors` keeps them): with them,
     16-byte alignment, at most 8 chunks and ``chunk_m`` a multiple of the tile height, a
@@ -69,8 +74,8 @@ class EpilogueSpec:
     """
     base: torch.Tensor
     dest_offsets: torch.Tensor
-    signal_ptrs: torch.Tensor
-    counters: torch.Tensor
+    signal_ptrs: Optional[torch.Tensor]
+    counters: Optional[torch.Tensor]
     generation: int
     chunk_m: int
     dest_stride: int
@@ -79,12 +84,13 @@ class EpilogueSpec:
     dests: tuple = ()
 
     @classmethod
-    def from_tensors(cls, dests: Sequence[torch.Tensor], signals: torch.Tensor | Sequence[torch.Tensor],
+    def from_tensors(cls, dests: Sequence[torch.Tensor], signals: torch.Tensor | Sequence[torch.Tensor] | None,
                      generation: int, chunk_m: int,
                      counters: Optional[torch.Tensor] = None) -> "EpilogueSpec":
         """``dests[c]``: ``[rows >= chunk rows, N]`` tensor for chunk ``c``; ``signals``: an int32
-        ``[num_chunks]`` tensor (signal ``c`` = ``signals[c]``) or one int32 tensor per chunk
-        (its first element is the signal)."""
+        ``[num_chunks]`` tensor (signal ``c`` = ``signals[c]``), one int32 tensor per chunk
+        (its first element is the signal), or None: route only, publish nothing (``generation``
+        is then not used; pass 1)."""
         if len(dests) == 0:
             raise ValueError("EpilogueSpec.from_tensors: dests is empty; pass one tensor per chunk")
         stride = dests[0].stride(0)
@@ -93,7 +99,12 @@ class EpilogueSpec:
                 raise ValueError(f"EpilogueSpec.from_tensors: dests[{i}] is {d.dtype} {tuple(d.shape)} with strides "
                                  f"{d.stride()}; all must be 2-D {dests[0].dtype} with strides ({stride}, 1)")
         device = dests[0].device
-        if isinstance(signals, torch.Tensor):
+        if signals is None:
+            if counters is not None:
+                raise ValueError("EpilogueSpec.from_tensors: counters without signals; pass signals, "
+                                 "or neither to route the rows only")
+            sig_addrs, sig_keep = None, ()
+        elif isinstance(signals, torch.Tensor):
             if signals.dtype != torch.int32 or signals.numel() < len(dests):
                 raise ValueError(f"EpilogueSpec.from_tensors: signals must be int32 with >= {len(dests)} "
                                  f"elements, got {signals.dtype} with {signals.numel()}")
@@ -108,12 +119,17 @@ class EpilogueSpec:
         origin = dests[0].data_ptr()
         offsets = [(d.data_ptr() - origin) // e for d in dests]
         aligned = all(d.data_ptr() % 16 == 0 for d in dests) and (stride * e) % 16 == 0
-        if counters is None:
+        if counters is None and sig_addrs is not None:
             counters = torch.zeros(len(dests), dtype=torch.int32, device=device)
         return cls(dests[0], torch.tensor(offsets, dtype=torch.int64, device=device),
-                   torch.tensor(sig_addrs, dtype=torch.int64, device=device), counters,
+                   None if sig_addrs is None else torch.tensor(sig_addrs, dtype=torch.int64, device=device), counters,
                    generation, chunk_m, stride, align_elems=16 // e if aligned else 0,
                    keepalive=tuple(dests) + sig_keep, dests=tuple(dests))
+
+    @property
+    def signalled(self) -> bool:
+        """Whether the hook counts stored tiles and publishes chunks (False: it routes only)."""
+        return self.signal_ptrs is not None
 
     def with_generation(self, generation: int) -> "EpilogueSpec":
         """The same spec for the next call: ``generation`` changed; the buffers, and what was

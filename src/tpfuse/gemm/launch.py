@@ -481,6 +481,14 @@ def pp_choice(ws: tuple, cfg: GemmConfig, hook: str = "", out_dtype=None) -> tup
         f"128x128 tiles, one's epilogue under the other's MMAs; {stages} stages)")
 
 
+def epilogue_mode(epilogue: Optional[EpilogueSpec]) -> int:
+    """The kernels' EPILOGUE constexpr for a spec: 0 (none), ``abi.EPI_SIGNALLED`` (rows routed,
+    tiles counted, chunks published) or ``abi.EPI_ROUTE`` (a spec without signals: rows routed)."""
+    if epilogue is None:
+        return 0
+    return abi.EPI_SIGNALLED if epilogue.signalled else abi.EPI_ROUTE
+
+
 def epi_count_mode(options: GemmOptions = DEFAULT_OPTIONS, eligible_async: bool = True,
                    in_loop: bool = True) -> int:
     """How gemm_kernel's epilogue hook counts stored tiles (kernel constexpr EPI_COUNT).
@@ -587,7 +595,10 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
     use_asm = device.type == "cuda" and not interpreting() and options.signal_asm
     epi_tma = epilogue_tma_dests(epilogue, use_tma and cfg.tma_store, num_chunks, cfg.BLOCK_M, options)
     epi_count = 0
-    if epilogue is not None:
+    if epilogue is not None and not epilogue.signalled:
+        reasons.append("epilogue hook without signals: rows routed to their chunks' destinations, "
+                       "no count, no publication")
+    elif epilogue is not None:
         epi_count = epi_count_mode(options, (use_asm or interpreting())
                                    and num_chunks <= abi.MAX_POLLED_CHUNKS
                                    and num_tiles < abi.HANDOFF
@@ -599,9 +610,9 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
                            TMA_STORE=cfg.tma_store, B_KMAJOR=b_kmajor, C_DTYPE=_types.tl_name(out_dtype),
                            SCALE_A=mode_a, SCALE_B=mode_b, FLATTEN=cfg.flatten, DOT_FP32=interpreting(),
                            USE_ASM=use_asm, RECORD_TILES=record_tiles, STREAM_K=sk_tiles > 0, WAIT=wait is not None,
-                           EPILOGUE=epilogue is not None,
+                           EPILOGUE=epilogue_mode(epilogue),
                            DEST_ALIGNED=epilogue.align_elems if epilogue is not None else 0, EPI_TMA=epi_tma,
-                           EPI_COUNT=epi_count if epilogue is not None else abi.EPI_COUNT_RETURNING).project()
+                           EPI_COUNT=epi_count or abi.EPI_COUNT_RETURNING).project()
     spec = compile_spec(cfg)
     capability = device_info(device_index(device))["capability"] if device.type == "cuda" else (0, 0)
     ws, why_ws = ws_choice(capability, a.dtype, cfg, epilogue, wait, epi_tma, use_asm, m, n, programs,
@@ -788,13 +799,14 @@ def _launch_gemm_kernel(plan: LaunchPlan, plan_key, values: dict, device) -> Non
                    plan.options.direct_launch)
 
 
-def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, counters=None, signal_ptrs=None,
+def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, epi_mode=0, counters=None, signal_ptrs=None,
                generation=0, epi_descs=None, wait_signal=None, wait_gen=0, wait_timeout_ns=0,
                err=None, tile_records=None, scale_a=None, scale_b=None) -> None:
     """The Gluon kernel on ``a [M, K] @ b [K, N]`` (``b`` row-major or ``weight.t()``) into
     ``out``, or with ``dests`` (the epilogue hook) into one destination per chunk (``stacked``:
-    consecutive row blocks of one tensor, ``epi_descs`` their descriptors), counting in
-    ``counters`` and publishing ``generation`` to the int32 at each ``signal_ptrs[c]``. With
+    consecutive row blocks of one tensor, ``epi_descs`` their descriptors) and, ``epi_mode``
+    ``abi.EPI_SIGNALLED``, counting in ``counters`` and publishing ``generation`` to the int32 at
+    each ``signal_ptrs[c]`` (``abi.EPI_ROUTE``: the stores only). With
     ``wait_signal`` (the wait hook, into ``out``): the poll warp waits ahead of a tile's loads
     until ``wait_signal[c] >= wait_gen`` for every chunk ``c`` its rows touch, for at most
     ``wait_timeout_ns``, recording a timeout in ``err``. ``tile_records``: the per-tile timeline
@@ -813,7 +825,7 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, cou
     group_m, stages, grid = plan.config.GROUP_M, plan.ws_stages, plan.grid[0]
     chunk_m, num_chunks, start_chunk = plan.chunk_m, plan.num_chunks, plan.start_chunk
     b_kmajor = plan.b_kmajor
-    epilogue = len(dests) > 0
+    epilogue = epi_mode if len(dests) > 0 else 0   # the kernel's EPILOGUE constexpr
     if epilogue:
         epi = list(epi_descs)
         epi_tma = abi.EPI_TMA_STACKED if stacked else len(epi)
@@ -936,7 +948,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
                                          out.data_ptr() % 16 == 0),
                config, tile_order, chunk_m, start_chunk, wait is not None and wait.chunk_m,
                epilogue is not None and (epilogue.chunk_m, epilogue.align_elems, len(epilogue.dests),
-                                         stacked_dests(epilogue)),
+                                         stacked_dests(epilogue), epilogue.signalled),
                use_tma, num_sms, options, interpreting(), tile_records is not None, out_dtype,
                None if scale_a is None else (scale_a.shape, scale_a.stride(), scale_a.dtype, scale_a.device),
                None if scale_b is None else (scale_b.shape, scale_b.stride(), scale_b.dtype, scale_b.device))
@@ -974,13 +986,19 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
         if wait.error is not None and (wait.error.dtype != torch.int32 or wait.error.numel() < ERROR_WORDS):
             raise ValueError(f"matmul: wait.error must be int32 with {ERROR_WORDS} words; use new_error_word()")
     if epilogue is not None:
-        _check_generation(epilogue.generation, "epilogue.generation")
+        if (epilogue.signal_ptrs is None) != (epilogue.counters is None):
+            raise ValueError("matmul: epilogue has signal_ptrs without counters or counters without signal_ptrs; "
+                             "give both (signalled) or neither (route only): EpilogueSpec.from_tensors builds either")
+        if epilogue.signalled:
+            _check_generation(epilogue.generation, "epilogue.generation")
         if epilogue.base.dtype != plan.out_dtype or epilogue.base.device != device:
             raise ValueError(f"matmul: epilogue.base is {epilogue.base.dtype} on {epilogue.base.device}; "
                              f"need {plan.out_dtype} on {device} (the destinations' dtype: the output's)")
         for nm, t, dt in (("dest_offsets", epilogue.dest_offsets, torch.int64),
                           ("signal_ptrs", epilogue.signal_ptrs, torch.int64),
                           ("counters", epilogue.counters, torch.int32)):
+            if t is None:   # route only (checked above: both or neither)
+                continue
             if t.dtype != dt or t.numel() < num_chunks or t.device != device:
                 raise ValueError(f"matmul: epilogue.{nm} is {t.dtype} with {t.numel()} elements on {t.device}; "
                                  f"need {dt} with >= num_chunks={num_chunks} elements on {device}")
@@ -992,7 +1010,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = No
     if plan.kernel in ("gemm_ws_kernel", "gemm_pp_kernel"):
         if epilogue is not None:
             _launch_ws(plan, a, b, dests=epilogue.dests, stacked=plan.epi_tma == abi.EPI_TMA_STACKED,
-                       counters=epilogue.counters, signal_ptrs=epilogue.signal_ptrs,
+                       epi_mode=epilogue_mode(epilogue), counters=epilogue.counters, signal_ptrs=epilogue.signal_ptrs,
                        generation=epilogue.generation, epi_descs=_epilogue_descriptors(epilogue, plan),
                        tile_records=tile_records, scale_a=scale_a, scale_b=scale_b)
             return None

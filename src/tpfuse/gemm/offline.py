@@ -72,7 +72,7 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
                    wait: bool = False, sk_tiles: int = 0, epi_tma: int = 0, epi_count: int = 1,
                    record_tiles: bool = False, dtype: torch.dtype = _types.HEURISTIC_DTYPE,
                    b_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
-                   scale_a: int = _types.SCALE_NONE, scale_b: int = _types.SCALE_NONE):
+                   scale_a: int = _types.SCALE_NONE, scale_b: int = _types.SCALE_NONE, signals: bool = True):
     """triton.compile of the Triton GEMM variant tpfuse.gemm.launch would launch for
     ``a[m, k] @ weight[n, k].t()`` in ``dtype`` (``b_dtype``: the weight's, default the same;
     TMA path) on sm_90: ``gemm_kernel``, ``gemm_sk_kernel`` (a ``stream_k`` config with
@@ -80,7 +80,8 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
     epilogue hook stores through that many TMA descriptors (chunks of ``m // epi_tma`` rows), or
     ``EPI_TMA_STACKED`` (9) through one over all of ``c``); ``record_tiles``: the per-tile
     timeline on (RECORD_TILES). ``out_dtype``: the output's (default: the input's, bfloat16 for
-    fp8); ``scale_a`` / ``scale_b``: scale modes (``kernels/_types.py`` ``SCALE_*``)."""
+    fp8); ``scale_a`` / ``scale_b``: scale modes (``kernels/_types.py`` ``SCALE_*``); ``signals``
+    False: the epilogue hook routes only (an EpilogueSpec without signals)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -106,7 +107,8 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
                 M=m, N=n, K=k, stride_am=k, stride_ak=1, stride_bk=1, stride_bn=k, stride_cm=n, stride_cn=1,
                 chunk_m=m, num_chunks=1, start_chunk=0, scale_a=scales[scale_a], scale_b=scales[scale_b],
                 wait_signal=i32, wait_gen=0, wait_timeout=0,
-                err_ptr=i32, dest_offs=i64, stride_dm=0, signal_ptrs=i64, counters=i32, epi_gen=0,
+                err_ptr=i32, dest_offs=i64, stride_dm=0, signal_ptrs=i64 if signals else None,
+                counters=i32 if signals else None, epi_gen=0,
                 **{f"epi_d{q}": TensorDescriptor.from_tensor(c if stacked else c[:max(m // epi_tma, 1)],
                                                             [bm, bn // cfg.EPI_SUBTILE])
                    if q < (1 if stacked else epi_tma) else None for q in range(8)},
@@ -116,7 +118,8 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
                        TILE_ORDER=tile_order, USE_TMA=True, TMA_STORE=cfg.tma_store, B_KMAJOR=True,
                        C_DTYPE=_types.tl_name(out_dtype), SCALE_A=scale_a, SCALE_B=scale_b, FLATTEN=cfg.flatten,
                        DOT_FP32=False, USE_ASM=True, RECORD_TILES=record_tiles,
-                       STREAM_K=bool(cfg.stream_k) and sk_tiles > 0, WAIT=wait, EPILOGUE=epilogue,
+                       STREAM_K=bool(cfg.stream_k) and sk_tiles > 0, WAIT=wait,
+                       EPILOGUE=(abi.EPI_SIGNALLED if signals else abi.EPI_ROUTE) if epilogue else 0,
                        DEST_ALIGNED=8 if epilogue else 0, EPI_TMA=epi_tma, EPI_COUNT=epi_count).project()
     kernel = getattr(km, spec.KERNEL)
     sig, attrs, constexprs = _signature(
@@ -131,7 +134,7 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
                       tile_order: int = 2, b_kmajor: bool = True, wait: bool = False, record_tiles: bool = False,
                       dtype: torch.dtype = _types.HEURISTIC_DTYPE, b_dtype: torch.dtype | None = None,
                       out_dtype: torch.dtype | None = None, scale_a: int = _types.SCALE_NONE,
-                      scale_b: int = _types.SCALE_NONE, pingpong: bool = False):
+                      scale_b: int = _types.SCALE_NONE, pingpong: bool = False, signals: bool = True):
     """triton.compile of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py) for
     ``a[m, k] @ b`` (``weight[n, k].t()`` or row-major ``[k, n]``) on sm_90, launched as
     tpfuse.gemm.launch launches it; ``epi_tma``: -1 no hook (plain output), else the epilogue hook through
@@ -142,7 +145,8 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
     ``scale_b`` (``kernels/_types.py`` ``SCALE_*``) as :func:`compile_kernel` takes them; fp8
     wants ``block``'s K at 128 (ws_choice's). ``pingpong``: the ping-pong kernel
     (tpfuse/kernels/gemm_pp.py; fp8, 128x128x128, b K-major; the hooks and records as for
-    gemm_ws) with its own launch geometry (4 warps per consumer, ``gemm_pp.MAXNREG``)."""
+    gemm_ws) with its own launch geometry (4 warps per consumer, ``gemm_pp.MAXNREG``). ``signals``
+    False: the epilogue hook routes only (an EpilogueSpec without signals)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -172,13 +176,14 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
                 chunk_m=m // chunks, num_chunks=chunks, start_chunk=0,
                 wait_signal=torch.empty(4, dtype=torch.int32) if wait else None, wait_gen=1, wait_timeout=10**9,
                 err_ptr=torch.empty(8, dtype=torch.int32) if wait else None,
-                counters=torch.empty(4, dtype=torch.int32) if hook else None,
-                signal_ptrs=torch.empty(4, dtype=torch.int64) if hook else None, epi_gen=1,
+                counters=torch.empty(4, dtype=torch.int32) if hook and signals else None,
+                signal_ptrs=torch.empty(4, dtype=torch.int64) if hook and signals else None, epi_gen=1,
                 **{f"epi_d{q}": c_desc if q < descs else None for q in range(8)},
                 tile_records=torch.empty(4, abi.TILE_RECORD_COLUMNS, dtype=torch.int64) if record_tiles else None,
                 scale_a=scales[scale_a], scale_b=scales[scale_b])
     cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, TILE_ORDER=tile_order,
-                B_KMAJOR=b_kmajor, EPILOGUE=hook, EPI_TMA=max(epi_tma, 0), WAIT=wait, RECORD_TILES=record_tiles,
+                B_KMAJOR=b_kmajor,
+                EPILOGUE=(abi.EPI_SIGNALLED if signals else abi.EPI_ROUTE) if hook else 0, EPI_TMA=max(epi_tma, 0), WAIT=wait, RECORD_TILES=record_tiles,
                 SCALE_A=scale_a, SCALE_B=scale_b, num_warps=num_warps)
     sig, attrs, constexprs = _signature(kernel.arg_names, args, cons,
                                         lambda name, v: name in ("M", "N", "K") and v % 16 == 0)

@@ -56,7 +56,7 @@ class HookedSpec(PersistentSpec):
     KERNEL: ClassVar[str] = "gemm_hooked_kernel"
     STREAM_K: bool
     WAIT: bool
-    EPILOGUE: bool
+    EPILOGUE: int         # epilogue hook: 0 off, abi.EPI_SIGNALLED, abi.EPI_ROUTE (no signals)
     DEST_ALIGNED: int     # epilogue hook: the destinations' common alignment in elements (0: none)
     EPI_TMA: int          # epilogue hook's TMA descriptors (abi.EPI_TMA_*)
     EPI_COUNT: int        # epilogue hook's count mode (abi.EPI_COUNT_*)

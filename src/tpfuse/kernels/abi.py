@@ -47,6 +47,13 @@ WAIT_SLOT_READY = 7  # sm_workers' worker CTAs: their producer to fill a staging
 MAX_TMA_DESTS = 8
 EPI_TMA_STACKED = 9
 
+# EPILOGUE (the kernels' epilogue hook constexpr): 0 off; EPI_SIGNALLED: route each row to its
+# chunk's destination, count the stored tiles, publish a chunk once complete; EPI_ROUTE: route
+# only (an EpilogueSpec without signals: the fused GEMM+RS/AR, whose owners learn of the rows
+# from READY after the launch), no count, no fence, no publication.
+EPI_SIGNALLED = 1
+EPI_ROUTE = 2
+
 # EPI_COUNT (how the epilogue hook counts stored tiles; docs/gemm_core.md, "Hooks' contract"):
 EPI_COUNT_RETURNING = 1   # acq_rel at GPU scope, read at once; the chunk's last count publishes
 EPI_COUNT_AFTER_LOOP = 3  # a release that returns nothing, after the next tile's main loop; a poller per chunk

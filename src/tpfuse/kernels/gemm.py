@@ -55,6 +55,8 @@ Hooks (constexpr, compiled away when off; :func:`gemm_hooked_kernel` only):
   tile loops) makes that count COUNT_STEP K-steps into the next tile's main loop instead, under
   its MMAs, so the chunk is published most of a tile earlier (``_count_in_loop``).
   Destinations stacked as one tensor's rows store through one descriptor (EPI_TMA_STACKED).
+  That is ``EPILOGUE == EPI_SIGNALLED``; ``EPI_ROUTE`` (an EpilogueSpec without signals) makes
+  the stores only: nothing counted, nothing published.
 
 Per-tile timeline (``RECORD_TILES`` constexpr, compiled away when off; tile_records.py): tile
 ``pid_m * num_pid_n + pid_n``'s row of ``tile_records`` gets its program, SM and the clock
@@ -97,6 +99,7 @@ MAX_COUNTED_TILES = HANDOFF
 # row c * chunk_m of the first one's): one descriptor, epi_d0, over all M rows, so a tile is
 # stored at its own row as the plain output is (one code path instead of one per chunk)
 EPI_TMA_STACKED = tl.constexpr(abi.EPI_TMA_STACKED)
+EPI_SIGNALLED = tl.constexpr(abi.EPI_SIGNALLED)
 # EPI_COUNT=4: the previous tile is counted at this K-step of the next tile's main loop (or its
 # last, if it has fewer): late enough for the previous tile's TMA stores to have drained, and
 # with this K-step's MMAs in flight, so the release's fence waits under them
@@ -816,6 +819,8 @@ def gemm_hooked_kernel(
     start_pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     C_TMA: tl.constexpr = USE_TMA and TMA_STORE
+    # EPILOGUE: EPI_SIGNALLED counts the stored tiles and publishes chunks; EPI_ROUTE only routes
+    COUNT: tl.constexpr = EPILOGUE == EPI_SIGNALLED
     epi_descs = (epi_d0, epi_d1, epi_d2, epi_d3, epi_d4, epi_d5, epi_d6, epi_d7)
     num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -852,8 +857,8 @@ def gemm_hooked_kernel(
         acc, seen, sig = _mainloop(a, b, off_m, off_n, 0, k_tiles, M, N, K, stride_am, stride_ak, stride_bk,
                                    stride_bn, pend_lo, cnt_n, poll_q, counters, signal_ptrs, BLOCK_M, BLOCK_N,
                                    BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32,
-                                   EPILOGUE and EPI_COUNT == 4, EPI_TMA, USE_ASM)
-        if EPILOGUE:
+                                   COUNT and EPI_COUNT == 4, EPI_TMA, USE_ASM)
+        if COUNT:
             poll_q, merge = _count_previous(pend_lo, pend_hi, pend_n, pend_poll, poll_q, c_lo, seen, sig, M,
                                             chunk_m, num_pid_n, counters, signal_ptrs, epi_gen, status,
                                             BLOCK_M, EPI_TMA, EPI_COUNT, USE_ASM)
@@ -862,7 +867,7 @@ def gemm_hooked_kernel(
                     EPI_TMA, SCALE_A, SCALE_B, False)
         if RECORD_TILES:
             _record(tile_records, off_m, off_n, num_pid_n, rec_t0, rec_tw, step, BLOCK_M, BLOCK_N, USE_ASM)
-        if EPILOGUE:   # after the stores (see _carry)
+        if COUNT:   # after the stores (see _carry)
             pend_lo, pend_hi, pend_poll, pend_n, cnt_n = _pend_stored(
                 off_m, off_n, c_lo, c_hi, pend_poll, pend_n, cnt_n, merge, work_id, num_progs, num_work, M,
                 chunk_m, num_chunks, start_chunk, num_pid_n, BLOCK_M, BLOCK_N, TILE_ORDER, EPI_COUNT, USE_ASM)
@@ -886,7 +891,7 @@ def gemm_hooked_kernel(
                     rec_tw = tile_clock(step, 1, USE_ASM)
             acc = _kloop(a, b, off_m, off_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                          BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_KMAJOR, DOT_FP32)
-            if EPILOGUE:   # the previous stored tile, counted late as in the loop above
+            if COUNT:   # the previous stored tile, counted late as in the loop above
                 if EPI_COUNT >= 3:
                     poll_q = _count_and_poll(pend_lo, pend_hi, pend_n, pend_poll, poll_q, M, chunk_m, num_pid_n,
                                              counters, signal_ptrs, epi_gen, status, BLOCK_M, EPI_TMA,
@@ -900,7 +905,7 @@ def gemm_hooked_kernel(
                             DEST_ALIGNED, EPI_TMA, SCALE_A, SCALE_B, False)
                 if RECORD_TILES:
                     _record(tile_records, off_m, off_n, num_pid_n, rec_t0, rec_tw, step, BLOCK_M, BLOCK_N, USE_ASM)
-                if EPILOGUE:
+                if COUNT:
                     pend_lo = c_lo
                     pend_hi = c_hi
                     if EPI_COUNT >= 3:
@@ -909,7 +914,7 @@ def gemm_hooked_kernel(
             else:
                 is_last = _sk_partial(acc, ws, start_pid, it, lo, tile_counters, tile_id, k_hi - k_lo, k_tiles,
                                       BLOCK_M, BLOCK_N)
-                if EPILOGUE:   # the tile's chunks are pending only where this segment stores it
+                if COUNT:   # the tile's chunks are pending only where this segment stores it
                     pend_lo = c_lo
                     pend_hi = tl.where(is_last, c_hi, c_lo - 1)
                     if EPI_COUNT >= 3:
@@ -931,7 +936,7 @@ def gemm_hooked_kernel(
                     if RECORD_TILES:   # the segment that completed the tile stands for it
                         _record(tile_records, off_m, off_n, num_pid_n, rec_t0, rec_tw, step, BLOCK_M, BLOCK_N,
                                 USE_ASM)
-    if EPILOGUE:
+    if COUNT:
         if EPI_COUNT >= 3:
             _count_red(pend_lo, pend_hi, pend_n, counters, EPI_TMA, USE_ASM)
             poll_q = _take_poll(pend_poll, pend_lo, poll_q, counters, USE_ASM)

@@ -40,6 +40,8 @@ other tile's release, resets the counter to 0 for the next launch and publishes 
 with a system-scope release (``fence.acq_rel.sys`` + relaxed store). One GPU counts, so the
 count is GPU-scope; the system-scope release is cumulative (see gemm.py, ``_count_and_publish``).
 Nobody spins on another program, so programs need not be co-resident.
+That is ``EPILOGUE == EPI_SIGNALLED``; with ``EPI_ROUTE`` (an EpilogueSpec without signals:
+the fused GEMM+RS/AR) the store warp stores and goes on, nothing counted or published.
 
 Destinations: one TMA descriptor per chunk (``EPI_TMA`` = number of chunks, at most 8, every
 tile inside one chunk) or one over stacked destinations (``EPI_TMA_STACKED``: a tile may
@@ -85,6 +87,7 @@ from .signals import record_timeout
 from .tile_records import record_end, record_start, tile_clock
 
 EPI_TMA_STACKED = gl.constexpr(abi.EPI_TMA_STACKED)
+EPI_SIGNALLED = gl.constexpr(abi.EPI_SIGNALLED)
 # SCALE_A / SCALE_B (kernels/_types.py, as gemm.py): no scale, one value, one per row of a / column of b
 SCALE_NONE = gl.constexpr(_types.SCALE_NONE)
 SCALE_TENSOR = gl.constexpr(_types.SCALE_TENSOR)
@@ -260,9 +263,9 @@ def _store_tile_and_count(c_smem, c_empty, epi_descs, off_m, off_n, M, chunk_m, 
     """The store warp's work on one staged tile (gemm_ws's and gemm_pp's): the TMA store of
     ``c_smem`` to the tile at ``(off_m, off_n)`` -- through ``epi_descs[0]`` (the output, or
     the stacked destinations' one descriptor) or, per-chunk descriptors, the tile's chunk's --,
-    ``c_empty`` arrived once the buffer has been read out, then with the epilogue hook the
-    count of the tile in every chunk its rows touch (``_COUNT_ASM``: the count completing a
-    chunk publishes it)."""
+    ``c_empty`` arrived once the buffer has been read out, then with the signalled epilogue
+    hook (``EPILOGUE == EPI_SIGNALLED``; ``EPI_ROUTE`` stores only) the count of the tile in
+    every chunk its rows touch (``_COUNT_ASM``: the count completing a chunk publishes it)."""
     if EPILOGUE and EPI_TMA != EPI_TMA_STACKED:
         # one descriptor per chunk, over that chunk's rows (the tile lies in one chunk)
         q_tile = off_m // chunk_m
@@ -273,7 +276,7 @@ def _store_tile_and_count(c_smem, c_empty, epi_descs, off_m, off_n, M, chunk_m, 
         tma.async_copy_shared_to_global(epi_descs[0], [off_m, off_n], c_smem)
     tma.store_wait(0)   # the staging buffer has been read out
     mbarrier.arrive(c_empty, count=1)
-    if EPILOGUE:
+    if EPILOGUE == EPI_SIGNALLED:
         c_lo = off_m // chunk_m
         c_hi = (gl.minimum(off_m + BLOCK_M, M) - 1) // chunk_m
         for cc in range(c_lo, c_hi + 1):

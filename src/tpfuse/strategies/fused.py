@@ -28,9 +28,13 @@
 
 The arrival words are this rank's own (one producer, one consumer, in stream order): they
 hold 1 while a call runs and are reset to 0 on the compute stream after the GEMM (by the call's
-last launch, the NaN fill), before the next call's side stream can touch them; the epilogue hook's per-chunk words are published with 1
-and read by nobody (READY follows the launch).  So the hooks' generation is the constant 1, which
-a CUDA graph may replay; cross-rank flags keep the workspace's device-memory generations.
+last launch, the NaN fill), before the next call's side stream can touch them.  So the wait
+hook's generation is the constant 1, which a CUDA graph may replay; cross-rank flags keep the
+workspace's device-memory generations.  The epilogue hook runs without signals (it routes the
+rows only): READY, raised once after the launch, is what tells an owner its rows landed, so
+per-chunk words would be read by nobody, and their counts and publication cost the GEMM (~4 %
+of a 49 us fp8 call on the H200).  DESIGN.md §2 has the RS epilogue signal per chunk; a
+per-chunk relay of those signals was tried and not kept (docs/ops.md).
 
 fp8 (``scale_a``, ``scale_b``, ``out_dtype`` given; e4m3, or e5m2 with e4m3): the same launches
 with fp8 operands, the scales applied in the GEMM's epilogue (``tpfuse.gemm.matmul``'s
@@ -470,7 +474,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, ctx: GroupContext, scale_a: 
 
 class _PartialsPlan:
     """gemm_rs / gemm_ar phase 1 of one shape: the epilogue spec (each owner's inbox slot for
-    this rank, this rank's own per-chunk words), this rank's inbox in rank order, the tables."""
+    this rank; no signals), this rank's inbox in rank order, the tables."""
 
     def __init__(self, ws: symm.Workspace, bounds: list[tuple[int, int]], slot_rows: int, n: int):
         from tpfuse.gemm import EpilogueSpec
@@ -482,11 +486,11 @@ class _PartialsPlan:
         self.ready_out = ws.outgoing("READY", self.peers)
         self.ready_in = ws.incoming("READY", self.peers)
         self.done_out = ws.outgoing("DONE", self.peers)
-        # the hook's per-chunk words are this rank's own, published with 1 and read by nobody (READY
-        # follows the launch): never reset, a launch less per call
-        self.sent = _local_words(ws, "sent", world_size)
+        # the hook without signals: it routes each owner's rows into that owner's inbox and
+        # publishes nothing (READY follows the launch, so nobody would read per-chunk words); no
+        # count, no fence, no publication in the GEMM
         dests = [ws.data(owner, (slot_rows, n), offset=rank * slot_rows * n) for owner in range(world_size)]
-        self.epilogue = EpilogueSpec.from_tensors(dests, self.sent, generation=1, chunk_m=self.chunk_m)
+        self.epilogue = EpilogueSpec.from_tensors(dests, None, generation=1, chunk_m=self.chunk_m)
         self.sources = [ws.data(rank, (slot_rows, n), offset=src * slot_rows * n)[: bounds[rank][1] - bounds[rank][0]]
                         for src in range(world_size)]
         self.start_chunk = (rank + 1) % world_size
