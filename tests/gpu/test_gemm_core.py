@@ -326,6 +326,35 @@ def test_epilogue_routes_and_publishes_several_generations(chunk_m, tma, sub, fl
                                options=gc.GemmOptions(gluon=False, epi_tma=tma))
 
 
+ROUTE_CASES = [("gemm_kernel", BIG, 512), ("gemm_kernel", FLAT, 517)] + ([("gemm_ws_kernel", BIG, 512)] if WS_GPU else [])
+
+
+@pytest.mark.parametrize("kernel,config,chunk_m", ROUTE_CASES,
+                         ids=[f"{k}-{'flat' if c.flatten else 'nested'}-{cm}" for k, c, cm in ROUTE_CASES])
+def test_epilogue_without_signals_stores_what_the_signalled_hook_stores(kernel, config, chunk_m):
+    # fused gemm_rs / gemm_ar's hook: no signals, so no count and no publication; the rows it
+    # stores are the signalled hook's, bitwise (per-chunk TMA descriptors at 512 rows; pointer
+    # stores at 517, tiles straddling two destinations), and nothing past a chunk is written
+    m, k, n = 8 * chunk_m, 1024, 1536
+    a, b, ref = _operands(m, k, n, torch.bfloat16, "weight_t", seed=4)
+    got = {}
+    for signalled in (True, False):
+        dests = [torch.full((chunk_m + 8, n), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+        signals = torch.zeros(8, dtype=torch.int32, device="cuda")
+        spec = gc.EpilogueSpec.from_tensors(dests, signals if signalled else None, 3, chunk_m)
+        options = gc.GemmOptions(gluon=kernel == "gemm_ws_kernel")
+        for _ in range(2):   # the JIT launch, then the direct one
+            gc.matmul(a, b, config=config, tile_order="owner", start_chunk=3, epilogue=spec, options=options)
+        torch.cuda.synchronize()
+        plan = gc.last_plan()
+        assert plan.kernel == kernel and plan.epi_tma == (8 if chunk_m % 128 == 0 else 0), plan.explain()
+        assert signals.tolist() == [3 if signalled else 0] * 8
+        assert all(torch.isnan(d[chunk_m:]).all() for d in dests)
+        got[signalled] = torch.cat([d[:chunk_m] for d in dests])
+    _assert_close(got[False], ref, torch.bfloat16)
+    assert torch.equal(got[False], got[True])
+
+
 @pytest.mark.parametrize("chunk_m,chunks", [(512, 8), (517, 8), (96, 16)])
 @pytest.mark.parametrize("sub", [1, 2])
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])

@@ -131,12 +131,14 @@ def test_pingpong_hooks_match_the_plain_call_bitwise():
     assert signals.tolist() == [1] * 4 and not counters.any()
 
 
+@pytest.mark.parametrize("signalled", [True, False], ids=["signalled", "route_only"])
 @pytest.mark.parametrize("mode", ["tensor", "row"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_pingpong_epilogue_hook_per_chunk_matches_the_plain_call_bitwise(mode, out_dtype):
+def test_pingpong_epilogue_hook_per_chunk_matches_the_plain_call_bitwise(mode, out_dtype, signalled):
     # gemm_rs's case: one destination per chunk (per-chunk TMA descriptors, 8 rows apart so not
-    # stacked), gemm_pp's store warp counting and publishing; bitwise the plain gemm_pp call and
-    # gemm_kernel's; two generations: the JIT launch, then the direct one
+    # stacked), gemm_pp's store warp counting and publishing (or, without signals, as fused
+    # gemm_rs / gemm_ar run it, storing only); bitwise the plain gemm_pp call and gemm_kernel's;
+    # two generations: the JIT launch, then the direct one
     m, n, k, chunk_m = 1024, 1024, 2048, 256
     a, b, sa, sb = _operands(m, n, k, mode, seed=5)
     plain, plan = _call(a, b, sa, sb, out_dtype, PP)
@@ -148,14 +150,14 @@ def test_pingpong_epilogue_hook_per_chunk_matches_the_plain_call_bitwise(mode, o
     for generation in (1, 2):
         for d in dests:
             d.fill_(float("nan"))
-        spec = gc.EpilogueSpec.from_tensors(dests, signals, generation, chunk_m)
+        spec = gc.EpilogueSpec.from_tensors(dests, signals if signalled else None, generation, chunk_m)
         gc.matmul(a, b, config=PP, tile_order="owner", start_chunk=1, epilogue=spec, scale_a=sa, scale_b=sb,
                   out_dtype=out_dtype)
         plan = gc.last_plan()
         assert plan.kernel == "gemm_pp_kernel" and plan.epi_tma == m // chunk_m, plan.explain()
         assert plan.ws_stages == (5 if out_dtype == torch.bfloat16 else 3)
         torch.cuda.synchronize()
-        assert signals.tolist() == [generation] * (m // chunk_m)
+        assert signals.tolist() == [generation if signalled else 0] * (m // chunk_m)
         assert torch.equal(torch.cat(dests), plain) and torch.equal(plain, ref)
 
 
