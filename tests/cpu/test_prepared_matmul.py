@@ -147,16 +147,21 @@ def test_a_call_of_another_kind_goes_through_matmul_again(monkeypatch, change):
     assert len(L._PLANS) + env.plans > calls      # a new matmul key (and plan) for it
 
 
+@pytest.mark.parametrize("signalled", [True, False], ids=["signalled", "route_only"])
 @pytest.mark.parametrize("kernel", GLUON_KERNELS)
-def test_the_epilogue_hooks_descriptors_are_kept(monkeypatch, kernel):
+def test_the_epilogue_hooks_descriptors_are_kept(monkeypatch, kernel, signalled):
+    # with signals or without (fused gemm_rs / gemm_ar's spec): the destinations' descriptors
+    # kept, a and b's taken per call
     env = Env(monkeypatch, epilogue=True, kernel=kernel)
     dests = torch.empty(M, N, dtype=torch.bfloat16)
-    spec = EpilogueSpec.from_tensors([dests[:M // W], dests[M // W:]], torch.zeros(W, dtype=torch.int32),
+    spec = EpilogueSpec.from_tensors([dests[:M // W], dests[M // W:]],
+                                     torch.zeros(W, dtype=torch.int32) if signalled else None,
                                      generation=1, chunk_m=M // W)
     fixed = dict(tile_order="owner", start_chunk=1, epilogue=spec, num_sms=4)
     call = PreparedMatmul(**fixed)
     a, b, _ = _tensors(0)
     assert call(a, b) is None and call._kept is not None
+    assert sorted(call._kept[5]) == [2, 16]   # the destinations' (c_desc and epi_d0), not a's or b's
     a, b, _ = _tensors(1)
     call(a, b)
     L.matmul(a, b, **fixed)

@@ -326,7 +326,8 @@ def test_epilogue_routes_and_publishes_several_generations(chunk_m, tma, sub, fl
                                options=gc.GemmOptions(gluon=False, epi_tma=tma))
 
 
-ROUTE_CASES = [("gemm_kernel", BIG, 512), ("gemm_kernel", FLAT, 517)] + ([("gemm_ws_kernel", BIG, 512)] if WS_GPU else [])
+ROUTE_CASES = ([("gemm_kernel", BIG, 512), ("gemm_kernel", FLAT, 517)]
+               + ([("gemm_ws_kernel", BIG, 512)] if WS_GPU else []))
 
 
 @pytest.mark.parametrize("kernel,config,chunk_m", ROUTE_CASES,

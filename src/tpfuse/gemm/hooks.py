@@ -62,8 +62,9 @@ class EpilogueSpec:
     ``dest_offsets``: int64 ``[num_chunks]`` element offsets of each destination from
     ``base.data_ptr()`` (peer buffers in the fused strategies). ``signal_ptrs``: int64
     ``[num_chunks]`` addresses of int32 signal words, or None. ``counters``: int32
-    ``[num_chunks]`` zeros, left at zero by every completed launch, or None (no signals). ``align_elems``: elements per 16 bytes when every
-    destination and the row stride are 16-byte aligned (vector stores), else 0. ``dests``: the
+    ``[num_chunks]`` zeros, left at zero by every completed launch, or None (no signals).
+    ``align_elems``: elements per 16 bytes when every destination and the row stride are
+    16-byte aligned (vector stores), else 0. ``dests``: the
     destination tensors, one per chunk, when known (:meth:`from_tensors` keeps them): with them,
     16-byte alignment, at most 8 chunks and ``chunk_m`` a multiple of the tile height, a
     TMA-path launch stores each tile through a TMA descriptor per destination instead of

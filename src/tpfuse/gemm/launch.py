@@ -799,8 +799,8 @@ def _launch_gemm_kernel(plan: LaunchPlan, plan_key, values: dict, device) -> Non
                    plan.options.direct_launch)
 
 
-def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, epi_mode=0, counters=None, signal_ptrs=None,
-               generation=0, epi_descs=None, wait_signal=None, wait_gen=0, wait_timeout_ns=0,
+def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, epi_mode=0, counters=None,
+               signal_ptrs=None, generation=0, epi_descs=None, wait_signal=None, wait_gen=0, wait_timeout_ns=0,
                err=None, tile_records=None, scale_a=None, scale_b=None) -> None:
     """The Gluon kernel on ``a [M, K] @ b [K, N]`` (``b`` row-major or ``weight.t()``) into
     ``out``, or with ``dests`` (the epilogue hook) into one destination per chunk (``stacked``:
@@ -874,7 +874,7 @@ def _launch_ws(plan: LaunchPlan, a, b, *, out=None, dests=(), stacked=False, epi
             _LAUNCHES["direct"] += 1
             _LAUNCHES["direct_tma"] += 1
             # what PreparedMatmul repeats: the arguments but the descriptors of a, b (and out) and the scales
-            _LAST_WS_LOCAL.parts = (plan, direct, (grid, 1, 1), args, descs, epilogue, len(head) + len(epi) + 1)
+            _LAST_WS_LOCAL.parts = (plan, direct, (grid, 1, 1), args, descs, bool(epilogue), len(head) + len(epi) + 1)
             return
     a_desc = _gluon_descriptor(a, (m, k), (a.stride(0), 1), (bm, bk))
     if b_kmajor:

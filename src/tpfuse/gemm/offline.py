@@ -72,7 +72,8 @@ def compile_kernel(m: int, n: int, k: int, cfg, epilogue: bool = False, tile_ord
                    wait: bool = False, sk_tiles: int = 0, epi_tma: int = 0, epi_count: int = 1,
                    record_tiles: bool = False, dtype: torch.dtype = _types.HEURISTIC_DTYPE,
                    b_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
-                   scale_a: int = _types.SCALE_NONE, scale_b: int = _types.SCALE_NONE, signals: bool = True):
+                   scale_a: int = _types.SCALE_NONE, scale_b: int = _types.SCALE_NONE,
+                   signals: bool = True):
     """triton.compile of the Triton GEMM variant tpfuse.gemm.launch would launch for
     ``a[m, k] @ weight[n, k].t()`` in ``dtype`` (``b_dtype``: the weight's, default the same;
     TMA path) on sm_90: ``gemm_kernel``, ``gemm_sk_kernel`` (a ``stream_k`` config with
@@ -183,7 +184,8 @@ def compile_ws_kernel(m: int, n: int, k: int, block=(128, 256, 64), stages: int 
                 scale_a=scales[scale_a], scale_b=scales[scale_b])
     cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, TILE_ORDER=tile_order,
                 B_KMAJOR=b_kmajor,
-                EPILOGUE=(abi.EPI_SIGNALLED if signals else abi.EPI_ROUTE) if hook else 0, EPI_TMA=max(epi_tma, 0), WAIT=wait, RECORD_TILES=record_tiles,
+                EPILOGUE=(abi.EPI_SIGNALLED if signals else abi.EPI_ROUTE) if hook else 0, EPI_TMA=max(epi_tma, 0),
+                WAIT=wait, RECORD_TILES=record_tiles,
                 SCALE_A=scale_a, SCALE_B=scale_b, num_warps=num_warps)
     sig, attrs, constexprs = _signature(kernel.arg_names, args, cons,
                                         lambda name, v: name in ("M", "N", "K") and v % 16 == 0)
