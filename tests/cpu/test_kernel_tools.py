@@ -971,3 +971,54 @@ def test_offline_epilogue_without_signals_counts_and_fences_nothing(kernel):
     assert re.search(sync, signalled), "the signalled hook lost its count or publication"
     assert not re.search(sync, routed), re.findall(sync, routed)
     assert routed.count("UTMASTG") == signalled.count("UTMASTG") > 0   # the same routed stores
+
+
+def _route_plan(monkeypatch, cfg, signals=False, m=4096, chunks=8):
+    """_make_plan of an fp8 epilogue-hook call (owner order, ``chunks`` destinations of one
+    allocation each, with or without signals) as on sm_90 with TMA, but without inline PTX, so
+    gemm_kernel takes it (ws_choice: "no inline PTX"); CPU tensors, as under the interpreter."""
+    monkeypatch.setattr(launch, "interpreting", lambda: True)
+    monkeypatch.setattr(launch, "_tma_ok", lambda *args: (True, ""))
+    n, k, chunk_m = 1024, 256, m // chunks
+    a = torch.zeros(m, k).to(E4M3)
+    b = torch.zeros(n, k).to(E4M3).t()
+    dests = [torch.empty(chunk_m, n, dtype=torch.bfloat16) for _ in range(chunks)]
+    sig = torch.zeros(chunks, dtype=torch.int32) if signals else None
+    spec = gc.EpilogueSpec.from_tensors(dests, sig, 1, chunk_m)
+    return launch._make_plan(a, b, None, cfg, "owner", None, 1, None, spec, None, None, gc.GemmOptions(),
+                             scale_a=torch.ones(()), scale_b=torch.ones(()))
+
+
+def test_the_hook_without_signals_stores_by_pointer_in_a_flattened_tile_loop(monkeypatch):
+    # On the H200 every fp8 gemm_kernel config with flatten=True failed to compile with the hook
+    # without signals through per-chunk TMA descriptors (Triton's FuseNestedLoops: "scf.if ...
+    # source has 1 operands, but target successor needs 2"; Triton 3.6, 3.7 and 3.8 alike).
+    # Plans take pointer stores there and say why; nested loops, stacked destinations and the
+    # signalled hook keep their descriptors.
+    flat = dataclasses.replace(_FP8, flatten=True)
+    plan = _route_plan(monkeypatch, flat)
+    assert plan.kernel == "gemm_kernel" and plan.epi_tma == 0 and plan.spec.EPI_TMA == 0
+    assert plan.spec.FLATTEN and any("pointer stores" in r for r in plan.reasons), plan.reasons
+    for cfg, signals in ((_FP8, False), (flat, True)):
+        plan = _route_plan(monkeypatch, cfg, signals)
+        assert plan.epi_tma == plan.spec.EPI_TMA == 8, (cfg, signals)
+        assert not any("pointer stores" in r for r in plan.reasons)
+    routed = gc.EpilogueSpec.from_tensors([torch.empty(64, 16)] * 2, None, 1, 64)
+    assert launch.route_tma_fallback(routed, abi.EPI_TMA_STACKED, True) == (abi.EPI_TMA_STACKED, "")
+    assert launch.route_tma_fallback(None, 0, True) == (0, "")
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton without its bundled ptxas")
+def test_what_plans_launch_with_the_hook_without_signals_compiles():
+    # the offline sm_90 compile of the route-only hook in gemm_kernel: flattened with pointer
+    # stores (what plans take, above), nested with per-chunk descriptors, flattened with stacked
+    # destinations; and the per-chunk descriptors in a flattened loop still fail (when a Triton
+    # compiles them, route_tma_fallback can go: this test then says so)
+    compile_kernel, sass_of = _offline_tools(pinned=False)
+    flat = dataclasses.replace(_FP8, flatten=True, EPI_SUBTILE=2)
+    kw = dict(epilogue=True, tile_order=2, signals=False, dtype=E4M3, scale_a=2, scale_b=2)
+    for cfg, epi_tma in ((flat, 0), (_FP8, 8), (flat, abi.EPI_TMA_STACKED)):
+        sass, _ = sass_of(compile_kernel(4096, 4096, 1792, cfg, epi_tma=epi_tma, **kw).asm["cubin"])
+        assert ("UTMASTG" in sass) == (epi_tma > 0), (cfg, epi_tma)
+    with pytest.raises(Exception, match="PassManager::run failed"):
+        compile_kernel(4096, 4096, 1792, flat, epi_tma=8, **kw)

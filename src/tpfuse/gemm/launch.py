@@ -528,6 +528,21 @@ def epilogue_tma_dests(epilogue, tma_store, num_chunks, block_m, options: GemmOp
     return num_chunks
 
 
+def route_tma_fallback(epilogue, epi_tma: int, flatten: bool) -> tuple[int, str]:
+    """gemm_kernel's EPI_TMA for a launch that :func:`ws_choice` left to it: ``epi_tma``, or 0
+    (pointer stores) with the reason where the epilogue hook without signals would store
+    through per-chunk TMA descriptors in a flattened tile loop (``flatten``). Triton 3.6, 3.7
+    and 3.8 fail to compile that loop: their FuseNestedLoops pass builds an invalid ``scf.if``
+    ("region control flow edge ... source has 1 operands, but target successor needs 2") when
+    the tile's last work is the per-chunk stores, each under an ``if``; with signals the counts
+    follow them and it compiles, as do pointer stores and one descriptor over stacked
+    destinations (offline sm_90 compiles, tests/cpu/test_kernel_tools.py)."""
+    if (epilogue is None or epilogue.signalled or not flatten or not 0 < epi_tma <= abi.MAX_TMA_DESTS):
+        return epi_tma, ""
+    return 0, ("epilogue hook without signals in a flattened tile loop: pointer stores, not per-chunk TMA "
+               "descriptors (Triton's loop flattening fails on those: route_tma_fallback)")
+
+
 def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilogue, use_tma, num_sms_cap,
                options, record_tiles=False, out_dtype=None, scale_a=None, scale_b=None) -> LaunchPlan:
     b_kmajor, out_dtype = _check_operands(a, b, out, out_dtype)
@@ -626,6 +641,11 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
                                    out_dtype)
     if why_pp:
         reasons.append(why_pp)
+    if not ws:
+        epi_tma, why_ptr = route_tma_fallback(epilogue, epi_tma, cfg.flatten)
+        if why_ptr:
+            reasons.append(why_ptr)
+            spec = compile_spec(cfg)
     if not ws and source != "argument" and device.type == "cuda" and not interpreting():
         # a cached or heuristic config was chosen for a shape and input dtype, whatever the
         # output's (config.fit_shared_memory); one passed in is launched as given
