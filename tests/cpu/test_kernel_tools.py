@@ -1022,3 +1022,29 @@ def test_what_plans_launch_with_the_hook_without_signals_compiles():
         assert ("UTMASTG" in sass) == (epi_tma > 0), (cfg, epi_tma)
     with pytest.raises(Exception, match="PassManager::run failed"):
         compile_kernel(4096, 4096, 1792, flat, epi_tma=8, **kw)
+
+
+def test_fp8_hooks_run_in_the_gemm_kernel_config_the_tuner_chose():
+    # an fp8 config chosen for the shape (tuning cache or passed in) that is not a Gluon one:
+    # the wait hook and the hook without signals run gemm_kernel, the kernel it was timed in;
+    # the signalled hook, a Gluon config, default_config's (not chosen) and bf16 take the
+    # Gluon kernel as before
+    sm90 = (9, 0)
+    dests = [torch.empty(128, 256, dtype=torch.bfloat16) for _ in range(2)]
+    routed = gc.EpilogueSpec.from_tensors(dests, None, 1, 128)
+    signalled = gc.EpilogueSpec.from_tensors(dests, torch.zeros(2, dtype=torch.int32), 1, 128)
+    wait = object()
+
+    def choice(cfg, epi, hook_wait, chosen=True, dtype=E4M3):
+        return launch.ws_choice(sm90, dtype, cfg, epi, hook_wait, 2 if epi is not None else 0, True,
+                                out_tma=epi is None, out_dtype=torch.bfloat16 if dtype == E4M3 else None,
+                                chosen=chosen)
+    for epi, hook_wait, what in ((None, wait, "wait hook"), (routed, None, "without signals")):
+        got, why = choice(_FP8, epi, hook_wait)
+        assert got == () and what in why and "timed in" in why, why
+        assert choice(_FP8, epi, hook_wait, chosen=False)[0] == ((128, 256, 128), 3)
+        assert choice(_GLUON_256, epi, hook_wait)[0] == ((128, 256, 128), 3)
+        bf16 = dataclasses.replace(_FP8, BLOCK_K=64)
+        assert choice(bf16, epi, hook_wait, dtype=torch.bfloat16)[0] == ((128, 256, 64), 3)
+    got, why = choice(_FP8, signalled, None)
+    assert got == ((128, 256, 128), 3) and "counts and publishes" in why

@@ -378,7 +378,8 @@ def _ws_dtypes_why_not(dtype, b_dtype, out_dtype, scale_a, scale_b, b_kmajor) ->
 
 def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0, programs=0,
               out_tma=False, options: GemmOptions = DEFAULT_OPTIONS, *, b_dtype=None, out_dtype=None,
-              scale_a=_types.SCALE_NONE, scale_b=_types.SCALE_NONE, b_kmajor=True) -> tuple[tuple, str]:
+              scale_a=_types.SCALE_NONE, scale_b=_types.SCALE_NONE, b_kmajor=True,
+              chosen: bool = False) -> tuple[tuple, str]:
     """``((block, stages), why)`` of the warp-specialized Gluon kernel (tpfuse/kernels/gemm_ws.py)
     for a launch with one hook or a hook-free fp8 launch whose config asks for it, or ``((), why
     not)`` for gemm_kernel.
@@ -402,6 +403,13 @@ def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0
     waves of ``programs`` better by more than 5 points than 256-wide ones (8B fc1 at M = 4096:
     0.97 against 0.85), it takes those.
 
+    fp8 hooks with a config ``chosen`` for the shape (the tuning cache's, or passed in; not
+    default_config's) that is not a Gluon one (``cfg.gluon`` False): gemm_kernel, the kernel the
+    config was timed in -- the tuner keeps such a config only where it timed faster than every
+    Gluon finalist (:func:`tpfuse.gemm.prefer_gluon`) -- for the wait hook and the epilogue hook
+    without signals (routed stores: nothing to move off the MMA warps). The signalled epilogue
+    hook still takes the Gluon kernel (its store warp counts and publishes).
+
     No hook: only with ``cfg.gluon`` (the tuner keeps such a config where it timed faster), for
     fp8 into a TMA-stored ``out`` (``out_tma``), with the dtype, tile, capability and options
     rules above; the config's own tile width (the tuner chose it; float32 out: 128-wide), its
@@ -417,6 +425,10 @@ def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0
                     "gemm_kernel with the rest of the config")
     if epilogue is not None and wait is not None:
         return (), "both hooks at once: gemm_kernel (the Gluon kernel takes one)"
+    if chosen and not cfg.gluon and _types.is_fp8(dtype) and not (epilogue is not None and epilogue.signalled):
+        return (), ("fp8 " + ("wait hook" if wait is not None else "epilogue hook without signals")
+                    + " with a gemm_kernel config chosen for the shape (timed faster than the Gluon configs): "
+                    "gemm_kernel, the kernel it was timed in")
     if epilogue is not None and not epi_tma:
         return (), "epilogue hook through pointer stores: gemm_kernel (the Gluon kernel stores by TMA)"
     if wait is not None and not out_tma:
@@ -632,7 +644,8 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
     capability = device_info(device_index(device))["capability"] if device.type == "cuda" else (0, 0)
     ws, why_ws = ws_choice(capability, a.dtype, cfg, epilogue, wait, epi_tma, use_asm, m, n, programs,
                            out_tma=bool(use_tma) and cfg.tma_store and epilogue is None, options=options,
-                           b_dtype=b.dtype, out_dtype=out_dtype, scale_a=mode_a, scale_b=mode_b, b_kmajor=b_kmajor)
+                           b_dtype=b.dtype, out_dtype=out_dtype, scale_a=mode_a, scale_b=mode_b, b_kmajor=b_kmajor,
+                           chosen=source != "heuristic (default_config)")
     if epilogue is not None or wait is not None or cfg.gluon:
         reasons.append(why_ws)
     if cfg.gluon and not ws and epilogue is None and wait is None:

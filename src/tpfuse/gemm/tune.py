@@ -135,7 +135,12 @@ def prefer_gluon(ranked: Sequence[tuple], margin: float = GLUON_TIE) -> list[tup
     128x256 by 1.2 % over a gemm_pp finalist, and its hooked calls (gemm_ws) cost +6.0 % (wait)
     and +10.4 % (epilogue) over the plain call; the shapes whose plain calls ran gemm_pp paid
     -2.7 to +4.0 %. Two percent is within one config's timing spread under the power cap
-    (:func:`rerank_leaders`). Only finalists (re-timed) are considered."""
+    (:func:`rerank_leaders`). Only finalists (re-timed) are considered.
+
+    Since then a gemm_kernel config chosen for the shape runs its fp8 wait hook and its hook
+    without signals (all the strategies use) in gemm_kernel too (``launch.ws_choice``), so the
+    reason above holds for the signalled epilogue hook only. The tie-break is kept: no run
+    without it has been timed since (docs/gemm_core.md, Tuning)."""
     ranked = list(ranked)
     if not ranked or ranked[0][0].gluon:
         return ranked
