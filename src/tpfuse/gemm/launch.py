@@ -555,6 +555,10 @@ def route_tma_fallback(epilogue, epi_tma: int, flatten: bool) -> tuple[int, str]
                "descriptors (Triton's loop flattening fails on those: route_tma_fallback)")
 
 
+# LaunchPlan.config_source of a config no tuning chose (ws_choice's ``chosen`` is False for it)
+_HEURISTIC_SOURCE = "heuristic (default_config)"
+
+
 def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilogue, use_tma, num_sms_cap,
                options, record_tiles=False, out_dtype=None, scale_a=None, scale_b=None) -> LaunchPlan:
     b_kmajor, out_dtype = _check_operands(a, b, out, out_dtype)
@@ -587,7 +591,7 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
     if cfg is None and m and n and k:
         cfg, source = cache.lookup(m, n, k, a.dtype, b_kmajor, device), "tuning cache"
     if cfg is None:
-        cfg, source = default_config(m, n, k, a.dtype, num_sms=num_sms(device)), "heuristic (default_config)"
+        cfg, source = default_config(m, n, k, a.dtype, num_sms=num_sms(device)), _HEURISTIC_SOURCE
     if not isinstance(cfg, GemmConfig):
         raise TypeError(f"matmul: config must be a GemmConfig, got {type(cfg).__name__}")
     common = dict(config=cfg, config_source=source, options=options, b_kmajor=b_kmajor, tile_order=tile_order,
@@ -645,7 +649,7 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
     ws, why_ws = ws_choice(capability, a.dtype, cfg, epilogue, wait, epi_tma, use_asm, m, n, programs,
                            out_tma=bool(use_tma) and cfg.tma_store and epilogue is None, options=options,
                            b_dtype=b.dtype, out_dtype=out_dtype, scale_a=mode_a, scale_b=mode_b, b_kmajor=b_kmajor,
-                           chosen=source != "heuristic (default_config)")
+                           chosen=source != _HEURISTIC_SOURCE)
     if epilogue is not None or wait is not None or cfg.gluon:
         reasons.append(why_ws)
     if cfg.gluon and not ws and epilogue is None and wait is None:
