@@ -3,8 +3,10 @@
     PYTHONUNBUFFERED=1 python benchmarks/gemm_core.py --out benchmarks/results
 
 For each shape: tune the candidate configs of ``tpfuse.gemm.candidate_configs`` (each
-checked against cuBLAS first), then time the best config, ``torch.matmul`` (cuBLAS), and the
-best config with hooks on (signals pre-set) in one run: ``triton.testing.do_bench`` median,
+checked against cuBLAS first), pick per hook the re-timed leader fastest with it (as
+``tpfuse.gemm.tune`` does: ``hook_winners``; ``wait_config`` / ``epilogue_config`` in the
+row), then time the best config, ``torch.matmul`` (cuBLAS), and the hooks' configs with hooks
+on (signals pre-set) in one run: ``triton.testing.do_bench`` median,
 random data, inputs rotated over enough copies to exceed L2 (do_bench also flushes L2).
 Writes ``gemm_core_h200.json`` (``--name`` changes it) and prints a short table last. Each row
 names the kernel that ran the plain call and each hook (``plain_kernel``, ``wait_kernel``,
@@ -16,8 +18,10 @@ Hooks: ``wait`` is the wait hook as fused ``ag_gemm`` runs it (round order, sign
 ``epilogue`` the epilogue hook as fused ``gemm_rs`` / ``gemm_ar`` run it (owner order, each
 chunk's rows to a destination of its own, no signals: READY follows the launch);
 ``epilogue_signalled`` the same with per-chunk signals (each tile counted, each chunk
-published), which no strategy uses now. ``*_hook_*`` columns: against the same tile order
-without the hook, timed back to back (TIMING_PAIRS).
+published), which no strategy uses now (it runs the epilogue hook's config). ``*_overhead``:
+against the plain call of the best config (what a hooked call costs over the plain GEMM);
+``*_hook_*`` columns: against the hook's config in the same tile order without the hook
+(``round_order`` / ``owner_order``), timed back to back (TIMING_PAIRS): the hook alone.
 
 ``--dtype fp8``: e4m3 operands (``b = weight.t()``), bf16 output, scales tensor-wise and
 row-wise (``--scaling``; one row per shape and scaling, named ``<shape>-tensorwise`` /
@@ -278,16 +282,32 @@ def run_shape(s: Shape, dtype, args, log, scaling=None):
         ranked = gc.rerank_leaders([(cfg, ms) for ms, cfg in timings], timed, args.finalists, args.finalist_rounds)
         for cfg, _, ts in ranked[:args.finalists]:
             log.append({"shape": s_name, "config": cfg.to_dict(), "finalist_ms": ts})
-        # and a Gluon finalist within 2 % of a gemm_kernel winner takes its place, as in
-        # tpfuse.gemm.tune (prefer_gluon: its hooked calls run the kernel that was timed)
-        picked = gc.prefer_gluon(ranked)
-        tie_break = picked[0][0] is not ranked[0][0]
-        timings = [(ms, cfg) for cfg, ms, _ in picked]
+        timings = [(ms, cfg) for cfg, ms, _ in ranked]
+        leaders = [cfg for cfg, _, ts in ranked if len(ts) > 1]
     else:
-        tie_break = False
+        leaders = []
     best = timings[0][1]
     flops = 2.0 * s.m * s.n * s.k
     chunk_m, wait, epi, epi_signalled, esig = hook_specs(s, c0)
+    hook_kw = {"wait": dict(tile_order="round", start_chunk=1, wait=wait, check=False),
+               "epilogue": dict(tile_order="owner", start_chunk=1, epilogue=epi)}
+    # per hook, the leader fastest with it, as tpfuse.gemm.tune keeps one (hook_winners)
+    hooked = {"wait": best, "epilogue": best}
+    if len(leaders) > 1:
+        def time_hooked(hook, cfg, sets=sets):
+            kw = hook_kw[hook]
+            fn = lambda a, b, c, *sc: gc.matmul(  # noqa: E731
+                a, b, out=None if hook == "epilogue" else c, config=cfg, **kw, **_scales(sc))
+            ms = graph_bench(fn, sets, args.tune_rep) if args.tune_graphs else bench(fn, sets, args.tune_rep)
+            if hook == "wait":
+                gc.check_error_word(wait.error)
+            return ms
+        for hook, (cfg, ms) in gc.hook_winners(leaders, tuple(hooked), time_hooked).items():
+            hooked[hook] = cfg
+            log.append({"shape": s_name, "hook": hook, "config": cfg.to_dict(), "ms": ms})
+    # round_order / owner_order run the wait / epilogue hook's config: *_hook_overhead is the hook alone
+    config_of = {"ours": best, "round_order": hooked["wait"], "owner_order": hooked["epilogue"],
+                 "wait": hooked["wait"], "epilogue": hooked["epilogue"], "epilogue_signalled": hooked["epilogue"]}
     variants = {
         "ours": dict(),
         "round_order": dict(tile_order="round", start_chunk=1, chunk_m=chunk_m),
@@ -297,7 +317,8 @@ def run_shape(s: Shape, dtype, args, log, scaling=None):
         "epilogue_signalled": dict(tile_order="owner", start_chunk=1, epilogue=epi_signalled),
     }
     row = {"name": s_name, "phase": s.phase, "m": s.m, "n": s.n, "k": s.k, "config": best.to_dict(),
-           "runner_up": [dict(ms=t, **c.to_dict()) for t, c in timings[1:4]], "gluon_tie_break": tie_break}
+           "runner_up": [dict(ms=t, **c.to_dict()) for t, c in timings[1:4]],
+           "wait_config": hooked["wait"].to_dict(), "epilogue_config": hooked["epilogue"].to_dict()}
     if scaling:
         row.update(dtype="float8_e4m3fn", out_dtype="bfloat16", scaling=f"{scaling}wise")
     fns = {"cublas": baseline}
@@ -308,7 +329,7 @@ def run_shape(s: Shape, dtype, args, log, scaling=None):
                 for d in epi.dests:
                     d.fill_(float("nan"))
                 esig.zero_()
-                gc.matmul(a0, b0, out=None if "epilogue" in kw else c0, config=best, **kw, **_scales(sc0))
+                gc.matmul(a0, b0, out=None if "epilogue" in kw else c0, config=config_of[key], **kw, **_scales(sc0))
             torch.cuda.synchronize()
             err = rel_err(torch.cat(epi.dests) if "epilogue" in kw else c0, ref)
             if "wait" in kw:
@@ -327,8 +348,8 @@ def run_shape(s: Shape, dtype, args, log, scaling=None):
 
             if not math.isfinite(err) or err > tol:
                 raise RuntimeError(f"rel_err {err}")
-            fns[key] = (lambda kw: lambda a, b, c, *sc: gc.matmul(
-                a, b, out=None if "epilogue" in kw else c, config=best, **kw, **_scales(sc)))(kw)
+            fns[key] = (lambda kw, cfg: lambda a, b, c, *sc: gc.matmul(
+                a, b, out=None if "epilogue" in kw else c, config=cfg, **kw, **_scales(sc)))(kw, config_of[key])
         except Exception as e:  # noqa: BLE001
             row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:300]
     # Rounds interleave the variants so that clock and thermal drift hits all alike. eager:
@@ -441,7 +462,7 @@ def main(argv=None):
                       "replay per call): median of the rounds' medians, graph_ratio and *_graph_overhead are "
                       "medians of per-round pairs; cublas = torch.matmul(a, w.t()) (fp8: torch._scaled_mm(a, w.t(), use_fast_accum=True, "
                       "scale_a, scale_b, out_dtype=bfloat16), cuBLASLt); "
-                      "ours = best tuned config (tuning timed from CUDA-graph replays unless --eager-tuning); hooks reuse that config with signals pre-set"}
+                      "ours = best tuned config (tuning timed from CUDA-graph replays unless --eager-tuning); hooks: the leader fastest with the hook (tpfuse.gemm.hook_winners: each re-timed leader timed with it, then 4 interleaved rounds; what tune() keeps per hook), signals pre-set; round_order/owner_order run the wait/epilogue hook's config"}
     todo = shapes(args.quick)
     if args.only:
         keys = args.only.split(",")

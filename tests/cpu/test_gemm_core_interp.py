@@ -811,6 +811,48 @@ def test_tune_times_fp8_candidates_with_the_scales_it_is_given(monkeypatch):
     assert seen == [(0, 0, torch.bfloat16)]
 
 
+def test_tune_times_the_leaders_hooked_calls_as_the_strategies_make_them(monkeypatch):
+    # tune(hooks=, chunks=): after the plain ranking, each re-timed leader is timed with the
+    # wait hook (signals set, round order) and with the epilogue hook (no signals, one
+    # destination per chunk, owner order), chunks of ceil(M / chunks) rows; those calls compute
+    # a @ b like the plain one
+    import triton
+    import importlib
+
+    tune_mod = importlib.import_module("tpfuse.gemm.tune")   # the module (gc.tune is the function)
+
+    m, k, n = 45, 32, 32
+    a, b, ref = _operands(m, k, n, torch.bfloat16, "weight_t", seed=3)
+    for hook, order in (("wait", "round"), ("epilogue", "owner")):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        kwargs, check = tune_mod._hooked_call(hook, a, out, 3)
+        gc.matmul(a, b, config=CFG, **kwargs)
+        check()
+        _assert_close(out if hook == "wait" else torch.cat(kwargs["epilogue"].dests), ref, torch.bfloat16)
+        plan = gc.last_plan()
+        assert (plan.tile_order, plan.num_chunks, plan.chunk_m, plan.start_chunk) == (order, 3, 15, 1)
+    wide = dataclasses.replace(CFG, BLOCK_N=32)
+    seen = []
+
+    def one_call(fn, **kw):   # each timing runs its call once; the wider config is the faster
+        fn()
+        plan = gc.last_plan()
+        seen.append(plan.tile_order)
+        return 1.0 if plan.config == wide else 2.0
+
+    monkeypatch.setattr(triton.testing, "do_bench", one_call)
+    best, timings = gc.tune(a, b, configs=[CFG, wide], save=False, graphs=False, chunks=3)
+    assert best == wide and [c for c, _ in timings] == [wide, CFG]
+    # 2 candidates timed once and re-timed 4 times, plainly, then with each hook
+    assert [seen.count(o) for o in ("grouped", "round", "owner")] == [10, 10, 10]
+    seen.clear()
+    gc.tune(a, b, configs=[CFG, wide], save=False, graphs=False, hooks=())
+    assert seen == ["grouped"] * 10
+    seen.clear()
+    gc.tune(a, b, configs=[CFG], save=False, graphs=False)   # one candidate: nothing to choose between
+    assert seen == ["grouped"]
+
+
 def test_scales_on_bf16_operands_and_stream_k_sums():
     # the epilogue's scaling of 16-bit operands (the interpreter's stand-in for fp8 dots where a
     # Triton cannot run them), through whole tiles and stream-K's workspace sums (2 subtiles)

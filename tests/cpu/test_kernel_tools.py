@@ -585,25 +585,39 @@ def test_rerank_leaders_by_the_median_of_interleaved_timings():
     assert gc.rerank_leaders([("Z", 1.0)], gone) == [("Z", 1.0, [1.0])]
 
 
-def test_prefer_gluon_keeps_a_gluon_finalist_within_the_tie_margin():
-    # a gemm_kernel winner gives way to the fastest re-timed Gluon finalist within 2 % (its
-    # hooked calls run the kernel that was timed); not to one further off, not to a candidate
-    # timed once, and a Gluon winner stays
+def test_hook_winners_keep_the_fastest_leader_per_hook():
+    # per hook, the leader fastest with it (the median of its re-timings), whatever the plain
+    # ranking; a leader that raises with one hook is left out of that hook only, with a warning
     plain = gc.GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=4)
+    pp = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=5, gluon=True, pingpong=True)
     other = dataclasses.replace(plain, num_stages=3)
-    ws = gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=5, gluon=True)
-    pp = dataclasses.replace(ws, pingpong=True)
-    assert gc.GLUON_TIE == 0.02
-    ranked = [(plain, 49.7, [49.0, 49.7]), (other, 50.0, [50.0, 50.1]), (pp, 50.3, [50.2, 50.3]),
-              (ws, 50.4, [50.4, 50.5])]
-    assert [c for c, _, _ in gc.prefer_gluon(ranked)] == [pp, plain, other, ws]
-    far = [(plain, 49.0, [49.0, 49.0]), (pp, 50.3, [50.3, 50.3])]   # 2.7 % slower
-    assert gc.prefer_gluon(far) == far
-    once = [(plain, 49.7, [49.7, 49.7]), (pp, 49.8, [49.8])]         # never re-timed
-    assert gc.prefer_gluon(once) == once
-    won = [(ws, 49.7, [49.7, 49.7]), (plain, 49.8, [49.8, 49.8])]
-    assert gc.prefer_gluon(won) == won and gc.prefer_gluon([]) == []
-    assert [c for c, _, _ in gc.prefer_gluon(far, margin=0.03)] == [pp, plain]
+    base = {plain: 49.0, pp: 49.6, other: 50.0}
+    cost = {("wait", plain): 1.3, ("wait", pp): 2.3, ("wait", other): 1.2,
+            ("epilogue", plain): 2.7, ("epilogue", pp): 0.5}
+    calls = []
+
+    def time_hooked(hook, cfg):
+        calls.append((hook, cfg))
+        if (hook, cfg) not in cost:
+            raise RuntimeError("out of shared memory")
+        return base[cfg] + cost[hook, cfg]
+    with pytest.warns(UserWarning, match="no epilogue-hook timing of"):
+        won = gc.hook_winners([plain, pp, other], ("wait", "epilogue"), time_hooked)
+    assert won == {"wait": (plain, 50.3), "epilogue": (pp, 50.1)}
+    # each leader timed once, then re-timed in 4 rounds; the one that raised is not re-timed
+    assert calls.count(("wait", pp)) == 5 and calls.count(("epilogue", other)) == 1
+    assert gc.hook_winners([plain], ("wait",), lambda h, c: 1.0) == {"wait": (plain, 1.0)}
+    assert gc.hook_winners([plain], (), time_hooked) == {}
+
+
+def test_tune_refuses_unknown_hooks_and_chunk_counts():
+    # before anything is timed; the strategies' hooks are "wait" and "epilogue"
+    a = torch.zeros(32, 32, dtype=torch.bfloat16)
+    for kw, match in ((dict(hooks=("wait", "reduce")), "hooks="), (dict(chunks=0), "chunks=0"),
+                      (dict(chunks=True), "chunks=True"), (dict(chunks=2.0), "chunks=2.0")):
+        with pytest.raises(ValueError, match=match):
+            gc.tune(a, a, configs=[], save=False, **kw)
+    assert gc.HOOK_CHUNKS == 8 and gc.tune.__kwdefaults__["hooks"] == ("wait", "epilogue")
 
 
 def test_a_failed_direct_launch_warns_and_is_counted_as_jit(monkeypatch):

@@ -5,6 +5,7 @@ interpreter while it runs). Outputs are poisoned with NaN and compared with a fl
 within 3x cuBLAS's own error in the same dtype (tpfuse/testing.py).
 """
 import dataclasses
+import json
 import os
 import warnings
 
@@ -476,10 +477,27 @@ def test_repeated_calls_reuse_the_compiled_kernel(direct):
 
 def test_tune_writes_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TPFUSE_CACHE_DIR", str(tmp_path))
-    a, b, _ = _operands(512, 512, 512, torch.bfloat16, "weight_t")
-    best, timings = gc.tune(a, b, configs=[SMALL, gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)], rep_ms=5)
+    a, b, ref = _operands(512, 512, 512, torch.bfloat16, "weight_t")
+    configs = [SMALL, gc.GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)]
+    best, timings = gc.tune(a, b, configs=configs, rep_ms=5, chunks=4)
     assert len(timings) == 2 and (tmp_path / "gemm_core.json").exists()
     assert cache.lookup(512, 512, 512, torch.bfloat16, True, a.device) == best
+    # and per hook, the leader fastest with it, which hooked calls of the shape then take
+    entries = json.loads((tmp_path / "gemm_core.json").read_text())
+    hooked = {key.rsplit("|hook=", 1)[1]: e for key, e in entries.items() if "|hook=" in key}
+    assert sorted(hooked) == ["epilogue", "wait"] and all(e["chunks"] == 4 for e in hooked.values())
+    for hook, entry in hooked.items():
+        assert gc.GemmConfig.from_dict(entry["config"]) in configs
+        assert cache.lookup(512, 512, 512, torch.bfloat16, True, a.device, hook) == gc.GemmConfig.from_dict(entry["config"])
+    sig = torch.ones(4, dtype=torch.int32, device="cuda")
+    out = gc.matmul(a, b, tile_order="round", wait=gc.WaitSpec(sig, 1, 128))
+    assert gc.last_plan().config_source == "tuning cache (wait hook)"
+    _assert_close(out, ref, torch.bfloat16)
+    # a tuning without hooks leaves no entry of an earlier one's behind
+    gc.tune(a, b, configs=configs, rep_ms=5, hooks=())
+    assert not any("|hook=" in key for key in json.loads((tmp_path / "gemm_core.json").read_text()))
+    gc.matmul(a, b, tile_order="round", wait=gc.WaitSpec(sig, 1, 128))
+    assert gc.last_plan().config_source == "tuning cache"
 
 
 @pytest.mark.skipif(not HOPPER, reason="TMA needs sm_90+")

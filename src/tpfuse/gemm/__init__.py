@@ -42,11 +42,11 @@ from ..kernels.abi import ERROR_WORDS, TILE_ORDERS, TILE_RECORD_COLUMNS
 from .config import GemmConfig, GemmOptions, candidate_configs, default_config, stream_k_tiles
 from .hooks import EpilogueSpec, WaitSpec, check_error_word, new_error_word
 from .launch import LaunchPlan, PreparedMatmul, clear_plans, last_plan, launch_counts, matmul, tile_records_for
-from .tune import GLUON_TIE, prefer_gluon, rerank_leaders, tune
+from .tune import HOOK_CHUNKS, hook_winners, rerank_leaders, tune
 
 __all__ = [
     "matmul", "PreparedMatmul", "GemmConfig", "GemmOptions", "WaitSpec", "EpilogueSpec", "LaunchPlan",
     "last_plan", "launch_counts", "clear_plans", "default_config", "candidate_configs", "stream_k_tiles", "tune",
-    "rerank_leaders", "prefer_gluon", "GLUON_TIE", "check_error_word", "new_error_word", "TILE_ORDERS", "ERROR_WORDS",
+    "rerank_leaders", "hook_winners", "HOOK_CHUNKS", "check_error_word", "new_error_word", "TILE_ORDERS", "ERROR_WORDS",
     "tile_records_for", "TILE_RECORD_COLUMNS",
 ]

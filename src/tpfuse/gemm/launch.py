@@ -49,7 +49,8 @@ class LaunchPlan:
     "gemm_ws_kernel" (the Gluon kernel), "gemm_pp_kernel" (its ping-pong variant, fp8
     calls) or "none" (empty M, N or K: nothing to launch).
     ``config``: the GemmConfig asked for or chosen (``config_source`` says which: "argument",
-    "tuning cache" or "heuristic"); the Gluon kernels take its tile and GROUP_M and their own
+    "tuning cache", "tuning cache (wait hook)" or "tuning cache (epilogue hook)": :func:`tpfuse.gemm.tune`
+    keeps a config per hook, or "heuristic"); the Gluon kernels take its tile and GROUP_M and their own
     ``ws_block`` / ``ws_stages``. ``grid[0]``: persistent programs. ``epi_tma``: the epilogue
     hook's TMA descriptors (0: pointer stores; ``abi.EPI_TMA_STACKED``: one over stacked
     destinations). ``epi_count``: gemm_kernel's epilogue count (``abi.EPI_COUNT_*``; 0 without
@@ -405,9 +406,9 @@ def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0
 
     fp8 hooks with a config ``chosen`` for the shape (the tuning cache's, or passed in; not
     default_config's) that is not a Gluon one (``cfg.gluon`` False): gemm_kernel, the kernel the
-    config was timed in -- the tuner keeps such a config only where it timed faster than every
-    Gluon finalist (:func:`tpfuse.gemm.prefer_gluon`) -- for the wait hook and the epilogue hook
-    without signals (routed stores: nothing to move off the MMA warps). The signalled epilogue
+    config was timed in (:func:`tpfuse.gemm.tune` times the hooked calls of its finalists in
+    the kernels this rule gives them, and keeps the fastest per hook) -- for the wait hook and
+    the epilogue hook without signals (routed stores: nothing to move off the MMA warps). The signalled epilogue
     hook still takes the Gluon kernel (its store warp counts and publishes).
 
     No hook: only with ``cfg.gluon`` (the tuner keeps such a config where it timed faster), for
@@ -588,6 +589,9 @@ def _make_plan(a, b, out, config, tile_order, chunk_m, start_chunk, wait, epilog
         raise ValueError(f"matmul: start_chunk={start_chunk!r}; need 0 <= start_chunk < num_chunks={num_chunks}")
     source = "argument"
     cfg = config
+    hook = "wait" if wait is not None else "epilogue" if epilogue is not None else None
+    if cfg is None and m and n and k and hook is not None:   # the config tuned with this hook, if any
+        cfg, source = cache.lookup(m, n, k, a.dtype, b_kmajor, device, hook), f"tuning cache ({hook} hook)"
     if cfg is None and m and n and k:
         cfg, source = cache.lookup(m, n, k, a.dtype, b_kmajor, device), "tuning cache"
     if cfg is None:

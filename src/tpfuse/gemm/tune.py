@@ -12,28 +12,39 @@ from ..kernels import _types
 from . import cache, launch
 from .config import GemmConfig, candidate_configs
 from .device import device_index, device_info, interpreting, num_sms, triton_modules, warn_once
+from .hooks import EpilogueSpec, WaitSpec, check_error_word, new_error_word
 
-__all__ = ["tune", "rerank_leaders", "prefer_gluon", "GLUON_TIE"]
+__all__ = ["tune", "rerank_leaders", "hook_winners", "HOOK_CHUNKS"]
 
-# How much slower (median of the finalists' re-timings) a Gluon config (``GemmConfig.gluon``)
-# may be than a non-Gluon winner and still be kept in its place (:func:`prefer_gluon`).
-GLUON_TIE = 0.02
+# Chunks of the hooked calls :func:`tune` times when not told (the fused strategies' calls
+# have one per rank: pass ``chunks=`` the group's size).
+HOOK_CHUNKS = 8
 
 
 def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmConfig]] = None,
          rep_ms: int = 20, save: bool = True, graphs: Optional[bool] = None,
          scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None,
-         out_dtype: Optional[torch.dtype] = None,
+         out_dtype: Optional[torch.dtype] = None, hooks: Sequence[str] = cache.HOOKS,
+         chunks: int = HOOK_CHUNKS,
          ) -> tuple[GemmConfig, list[tuple[GemmConfig, float]]]:
     """Time every candidate config on ``a @ b`` (median, ``triton.testing.do_bench``; fp8 on sm_90:
     with the Gluon kernel's, ``GemmConfig.gluon``, among them), store the
     fastest in the JSON cache and return ``(best, [(config, ms), ...])``, fastest first (the
-    leaders re-timed, :func:`rerank_leaders`; their ms the median of their timings), except
-    that a Gluon finalist within :data:`GLUON_TIE` of a non-Gluon winner is kept in its place
-    (:func:`prefer_gluon`). A config
+    leaders re-timed, :func:`rerank_leaders`; their ms the median of their timings). A config
     that fails to compile or launch (out of shared memory or registers, a Triton limitation) is
     skipped with a warning; only an error that leaves the CUDA context unusable (an illegal
     address) ends the search, since nothing can run on that device afterwards.
+
+    ``hooks`` (default both, ``("wait", "epilogue")``; ``()``: none): the re-timed leaders are
+    timed again with each hook, as the fused strategies call them -- the wait hook with its
+    signals already set, in the round tile order; the epilogue hook without signals, into one
+    destination per chunk, in the owner order; ``chunks`` chunks of ``ceil(M / chunks)`` rows
+    (the strategies: one per rank) -- in interleaved rounds, and the fastest is stored for that
+    hook's calls (``cache.lookup(..., hook=)``; a hooked call without such an entry takes the
+    plain one: a tuning without a hook removes the entries an earlier one stored for it). One config does not serve both: a hook's cost depends on the kernel that
+    carries it (on the H200 in fp8, 8B fc2 prefill row-wise: the wait hook within 3 % in
+    ``gemm_kernel``'s 128x256 tile and over 4 % in ``gemm_pp``'s, the epilogue hook the other
+    way round; docs/gemm_core.md, Tuning). Skipped with fewer than two leaders.
 
     ``graphs`` (default: on CUDA) times CUDA-graph replays of one call: eager timings of a small
     GEMM measure the host's launch cost, and would pick a config by launch noise.
@@ -42,10 +53,16 @@ def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmCon
     that row-wise scales, whose loads sit in every tile's epilogue, are timed (the candidates
     rank differently with them: the fp8 benchmark tunes each scaling apart). Without them fp8
     candidates run unscaled into the default output dtype. The cache keeps one config per
-    shape, dtype and layout: the last tuning of a shape wins, whatever its scales."""
+    shape, dtype, layout and hook: the last tuning of a shape wins, whatever its scales."""
     triton, _, _ = triton_modules()
     m, k = a.shape
     n = b.shape[1]
+    hooks = tuple(hooks)
+    bad = [h for h in hooks if h not in cache.HOOKS]
+    if bad:
+        raise ValueError(f"tune: hooks={hooks!r}; choose among {cache.HOOKS}")
+    if hooks and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"tune: chunks={chunks!r}; need an int >= 1 (the strategies: the group's size)")
     capability = device_info(device_index(a.device))["capability"] if a.device.type == "cuda" else (0, 0)
     configs = (list(configs) if configs is not None
                else candidate_configs(m, n, k, a.dtype, num_sms=num_sms(a.device), capability=capability))
@@ -59,9 +76,7 @@ def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmCon
     if graphs is None:
         graphs = a.device.type == "cuda" and not interpreting()
 
-    def timed(cfg: GemmConfig) -> float:
-        def call():
-            launch.matmul(a, b, out=out, config=cfg, **extra)
+    def time_call(call) -> float:
         if not graphs:
             return triton.testing.do_bench(call, warmup=5, rep=rep_ms, return_mode="median")
         side = torch.cuda.Stream(a.device)
@@ -78,6 +93,9 @@ def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmCon
         finally:
             del graph
 
+    def timed(cfg: GemmConfig) -> float:
+        return time_call(lambda: launch.matmul(a, b, out=out, config=cfg, **extra))
+
     timings = []
     for cfg in configs:
         try:
@@ -88,13 +106,71 @@ def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmCon
         timings.append((cfg, ms))
     if not timings:
         raise RuntimeError(f"tpfuse.gemm.tune: no config ran for shape {m}x{n}x{k}")
-    timings = [(cfg, ms) for cfg, ms, _ in prefer_gluon(rerank_leaders(timings, timed))]
+    ranked = rerank_leaders(timings, timed)
+    timings = [(cfg, ms) for cfg, ms, _ in ranked]
     best = timings[0][0]
-    if save and a.device.type == "cuda":
-        cache.store(m, n, k, a.dtype, b.stride(0) == 1 and b.stride(1) != 1, a.device, best,
-                    timings[0][1])   # the kept config's own time (prefer_gluon may keep a slower one)
+    b_kmajor = b.stride(0) == 1 and b.stride(1) != 1
+    store = save and a.device.type == "cuda"
+    if store:
+        cache.store(m, n, k, a.dtype, b_kmajor, a.device, best, timings[0][1])
+    leaders = [cfg for cfg, _, ts in ranked if len(ts) > 1]
+    if len(leaders) > 1 and hooks:
+        calls = {hook: _hooked_call(hook, a, out, chunks) for hook in hooks}
+
+        def time_hooked(hook: str, cfg: GemmConfig) -> float:
+            kwargs, check = calls[hook]
+            ms = time_call(lambda: launch.matmul(a, b, config=cfg, **kwargs, **extra))
+            check()
+            return ms
+        winners = hook_winners(leaders, hooks, time_hooked)
+    else:
+        winners = {}
+    if store:
+        for hook in cache.HOOKS:   # an entry of an earlier tuning would outlive this one's plain winner
+            cache.store(m, n, k, a.dtype, b_kmajor, a.device, *winners.get(hook, (None, 0.0)), hook=hook,
+                        **({"chunks": chunks} if hook in winners else {}))
         launch.clear_plans()   # plans made before hold the configs chosen before
     return best, timings
+
+
+def hook_winners(leaders: Sequence[GemmConfig], hooks: Sequence[str], time_hooked) -> dict:
+    """``{hook: (config, ms)}``: per hook, the fastest of ``leaders`` timed with it by
+    ``time_hooked(hook, config)`` -- once each, then re-timed in interleaved rounds and ranked
+    by the median (:func:`rerank_leaders`). A leader whose hooked call raises is left out, with
+    a warning; a hook none of them runs with has no entry."""
+    out = {}
+    for hook in hooks:
+        first = []
+        for cfg in leaders:
+            try:
+                first.append((cfg, time_hooked(hook, cfg)))
+            except Exception as e:  # noqa: BLE001 - it ran plain; say why it does not with the hook
+                warn_once(f"tpfuse.gemm.tune: no {hook}-hook timing of {cfg}: {type(e).__name__}: {e}"[:600])
+        if first:
+            won, ms, _ = rerank_leaders(first, lambda cfg, hook=hook: time_hooked(hook, cfg), finalists=len(first))[0]
+            out[hook] = (won, ms)
+    return out
+
+
+def _hooked_call(hook: str, a: torch.Tensor, out: torch.Tensor, chunks: int):
+    """``(matmul keyword arguments, check)`` of a call with ``hook`` as the fused strategies
+    make them, over ``chunks`` chunks of a's rows: the wait hook's signals already at their
+    generation (no waiting: what is timed is what the hook costs a call whose data is there),
+    ``check()`` raising from its error word; the epilogue hook without signals, one
+    destination per chunk (peer buffers are separate allocations)."""
+    m = a.shape[0]
+    chunk_m = -(-m // chunks)
+    num = -(-m // chunk_m)
+    start = 1 if num > 1 else 0
+    if hook == "wait":
+        error = new_error_word(a.device)
+        spec = WaitSpec(torch.ones(num, dtype=torch.int32, device=a.device), 1, chunk_m, error=error)
+        return (dict(out=out, tile_order="round", start_chunk=start, wait=spec, check=False),
+                lambda: check_error_word(error))
+    dests = [torch.empty(min(chunk_m, m - c * chunk_m), out.shape[1], dtype=out.dtype, device=a.device)
+             for c in range(num)]
+    spec = EpilogueSpec.from_tensors(dests, None, 1, chunk_m)
+    return dict(out=None, tile_order="owner", start_chunk=start, epilogue=spec), lambda: None
 
 
 def rerank_leaders(timings: Sequence[tuple], timed, finalists: int = 6, rounds: int = 4) -> list[tuple]:
@@ -120,31 +196,3 @@ def rerank_leaders(timings: Sequence[tuple], timed, finalists: int = 6, rounds: 
                 entry[1] = None
     out = sorted(((cfg, statistics.median(ts), ts) for cfg, ts in lead if ts is not None), key=lambda t: t[1])
     return out + [(cfg, ms, [ms]) for cfg, ms in ranked[len(lead):]]
-
-
-def prefer_gluon(ranked: Sequence[tuple], margin: float = GLUON_TIE) -> list[tuple]:
-    """``ranked`` (:func:`rerank_leaders`' ``[(config, ms, timings)]``, fastest first) with the
-    fastest re-timed Gluon config (``config.gluon``; fp8 on sm_90) moved first when the winner is
-    not one and the Gluon config's median is within ``margin`` of the winner's.
-
-    Why: the cache keeps one config per shape for plain and hooked calls alike. A Gluon
-    config's hooked calls run the kernel its plain calls were timed in (gemm_ws, or gemm_pp with
-    ``pingpong``); a gemm_kernel winner's hooked fp8 calls run gemm_ws at its tile width, a
-    kernel that was not timed for the shape (``launch.ws_choice``). In the fp8 benchmark at
-    711a2e0 (H200, BENCHMARKS.md) 8B fc2 prefill row-wise (4096 x 4096 x 1792) kept gemm_kernel
-    128x256 by 1.2 % over a gemm_pp finalist, and its hooked calls (gemm_ws) cost +6.0 % (wait)
-    and +10.4 % (epilogue) over the plain call; the shapes whose plain calls ran gemm_pp paid
-    -2.7 to +4.0 %. Two percent is within one config's timing spread under the power cap
-    (:func:`rerank_leaders`). Only finalists (re-timed) are considered.
-
-    Since then a gemm_kernel config chosen for the shape runs its fp8 wait hook and its hook
-    without signals (all the strategies use) in gemm_kernel too (``launch.ws_choice``), so the
-    reason above holds for the signalled epilogue hook only. The tie-break is kept: no run
-    without it has been timed since (docs/gemm_core.md, Tuning)."""
-    ranked = list(ranked)
-    if not ranked or ranked[0][0].gluon:
-        return ranked
-    for i, (cfg, ms, timings) in enumerate(ranked):
-        if cfg.gluon and len(timings) > 1 and ms <= ranked[0][1] * (1.0 + margin):
-            return [ranked[i]] + ranked[:i] + ranked[i + 1:]
-    return ranked
