@@ -49,9 +49,9 @@ class LaunchPlan:
     "gemm_ws_kernel" (the Gluon kernel), "gemm_pp_kernel" (its ping-pong variant, fp8
     calls) or "none" (empty M, N or K: nothing to launch).
     ``config``: the GemmConfig asked for or chosen (``config_source`` says which: "argument",
-    "tuning cache", "tuning cache (wait hook)" or "tuning cache (epilogue hook)": :func:`tpfuse.gemm.tune`
-    keeps a config per hook, or "heuristic"); the Gluon kernels take its tile and GROUP_M and their own
-    ``ws_block`` / ``ws_stages``. ``grid[0]``: persistent programs. ``epi_tma``: the epilogue
+    "tuning cache", "tuning cache (wait hook)" or "tuning cache (epilogue hook)" -- a hooked
+    call takes the config :func:`tpfuse.gemm.tune` kept for its hook, if any -- or "heuristic");
+    the Gluon kernels take its tile and GROUP_M and their own ``ws_block`` / ``ws_stages``. ``grid[0]``: persistent programs. ``epi_tma``: the epilogue
     hook's TMA descriptors (0: pointer stores; ``abi.EPI_TMA_STACKED``: one over stacked
     destinations). ``epi_count``: gemm_kernel's epilogue count (``abi.EPI_COUNT_*``; 0 without
     the hook). ``sk_tiles``: tiles shared out by K-steps (stream-K).
@@ -408,8 +408,8 @@ def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0
     default_config's) that is not a Gluon one (``cfg.gluon`` False): gemm_kernel, the kernel the
     config was timed in (:func:`tpfuse.gemm.tune` times the hooked calls of its finalists in
     the kernels this rule gives them, and keeps the fastest per hook) -- for the wait hook and
-    the epilogue hook without signals (routed stores: nothing to move off the MMA warps). The signalled epilogue
-    hook still takes the Gluon kernel (its store warp counts and publishes).
+    the epilogue hook without signals (routed stores: nothing to move off the MMA warps). The
+    signalled epilogue hook still takes the Gluon kernel (its store warp counts and publishes).
 
     No hook: only with ``cfg.gluon`` (the tuner keeps such a config where it timed faster), for
     fp8 into a TMA-stored ``out`` (``out_tma``), with the dtype, tile, capability and options

@@ -41,10 +41,11 @@ def tune(a: torch.Tensor, b: torch.Tensor, *, configs: Optional[Sequence[GemmCon
     destination per chunk, in the owner order; ``chunks`` chunks of ``ceil(M / chunks)`` rows
     (the strategies: one per rank) -- in interleaved rounds, and the fastest is stored for that
     hook's calls (``cache.lookup(..., hook=)``; a hooked call without such an entry takes the
-    plain one: a tuning without a hook removes the entries an earlier one stored for it). One config does not serve both: a hook's cost depends on the kernel that
-    carries it (on the H200 in fp8, 8B fc2 prefill row-wise: the wait hook within 3 % in
-    ``gemm_kernel``'s 128x256 tile and over 4 % in ``gemm_pp``'s, the epilogue hook the other
-    way round; docs/gemm_core.md, Tuning). Skipped with fewer than two leaders.
+    plain one: a tuning without a hook removes the entries an earlier one stored for it).
+    Skipped with fewer than two leaders. Why: one config does not serve both hooks, whose cost
+    depends on the kernel that carries them (on the H200 in fp8, 8B fc2 prefill row-wise: the
+    wait hook within 3 % in ``gemm_kernel``'s 128x256 tile and over 4 % in ``gemm_pp``'s, the
+    epilogue hook the other way round; docs/gemm_core.md, Tuning).
 
     ``graphs`` (default: on CUDA) times CUDA-graph replays of one call: eager timings of a small
     GEMM measure the host's launch cost, and would pick a config by launch noise.
