@@ -51,10 +51,11 @@ class LaunchPlan:
     ``config``: the GemmConfig asked for or chosen (``config_source`` says which: "argument",
     "tuning cache", "tuning cache (wait hook)" or "tuning cache (epilogue hook)" -- a hooked
     call takes the config :func:`tpfuse.gemm.tune` kept for its hook, if any -- or "heuristic");
-    the Gluon kernels take its tile and GROUP_M and their own ``ws_block`` / ``ws_stages``. ``grid[0]``: persistent programs. ``epi_tma``: the epilogue
-    hook's TMA descriptors (0: pointer stores; ``abi.EPI_TMA_STACKED``: one over stacked
-    destinations). ``epi_count``: gemm_kernel's epilogue count (``abi.EPI_COUNT_*``; 0 without
-    the hook). ``sk_tiles``: tiles shared out by K-steps (stream-K).
+    the Gluon kernels take its tile and GROUP_M and their own ``ws_block`` / ``ws_stages``.
+    ``grid[0]``: persistent programs. ``epi_tma``: the epilogue hook's TMA descriptors (0:
+    pointer stores; ``abi.EPI_TMA_STACKED``: one over stacked destinations). ``epi_count``:
+    gemm_kernel's epilogue count (``abi.EPI_COUNT_*``; 0 without the hook). ``sk_tiles``: tiles
+    shared out by K-steps (stream-K).
 
     The launched kernel's tile grid (the rows of ``matmul(tile_records=...)``): ``tile_shape``
     (BLOCK_M, BLOCK_N: the config's, or the Gluon kernel's ``ws_block``), ``tile_grid``
@@ -428,7 +429,7 @@ def ws_choice(capability, dtype, cfg, epilogue, wait, epi_tma, use_asm, m=0, n=0
         return (), "both hooks at once: gemm_kernel (the Gluon kernel takes one)"
     if chosen and not cfg.gluon and _types.is_fp8(dtype) and not (epilogue is not None and epilogue.signalled):
         return (), ("fp8 " + ("wait hook" if wait is not None else "epilogue hook without signals")
-                    + " with a gemm_kernel config chosen for the shape (timed faster than the Gluon configs): "
+                    + " with a gemm_kernel config chosen for the shape (by tuning, or passed in): "
                     "gemm_kernel, the kernel it was timed in")
     if epilogue is not None and not epi_tma:
         return (), "epilogue hook through pointer stores: gemm_kernel (the Gluon kernel stores by TMA)"
